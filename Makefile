@@ -1,0 +1,36 @@
+# hp — the two commands: `make demo` (the main job) and `make test` (the whole suite).
+# Both create .venv on first use and reuse it afterwards.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.hp-installed
+DISTS  := pyproject.toml hp_plugin_cp/pyproject.toml hp_plugin_moe/pyproject.toml plugins/hp-plugin-phi3/pyproject.toml
+
+.PHONY: demo test lint venv clean
+
+venv: $(STAMP)
+
+$(STAMP): $(DISTS)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: the CPU wheel of 2.13.0, never another version.
+	$(BIN)/python -m pip install --quiet "torch==2.13.0"
+	$(BIN)/python -m pip install --quiet "torch==2.13.0" \
+		-e ".[test]" -e ./hp_plugin_cp -e ./hp_plugin_moe -e ./plugins/hp-plugin-phi3
+	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/hp plugins
+	$(BIN)/python examples/tour.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check hp_core hp_plugin_cp hp_plugin_moe plugins tests tools examples
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest --cov=hp_core --cov=hp_plugin_cp --cov=hp_plugin_moe \
+		--cov-report=term-missing:skip-covered --cov-report=json:.coverage.json
+	$(BIN)/python tools/check_coverage.py .coverage.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .coverage .coverage.json

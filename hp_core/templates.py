@@ -1,0 +1,98 @@
+"""Semantic roles of parameters and the rules that assign them.
+
+A role says what a parameter *is* (a column-parallel projection, an embedding, a
+router, ...) independently of the model family. Rules map parameter names to roles;
+plugins add rules scoped to their architectures through ``hp_register_templates``,
+and those take precedence over the defaults registered by the core's built-in plugin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Sequence
+from enum import Enum
+
+__all__ = ["DEFAULT_ROLE_RULES", "Role", "RoleRule", "classify_param"]
+
+
+class Role(str, Enum):
+    """What a parameter is, for the planner."""
+
+    EMBED = "embed"
+    LM_HEAD = "lm_head"
+    NORM = "norm"
+    COLWISE = "colwise"
+    ROWWISE = "rowwise"
+    FUSED_QKV = "fused_qkv"
+    FUSED_GATE_UP = "fused_gate_up"
+    MOE_EXPERT = "moe_expert"
+    MOE_ROUTER = "moe_router"
+    SHARED_EXPERT_GATE = "shared_expert_gate"
+    REPLICATED = "replicated"
+    SKIP = "skip"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleRule:
+    """``pattern`` (a regular expression searched in the parameter FQN) → ``role``.
+
+    ``architectures`` scopes the rule to HF architecture class names (e.g.
+    ``"Phi3ForCausalLM"``); an empty tuple applies to every model.
+    """
+
+    name: str
+    pattern: str
+    role: Role
+    architectures: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, Role):
+            raise ValueError(f"RoleRule {self.name!r}: role must be a hp_core.templates.Role, got {self.role!r}")
+        if isinstance(self.architectures, str) or not all(isinstance(a, str) for a in self.architectures):
+            raise ValueError(
+                f"RoleRule {self.name!r}: architectures must be a tuple of class names, got {self.architectures!r}"
+            )
+        object.__setattr__(self, "architectures", tuple(self.architectures))
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ValueError(f"RoleRule {self.name!r}: pattern {self.pattern!r} is not a regular expression: {e}") from None
+
+    def matches(self, fqn: str, architectures: Sequence[str] = ()) -> bool:
+        if self.architectures and not set(self.architectures) & set(architectures):
+            return False
+        return re.search(self.pattern, fqn) is not None
+
+
+def _r(name: str, pattern: str, role: Role) -> RoleRule:
+    return RoleRule(f"default.{name}", pattern, role)
+
+
+#: The core's default rules, in precedence order (first match wins).
+DEFAULT_ROLE_RULES: tuple[RoleRule, ...] = (
+    _r("moe_expert", r"\.experts\.", Role.MOE_EXPERT),
+    _r("moe_router", r"(^|\.)(mlp|block_sparse_moe|moe)\.(gate|router)\.(weight|bias|e_score_correction_bias)$", Role.MOE_ROUTER),
+    _r("shared_expert_gate", r"(^|\.)shared_expert_gate\.weight$", Role.SHARED_EXPERT_GATE),
+    _r("embed", r"(^|\.)(embed_tokens|wte|word_embeddings)\.weight$", Role.EMBED),
+    _r("lm_head", r"(^|\.)lm_head\.weight$", Role.LM_HEAD),
+    _r("norm", r"(norm|layernorm|ln_f|ln_\d)\.(weight|bias)$", Role.NORM),
+    _r("fused_qkv", r"(^|\.)(qkv_proj|query_key_value|c_attn|Wqkv)\.(weight|bias)$", Role.FUSED_QKV),
+    _r("fused_gate_up", r"(^|\.)gate_up_proj\.(weight|bias)$", Role.FUSED_GATE_UP),
+    _r("colwise", r"(^|\.)(q_proj|k_proj|v_proj|gate_proj|up_proj|w1|w3|fc1|c_fc)\.(weight|bias)$", Role.COLWISE),
+    _r("rowwise", r"(^|\.)(o_proj|down_proj|w2|fc2|dense|c_proj|out_proj)\.(weight|bias)$", Role.ROWWISE),
+)
+
+
+def classify_param(fqn: str, rules: Iterable[RoleRule], architectures: Sequence[str] = ()) -> Role:
+    """The role of parameter ``fqn``: architecture-scoped rules first, then the rest in order."""
+    rules = list(rules)
+    scoped = [r for r in rules if r.architectures]
+    general = [r for r in rules if not r.architectures]
+    for rule in (*scoped, *general):
+        if rule.matches(fqn, architectures):
+            return rule.role
+    return Role.REPLICATED
