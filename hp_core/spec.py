@@ -10,7 +10,7 @@ import dataclasses
 import difflib
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from enum import Enum
+from enum import StrEnum
 from typing import Any, Union
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
@@ -45,7 +45,7 @@ __all__ = [
 # --------------------------------------------------------------------------- axes
 
 
-class MeshAxisName(str, Enum):
+class MeshAxisName(StrEnum):
     """Canonical mesh axis names. Members compare and hash equal to plain strings."""
 
     tp = "tp"
@@ -62,12 +62,6 @@ class MeshAxisName(str, Enum):
     CP = "cp"
     EP = "ep"
     DP = "dp"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 TP = MeshAxisName.TP

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable, Sequence
-from enum import Enum
+from enum import StrEnum
 
 __all__ = ["DEFAULT_ROLE_RULES", "Role", "RoleRule", "classify_param"]
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     """What a parameter is, for the planner."""
 
     EMBED = "embed"
@@ -31,9 +31,6 @@ class Role(str, Enum):
     SHARED_EXPERT_GATE = "shared_expert_gate"
     REPLICATED = "replicated"
     SKIP = "skip"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclasses.dataclass(frozen=True)

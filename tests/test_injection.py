@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 
@@ -33,7 +34,7 @@ def test_local_compute_stamps_meta():
 
     meta = factory._injection_meta
     assert meta == InjectionMeta("local_compute", ("module", "mesh", "tp_mesh", "cp_mesh", "ep_mesh"), ("capacity", "jitter"), ("capacity",))
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         meta.kind = "x"  # frozen
 
 

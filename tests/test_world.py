@@ -1,0 +1,43 @@
+"""The multi-process test harness itself."""
+
+from __future__ import annotations
+
+import pytest
+
+from hp_core.testing import World, WorldError, WorldTaskError, WorldTimeoutError, get_world
+from tests import dist_tasks_world as tasks
+
+pytestmark = pytest.mark.distributed
+
+
+def test_world_runs_collectives_and_is_reused():
+    w = get_world(2)
+    assert w.run(tasks.all_reduce_rank) == [(0, 3.0), (1, 3.0)]
+    assert get_world(2) is w
+    assert w.run(tasks.all_reduce_rank) == [(0, 3.0), (1, 3.0)]
+
+
+def test_rank_failure_carries_traceback_and_world_survives():
+    w = get_world(2)
+    with pytest.raises(WorldTaskError) as e:
+        w.run(tasks.fail_on_rank, 1)
+    assert sorted(e.value.failures) == [1]
+    assert "ValueError: boom on rank 1" in str(e.value) and "--- rank 1 ---" in str(e.value)
+    assert isinstance(e.value.exceptions[1], ValueError)
+    assert w.run(tasks.fail_on_rank, 5) == [0, 1]
+
+
+def test_hang_becomes_timeout_and_a_fresh_world_follows():
+    w = get_world(2)
+    with pytest.raises(WorldTimeoutError, match="did not finish in time"):
+        w.run(tasks.hang_unless_rank0, timeout=3)
+    assert not w.alive
+    with pytest.raises(WorldError, match="closed"):
+        w.run(tasks.all_reduce_rank)
+    w2 = get_world(2)
+    assert w2 is not w and w2.run(tasks.all_reduce_rank)[0] == (0, 3.0)
+
+
+def test_world_size_validated():
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        World(0)
