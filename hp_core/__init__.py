@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hp_core.hookspecs import hookimpl
 from hp_core.injection import (
     InjectionMeta,
     Target,
@@ -45,6 +46,7 @@ __all__ = [
     "__version__",
     "format_named_placement",
     "format_placement",
+    "hookimpl",
     "inner_wrapper",
     "local_compute",
     "parse_named_placement",

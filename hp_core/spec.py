@@ -367,6 +367,10 @@ def _clear_value(name: str) -> Any:
 
 
 def _copy_value(v: Any) -> Any:
+    from hp_core.injection import Target  # local: injection imports spec
+
+    if isinstance(v, Target):
+        return Target(v.target, dict(v.config))
     if isinstance(v, dict):
         return {k: (dict(x) if isinstance(x, dict) else x) for k, x in v.items()}
     if isinstance(v, list):

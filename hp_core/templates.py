@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from enum import StrEnum
+from typing import Any
 
-__all__ = ["DEFAULT_ROLE_RULES", "Role", "RoleRule", "classify_param"]
+__all__ = ["BOUNDARY_KINDS", "DEFAULT_ROLE_RULES", "BoundaryTemplate", "Role", "RoleRule", "classify_param"]
 
 
 class Role(StrEnum):
@@ -66,7 +67,7 @@ class RoleRule:
 
 
 def _r(name: str, pattern: str, role: Role) -> RoleRule:
-    return RoleRule(f"default.{name}", pattern, role)
+    return RoleRule(f"role.{name}", pattern, role)
 
 
 #: The core's default rules, in precedence order (first match wins).
@@ -93,3 +94,38 @@ def classify_param(fqn: str, rules: Iterable[RoleRule], architectures: Sequence[
         if rule.matches(fqn, architectures):
             return rule.role
     return Role.REPLICATED
+
+
+#: Boundary kinds the planner recognises in a model's structure.
+BOUNDARY_KINDS = ("embed", "lm_head", "norm", "attention", "mlp", "moe", "layer")
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundaryTemplate:
+    """Builds the derived spec of one boundary kind: ``build(ctx) -> ModuleShardingSpec``.
+
+    ``ctx`` is a :class:`hp_core.planner.TemplateContext` (the block, the mesh, the active
+    axes and the activation layouts). ``architectures`` scopes the template to HF
+    architecture class names; scoped templates win over general ones.
+    """
+
+    name: str
+    kind: str
+    build: Callable[[Any], Any]
+    architectures: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in BOUNDARY_KINDS:
+            raise ValueError(
+                f"BoundaryTemplate {self.name!r}: kind must be one of {BOUNDARY_KINDS}, got {self.kind!r}"
+            )
+        if not callable(self.build):
+            raise ValueError(f"BoundaryTemplate {self.name!r}: build must be callable, got {self.build!r}")
+        if isinstance(self.architectures, str) or not all(isinstance(a, str) for a in self.architectures):
+            raise ValueError(
+                f"BoundaryTemplate {self.name!r}: architectures must be a tuple of class names, got {self.architectures!r}"
+            )
+        object.__setattr__(self, "architectures", tuple(self.architectures))
+
+    def applies_to(self, architectures: Sequence[str]) -> bool:
+        return not self.architectures or bool(set(self.architectures) & set(architectures))

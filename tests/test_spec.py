@@ -386,3 +386,13 @@ def test_placement_mismatch_error_rejects_unknown_stage():
 def test_close_matches():
     assert S.close_matches("tpp", ["tp", "cp", "ep"]) [0] == "tp"
     assert S.close_matches("qqqq", ["tp"]) == []
+
+
+def test_merge_copies_targets():
+    from hp_core.injection import Target
+
+    t = Target("qwen2moe", {"capacity": 1})
+    merged, _ = merge_specs(ModuleShardingSpec(), ModuleShardingSpec(local_compute_fn=t, region_dispatch=False))
+    assert merged.local_compute_fn == t and merged.local_compute_fn is not t
+    merged.local_compute_fn.config["capacity"] = 9
+    assert t.config == {"capacity": 1}

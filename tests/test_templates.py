@@ -55,4 +55,4 @@ def test_role_rule_validation():
 
 def test_default_rule_names_are_unique():
     names = [r.name for r in DEFAULT_ROLE_RULES]
-    assert len(names) == len(set(names)) and all(n.startswith("default.") for n in names)
+    assert len(names) == len(set(names)) and all(n.startswith("role.") for n in names)

@@ -1,0 +1,177 @@
+"""The ``hp`` command line.
+
+Each subcommand is one ``add_<name>_command(subparsers)`` function that declares its
+arguments and sets ``handler``; a handler takes ``(args, out, err)`` (two rich
+consoles) and returns the exit code. ``main`` wires them together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TextIO
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+if TYPE_CHECKING:
+    from hp_core.plugins import RegisteredItem
+
+__all__ = ["add_plugins_command", "build_parser", "cmd_plugins", "main"]
+
+Handler = Callable[[argparse.Namespace, Console, Console], int]
+
+#: Width used when output is not a terminal, so nothing is truncated in logs and pipes.
+PIPE_WIDTH = 240
+
+
+def _console(file: TextIO) -> Console:
+    is_tty = hasattr(file, "isatty") and file.isatty()
+    return Console(file=file, width=None if is_tty else PIPE_WIDTH, highlight=False, soft_wrap=False)
+
+
+# --------------------------------------------------------------------- hp plugins
+
+
+def add_plugins_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``hp plugins [--strict]``: list plugins and every registered item."""
+    parser = subparsers.add_parser(
+        "plugins",
+        help="list installed plugins and every registered item with its provider",
+        description=(
+            "List the plugins hp found (name, distribution, version, status) and every item "
+            "they registered. Honors HP_DISABLE_PLUGIN_AUTOLOAD and HP_PLUGINS."
+        ),
+    )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 if any plugin failed to load (also HP_PLUGINS_STRICT=1)",
+    )
+    parser.set_defaults(handler=cmd_plugins)
+
+
+def _describe_item(item: RegisteredItem) -> str:
+    parts = []
+    if "type" in item.meta:
+        parts.append(str(item.meta["type"]))
+    role = getattr(item.value, "role", None) if item.kind == "template" else None
+    if role is not None:
+        parts.append(f"role={role}")
+    for key, value in item.meta.items():
+        if key == "type":
+            continue
+        if key == "architectures":
+            if value:
+                parts.append(f"architectures={','.join(value)}")
+            continue
+        parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+def cmd_plugins(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """Print the plugin table and the item table; with ``--strict`` fail on broken plugins."""
+    from hp_core.plugins import RegistryKind
+    from hp_core.plugins._manager import current_state, strict_from_env
+
+    # The diagnostic view never raises for a broken plugin: it is how you find it.
+    state = current_state(strict=False)
+
+    plugins = Table(title="hp plugins", title_justify="left")
+    for column in ("name", "distribution", "version", "status", "items", "details"):
+        plugins.add_column(column, overflow="fold")
+    for info in state.report:
+        style = {"failed": "red", "disabled": "dim"}.get(info.status, "")
+        plugins.add_row(
+            Text(info.name),
+            Text(info.distribution or "-"),
+            Text(info.version or "-"),
+            Text(info.status, style=style),
+            Text(str(info.items)),
+            Text(info.error or info.note or ""),
+        )
+    out.print(plugins)
+
+    items = Table(title="registered items", title_justify="left")
+    for column in ("kind", "name", "provider", "distribution", "details"):
+        items.add_column(column, overflow="fold")
+    for kind in RegistryKind:
+        for item in state.items[kind].values():
+            items.add_row(
+                Text(kind.value),
+                Text(item.name),
+                Text(item.provider),
+                Text(item.distribution or "-"),
+                Text(_describe_item(item)),
+            )
+    out.print(items)
+
+    for warning in state.warnings:
+        err.print(Text(f"warning: {warning}", style="yellow"))
+
+    strict = args.strict or strict_from_env()
+    failures = state.failures()
+    if strict and (failures or state.warnings):
+        for info in failures:
+            version = f" {info.version}" if info.version else ""
+            err.print(
+                Text(
+                    f"hp plugins --strict: plugin {info.name!r} from distribution "
+                    f"{info.distribution or '(none)'}{version} failed to load: {info.error}",
+                    style="red",
+                )
+            )
+        if state.warnings:
+            err.print(Text("hp plugins --strict: plugin selection problems (see warnings above).", style="red"))
+        err.print(
+            Text("Fix: repair or uninstall the failing plugin, or leave it out with HP_PLUGINS=<names>.")
+        )
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------- wiring
+
+#: Subcommands in help order; add ``add_<name>_command`` functions here.
+COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
+    add_plugins_command,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hp`` argument parser with every subcommand in :data:`COMMANDS`."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        hp_version = version("hp-core")
+    except PackageNotFoundError:  # running from a source tree without installing
+        hp_version = "unknown"
+    parser = argparse.ArgumentParser(
+        prog="hp",
+        description="Parallelize PyTorch models over a DeviceMesh from declared sharding contracts.",
+    )
+    parser.add_argument("--version", action="version", version=f"hp {hp_version}")
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for add in COMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hp`` console script; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, usage errors
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    handler: Handler | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return handler(args, _console(sys.stdout), _console(sys.stderr))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

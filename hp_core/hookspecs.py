@@ -1,0 +1,91 @@
+"""The hooks an hp plugin can implement (pluggy project ``"hp_core"``).
+
+Every hook is *register-callback* style: the host calls ``hp_register_x(register)``
+once per plugin with a ``register`` callback bound to that plugin, so each item
+records exactly which plugin (and distribution) provided it. A plugin implements
+hooks with :data:`hookimpl`::
+
+    from hp_core.hookspecs import hookimpl
+
+    @hookimpl
+    def hp_register_inner_wrappers(register):
+        register("my_attention", my_attention, needs_cp=True, region_dispatch=False)
+
+Items are validated before anything is committed; a plugin whose items are all
+valid is committed as a whole, otherwise none of its items are (see
+``docs/plugins.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pluggy
+
+__all__ = [
+    "PROJECT_NAME",
+    "hookimpl",
+    "hookspec",
+    "hp_register_compute_factories",
+    "hp_register_inner_wrappers",
+    "hp_register_router_adapters",
+    "hp_register_templates",
+]
+
+#: pluggy project name; also the entry-point group plugins are discovered in.
+PROJECT_NAME = "hp_core"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def hp_register_templates(register: Callable[[Any], None]) -> None:
+    """Register boundary templates and parameter-role rules.
+
+    Signature: ``hp_register_templates(register)``.
+    Callback: ``register(item)`` where ``item`` is any object with a ``name: str``
+    attribute, e.g. ``hp_core.templates.RoleRule(name, pattern, role, architectures=())``.
+    An optional ``architectures`` attribute (tuple of HF architecture class names such
+    as ``"Phi3ForCausalLM"``) scopes the item to those models; scoped role rules take
+    precedence over the core's defaults. Template names may be namespaced with dots
+    (``"phi3.fused_qkv"``).
+    """
+
+
+@hookspec
+def hp_register_inner_wrappers(register: Callable[..., None]) -> None:
+    """Register inner wrappers (replacement forwards for an inner target, e.g. CP attention).
+
+    Signature: ``hp_register_inner_wrappers(register)``.
+    Callback: ``register(name, fn, *, needs_cp=False, region_dispatch=None,
+    forward_style="any")`` where ``fn`` is decorated with ``@inner_wrapper``;
+    ``needs_cp`` says the wrapper only works with an active ``cp`` axis;
+    ``region_dispatch`` is the value the boundary must declare (None: no requirement,
+    True or False); ``forward_style`` is the call style of the wrapped module:
+    ``"any"``, ``"qkv"`` (called as ``(q, k, v, ...)``) or ``"hf"`` (an HF attention
+    module that calls SDPA / flex attention internally).
+    """
+
+
+@hookspec
+def hp_register_compute_factories(register: Callable[..., None]) -> None:
+    """Register local-compute factories (e.g. expert-parallel MoE archetypes).
+
+    Signature: ``hp_register_compute_factories(register)``.
+    Callback: ``register(name, factory, *, architectures=())`` where ``factory`` is
+    decorated with ``@local_compute``; ``architectures`` lists HF architecture class
+    names (e.g. ``"Qwen2MoeForCausalLM"``) for which this factory is the suggested
+    compute (see ``hp_core.plugins.suggest_compute_factory``). Two factories may not
+    claim the same architecture.
+    """
+
+
+@hookspec
+def hp_register_router_adapters(register: Callable[[str, Callable[..., Any]], None]) -> None:
+    """Register MoE router adapters.
+
+    Signature: ``hp_register_router_adapters(register)``.
+    Callback: ``register(name, adapter)`` where ``adapter`` is any callable.
+    """

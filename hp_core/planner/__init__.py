@@ -1,0 +1,146 @@
+"""The planner: model structure + mesh + overrides → ``ShardingPlan`` (SPEC §4).
+
+Pure: it reads names, shapes and the module tree, so it works on a meta-device model
+and a mesh that is only names and sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from hp_core.mesh import MeshSpec
+from hp_core.plan import OverridesLike, ShardingPlan, resolve_overrides
+from hp_core.planner.comms import Collective, boundary_collectives, sp_grad_params, step_collectives
+from hp_core.planner.context import TemplateContext
+from hp_core.planner.lints import (
+    CoverageError,
+    DivisibilityError,
+    MeshAxisError,
+    PlanningError,
+    compute_deferred_biases,
+    compute_tp_local_attrs,
+    lint_plan,
+)
+from hp_core.planner.structure import Block, ModelStructure, UncoveredParameterError, analyse
+from hp_core.spec import ModuleShardingSpec
+from hp_core.templates import BoundaryTemplate, RoleRule
+
+__all__ = [
+    "Block",
+    "Collective",
+    "CoverageError",
+    "DivisibilityError",
+    "MeshAxisError",
+    "ModelStructure",
+    "PlanningError",
+    "TemplateContext",
+    "UncoveredParameterError",
+    "active_axes",
+    "boundary_collectives",
+    "plan",
+    "sp_grad_params",
+    "step_collectives",
+]
+
+
+def _registered() -> tuple[list[RoleRule], list[BoundaryTemplate]]:
+    from hp_core.plugins import TEMPLATE_REGISTRY
+
+    rules = [i.value for i in TEMPLATE_REGISTRY.values() if isinstance(i.value, RoleRule)]
+    templates = [i.value for i in TEMPLATE_REGISTRY.values() if isinstance(i.value, BoundaryTemplate)]
+    return rules, templates
+
+
+def _pick(templates: Sequence[BoundaryTemplate], kind: str, archs: Sequence[str]) -> BoundaryTemplate | None:
+    """Architecture-scoped templates win over general ones; among equals, the last registered
+    (plugins and users register after the built-in plugin)."""
+    candidates = [t for t in templates if t.kind == kind and t.applies_to(archs)]
+    scoped = [t for t in candidates if t.architectures]
+    pool = scoped or candidates
+    return pool[-1] if pool else None
+
+
+def active_axes(mesh: MeshSpec, *, sequence_parallel: bool, ep_size: int) -> set[str]:
+    """The axes (plus ``sp``) that ``when:`` guards test against."""
+    active = {a for a in ("tp", "cp") if mesh.size(a) > 1}
+    if ep_size > 1:
+        active.add("ep")
+    if sequence_parallel and mesh.size("tp") > 1:
+        active.add("sp")
+    return active
+
+
+def _check_flags(sequence_parallel: Any, loss_parallel: Any, ep_size: Any) -> None:
+    for name, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
+        if not isinstance(value, bool):
+            raise PlanningError(f"plan(): {name} must be True or False, got {value!r}")
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+        raise PlanningError(f"plan(): ep_size must be a positive integer, got {ep_size!r}")
+
+
+def plan(
+    model: nn.Module,
+    mesh: Any,
+    *,
+    overrides: OverridesLike | None = None,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = False,
+    ep_size: int = 1,
+) -> ShardingPlan:
+    """Derive every boundary's contract for ``model`` on ``mesh`` and merge ``overrides``.
+
+    ``mesh`` is a ``DeviceMesh``, a :class:`~hp_core.MeshSpec`, ``{"tp": 8}`` or
+    ``"tp=8,cp=2"``; ``overrides`` a ``{fqn_or_glob: ModuleShardingSpec}`` dict, a list of
+    YAML-style entries, or a path to a YAML file. Nothing is mutated.
+    """
+    ms = MeshSpec.from_any(mesh)
+    _check_flags(sequence_parallel, loss_parallel, ep_size)
+    rules, templates = _registered()
+    structure = analyse(model, rules)
+    derived: dict[str, ModuleShardingSpec] = {}
+    first_layer = True
+    for block in structure.blocks:
+        template = _pick(templates, block.kind, structure.architectures)
+        if template is None:
+            raise PlanningError(
+                f"{block.fqn}: no boundary template for kind {block.kind!r} is registered. The "
+                "built-in plugin provides one for every kind; is hp-core's builtin plugin failing? "
+                "Run 'hp plugins'."
+            )
+        ctx = TemplateContext(block, ms, sequence_parallel, loss_parallel, ep_size, is_first_layer=first_layer)
+        spec = template.build(ctx)
+        if block.kind == "layer":
+            first_layer = False
+        if spec is None:
+            continue
+        if not isinstance(spec, ModuleShardingSpec):
+            raise PlanningError(
+                f"{block.fqn}: template {template.name!r} returned {type(spec).__name__}, not a "
+                "ModuleShardingSpec (or None to skip the block)."
+            )
+        derived[block.fqn] = spec
+    active = active_axes(ms, sequence_parallel=sequence_parallel, ep_size=ep_size)
+    modules, notes = resolve_overrides(
+        derived,
+        overrides if overrides is not None else [],
+        module_names=structure.module_names,
+        active=active,
+        mesh_axis_names=ms.axis_names,
+    )
+    lint_plan(model, modules, ms)
+    for fqn, spec in modules.items():
+        spec._deferred_bias_params = compute_deferred_biases(model, fqn, spec)
+        if ms.size("tp") > 1:
+            spec._tp_local_attr_plan = compute_tp_local_attrs(model, fqn, spec, ms)
+    return ShardingPlan(
+        modules=modules,
+        mesh_axis_names=ms.axis_names,
+        mesh_shape=ms.sizes,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        ep_size=ep_size,
+        notes=notes,
+    )

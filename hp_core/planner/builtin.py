@@ -1,0 +1,184 @@
+"""The core's boundary templates (registered by the built-in plugin like any other).
+
+Megatron-style tensor parallelism with sequence parallelism between blocks, vocab-
+parallel embedding and lm_head, context parallelism as sequence sharding on ``cp``,
+and MoE blocks marked for expert parallelism.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Shard
+
+from hp_core.planner.context import TemplateContext
+from hp_core.spec import ModuleShardingSpec
+from hp_core.templates import BoundaryTemplate, Role
+
+__all__ = ["DEFAULT_BOUNDARY_TEMPLATES", "FusedProjectionError"]
+
+
+class FusedProjectionError(ValueError):
+    """A fused projection (qkv / gate_up) that plain ``Shard(0)`` cannot split correctly."""
+
+
+def _pair_params(ctx: TemplateContext) -> dict[str, dict]:
+    params: dict[str, dict] = {}
+    for rel, role in ctx.block.params.items():
+        is_bias = rel.endswith("bias")
+        if role in (Role.FUSED_QKV, Role.FUSED_GATE_UP) and ctx.tp > 1:
+            raise FusedProjectionError(
+                f"{ctx.fqn}.{rel}: a fused {role.value} projection concatenates its parts along "
+                "dim 0, so Shard(0) would give one rank all of q (or gate) and another all of v "
+                "(or up). hp does not re-interleave fused weights yet: override this boundary "
+                f"(e.g. params: {{{rel}: {{tp: replicate}}}}) or plan with tp=1."
+            )
+        if role in (Role.COLWISE, Role.FUSED_QKV, Role.FUSED_GATE_UP):
+            params[rel] = ctx.tp_param(Shard(0))
+        elif role is Role.ROWWISE and not is_bias:
+            params[rel] = ctx.tp_param(Shard(1))
+        else:  # rowwise biases (added once after the reduction), per-head norms, ...
+            params[rel] = ctx.replicated()
+    return {k: v for k, v in params.items() if v}
+
+
+def attention(ctx: TemplateContext) -> ModuleShardingSpec:
+    x = ctx.first_input()
+    out = "attn_output" if ctx.returns_tuple() else "output"
+    spec = ModuleShardingSpec(
+        params=_pair_params(ctx),
+        in_src=ctx.io(x, ctx.hidden),
+        in_dst=ctx.io(x, ctx.gathered),
+        out_src=ctx.io(out, ctx.partial if ctx.has_tp else ctx.gathered),
+        out_dst=ctx.io(out, ctx.hidden),
+        out_names=[out, "attn_weights"] if ctx.returns_tuple() else None,
+    )
+    spec._needs_cp_attn = True
+    return spec
+
+
+def mlp(ctx: TemplateContext) -> ModuleShardingSpec:
+    x = ctx.first_input()
+    return ModuleShardingSpec(
+        params=_pair_params(ctx),
+        in_src=ctx.io(x, ctx.hidden),
+        in_dst=ctx.io(x, ctx.gathered),
+        out_src=ctx.io("output", ctx.partial if ctx.has_tp else ctx.gathered),
+        out_dst=ctx.io("output", ctx.hidden),
+    )
+
+
+def embed(ctx: TemplateContext) -> ModuleShardingSpec:
+    """Vocab-parallel embedding: each rank looks up its vocabulary slice, then all-reduce.
+
+    Token ids carry no gradient, so only their cp layout is declared.
+    """
+    x = ctx.first_input()
+    params = {rel: ctx.tp_param(Shard(0)) for rel in ctx.block.params}
+    ids = ctx.layout(tp=None)
+    return ModuleShardingSpec(
+        params={k: v for k, v in params.items() if v},
+        in_src=ctx.io(x, ids),
+        in_dst=ctx.io(x, ids),
+        out_src=ctx.io("output", ctx.partial if ctx.has_tp else ctx.gathered),
+        out_dst=ctx.io("output", ctx.embed_out),
+    )
+
+
+def lm_head(ctx: TemplateContext) -> ModuleShardingSpec:
+    x = ctx.first_input()
+    params = {rel: ctx.tp_param(Shard(0)) for rel in ctx.block.params}
+    vocab = ctx.layout(tp=Shard(2))
+    spec = ModuleShardingSpec(
+        params={k: v for k, v in params.items() if v},
+        in_src=ctx.io(x, ctx.hidden),
+        in_dst=ctx.io(x, ctx.gathered),
+        out_src=ctx.io("output", vocab),
+        out_dst=ctx.io("output", vocab if ctx.loss_parallel else ctx.gathered),
+    )
+    spec._is_terminal = True
+    return spec
+
+
+def norm(ctx: TemplateContext) -> ModuleShardingSpec:
+    x = ctx.first_input()
+    params = {rel: ctx.replicated() for rel in ctx.block.params}
+    return ModuleShardingSpec(
+        params={k: v for k, v in params.items() if v},
+        in_src=ctx.io(x, ctx.hidden),
+        in_dst=ctx.io(x, ctx.hidden),
+        out_src=ctx.io("output", ctx.hidden),
+        out_dst=ctx.io("output", ctx.hidden),
+    )
+
+
+def moe(ctx: TemplateContext) -> ModuleShardingSpec:
+    """A MoE block computes token by token: it runs on whatever tokens this rank holds.
+
+    Without expert parallelism the experts are replicated and the block runs on local
+    tensors (``region_dispatch=False``: routing is data-dependent). With ``ep_size > 1``
+    the routed experts are sharded ``Shard(0)`` on ``ep`` of the derived expert mesh and
+    a compute (``local_compute_fn``, from hp-plugin-moe) does the all-to-all.
+    """
+    x = ctx.first_input()
+    params: dict[str, dict] = {}
+    stack: dict[str, list[str]] = {}
+    for rel, role in ctx.block.params.items():
+        if role is Role.MOE_EXPERT and ctx.ep_size > 1:
+            head, sep, tail = rel.partition("experts.")
+            rest = tail.split(".", 1)
+            if sep and len(rest) == 2 and rest[0].isdigit():  # per-expert ModuleList layout
+                stacked = f"{head}experts.{rest[1]}"
+                stack.setdefault(stacked, []).append(rel)
+                params[stacked] = {"ep": Shard(0)}
+            else:
+                params[rel] = {"ep": Shard(0)}
+        else:
+            layout = ctx.replicated()
+            if layout:
+                params[rel] = layout
+    spec = ModuleShardingSpec(
+        params=params,
+        in_src=ctx.io(x, ctx.hidden),
+        in_dst=ctx.io(x, ctx.hidden),
+        out_src=ctx.io("output", ctx.hidden),
+        out_dst=ctx.io("output", ctx.hidden),
+        region_dispatch=False,
+    )
+    if ctx.ep_size > 1:
+        spec._ep_size = ctx.ep_size
+        spec._ep_stack = {k: sorted(v, key=_expert_index) for k, v in stack.items()}
+    return spec
+
+
+def _expert_index(rel: str) -> int:
+    tail = rel.partition("experts.")[2]
+    return int(tail.split(".", 1)[0])
+
+
+def layer(ctx: TemplateContext) -> ModuleShardingSpec | None:
+    """Under sequence parallelism a decoder layer shards the residual stream at entry.
+
+    Its children (norms, attention, MLP) are boundaries of their own; the layer itself
+    only converts layouts, and runs its forward on local tensors.
+    """
+    if not ctx.sp_active:
+        return None
+    x = ctx.first_input()
+    return ModuleShardingSpec(
+        params={},
+        in_src=ctx.io(x, ctx.embed_out if ctx.is_first_layer else ctx.hidden),
+        in_dst=ctx.io(x, ctx.hidden),
+        out_src=ctx.io("output", ctx.hidden),
+        out_dst=ctx.io("output", ctx.hidden),
+        region_dispatch=False,
+    )
+
+
+DEFAULT_BOUNDARY_TEMPLATES: tuple[BoundaryTemplate, ...] = (
+    BoundaryTemplate("boundary.embed", "embed", embed),
+    BoundaryTemplate("boundary.lm_head", "lm_head", lm_head),
+    BoundaryTemplate("boundary.norm", "norm", norm),
+    BoundaryTemplate("boundary.attention", "attention", attention),
+    BoundaryTemplate("boundary.mlp", "mlp", mlp),
+    BoundaryTemplate("boundary.moe", "moe", moe),
+    BoundaryTemplate("boundary.layer", "layer", layer),
+)

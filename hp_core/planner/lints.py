@@ -1,0 +1,316 @@
+"""Checks of a finished plan against the model and the mesh (SPEC §4 steps 6-8).
+
+Each failure is a specific ``PlanningError`` whose message names the module, the rule
+and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from hp_core.mesh import MeshSpec
+from hp_core.plan import PlanError
+from hp_core.spec import ModuleShardingSpec, close_matches, format_placement
+
+__all__ = [
+    "HEAD_COUNT_ATTRS",
+    "CoverageError",
+    "DivisibilityError",
+    "MeshAxisError",
+    "PlanningError",
+    "compute_deferred_biases",
+    "compute_tp_local_attrs",
+    "lint_plan",
+]
+
+#: Integer attributes that count attention heads; divided by tp when q/k/v are tp-sharded.
+HEAD_COUNT_ATTRS = (
+    "num_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_heads",
+    "n_head",
+    "n_kv_heads",
+)
+_Q_NAMES = ("q_proj", "query")
+_KV_NAMES = ("k_proj", "v_proj", "key", "value")
+
+
+class PlanningError(PlanError):
+    """The planner cannot produce a valid plan for this model, mesh and overrides."""
+
+
+class DivisibilityError(PlanningError):
+    """A sharded dimension or a head count that the axis size does not divide."""
+
+
+class CoverageError(PlanningError):
+    """A parameter that no boundary, or more than one, declares."""
+
+
+class MeshAxisError(PlanningError):
+    """A placement on an axis the mesh lacks, or on a data-parallel axis."""
+
+
+def _fmt(named: Mapping[str, Placement]) -> str:
+    return "{" + ", ".join(f"{a}: {format_placement(p)}" for a, p in named.items()) + "}"
+
+
+def _module(model: nn.Module, fqn: str) -> nn.Module:
+    return model.get_submodule(fqn) if fqn else model
+
+
+def _param(module: nn.Module, rel: str) -> torch.Tensor | None:
+    path, _, name = rel.rpartition(".")
+    try:
+        owner = module.get_submodule(path) if path else module
+    except AttributeError:
+        return None
+    p = owner._parameters.get(name)
+    return p
+
+
+def _layouts(spec: ModuleShardingSpec) -> list[tuple[str, Mapping[str, Placement]]]:
+    out: list[tuple[str, Mapping[str, Placement]]] = []
+    for field in ("params", "in_src", "in_dst", "out_src", "out_dst"):
+        value = getattr(spec, field)
+        if isinstance(value, dict):
+            out.extend((f"{field}.{k}", v) for k, v in value.items())
+    if isinstance(spec.inner_out_src, dict):
+        out.extend((f"inner_out_src.{k}", v) for k, v in spec.inner_out_src.items())
+    return out
+
+
+def _check_axes(fqn: str, spec: ModuleShardingSpec, mesh: MeshSpec) -> None:
+    for where, named in _layouts(spec):
+        for axis in named:
+            if axis.startswith("dp"):
+                raise MeshAxisError(
+                    f"{fqn}.{where}: places on the data-parallel axis {axis!r}. dp stays outside the "
+                    "plan (FSDP/DDP own it); a plan describes one data-parallel slice. Remove the "
+                    f"{axis!r} entry."
+                )
+            if axis == "ep" and spec._ep_size > 1:
+                continue  # the derived expert mesh (edp, ep)
+            if axis not in mesh:
+                best = close_matches(axis, mesh.axis_names, n=1)
+                hint = f" Did you mean {best[0]!r}?" if best else ""
+                raise MeshAxisError(
+                    f"{fqn}.{where}: axis {axis!r} is not a dimension of the mesh {mesh}.{hint} Add the "
+                    f"axis to the mesh, or guard the override with 'when: {axis}' so it applies only "
+                    "when that axis is active."
+                )
+
+
+def _check_params(model: nn.Module, fqn: str, spec: ModuleShardingSpec, mesh: MeshSpec) -> None:
+    module = _module(model, fqn)
+    params = spec.params if isinstance(spec.params, dict) else {}
+    own = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+    for rel, named in params.items():
+        stacked = spec._ep_stack.get(rel)
+        if stacked:
+            first = _param(module, stacked[0])
+            shape: tuple[int, ...] = (len(stacked), *tuple(first.shape)) if first is not None else ()
+        else:
+            p = _param(module, rel)
+            if p is None:
+                best = close_matches(rel, own, n=1)
+                hint = f" Did you mean {best[0]!r}?" if best else ""
+                raise PlanningError(
+                    f"{fqn}.params: {rel!r} is not a parameter of {fqn or 'the model'!r} "
+                    f"({type(module).__name__}).{hint} Parameters there: {own[:8]}"
+                )
+            shape = tuple(p.shape)
+        for axis, placement in named.items():
+            if isinstance(placement, Partial):
+                raise PlanningError(
+                    f"{fqn}.params.{rel}.{axis}: a parameter cannot be 'partial'; use shard(N) or replicate."
+                )
+            if not isinstance(placement, Shard):
+                continue
+            size = spec._ep_size if axis == "ep" and spec._ep_size > 1 else mesh.size(axis)
+            if placement.dim >= len(shape):
+                raise DivisibilityError(
+                    f"{fqn}.params.{rel}.{axis}: shard({placement.dim}) on a {len(shape)}-D parameter of "
+                    f"shape {shape}; valid dims are 0..{len(shape) - 1}."
+                )
+            if shape[placement.dim] % size:
+                raise DivisibilityError(
+                    f"{fqn}.params.{rel}.{axis}: dim {placement.dim} of shape {shape} has size "
+                    f"{shape[placement.dim]}, which {axis}={size} does not divide. Choose a {axis} size "
+                    f"that divides {shape[placement.dim]}, or replicate this parameter."
+                )
+
+
+def _head_dim(module: nn.Module) -> int | None:
+    hd = getattr(module, "head_dim", None)
+    if isinstance(hd, int) and hd > 0:
+        return hd
+    cfg = getattr(module, "config", None)
+    hd = getattr(cfg, "head_dim", None)
+    if isinstance(hd, int) and hd > 0:
+        return hd
+    n, hidden = getattr(cfg, "num_attention_heads", None), getattr(cfg, "hidden_size", None)
+    if isinstance(n, int) and isinstance(hidden, int) and n > 0:
+        return hidden // n
+    return None
+
+
+def _tp_sharded_heads(spec: ModuleShardingSpec) -> list[str]:
+    params = spec.params if isinstance(spec.params, dict) else {}
+    out = []
+    for rel, named in params.items():
+        leaf = rel.rpartition(".")[0].rpartition(".")[2]
+        if leaf in _Q_NAMES + _KV_NAMES and isinstance(named.get("tp"), Shard) and rel.endswith("weight"):
+            out.append(rel)
+    return out
+
+
+def _check_heads(model: nn.Module, fqn: str, spec: ModuleShardingSpec, mesh: MeshSpec) -> None:
+    tp = mesh.size("tp")
+    if tp <= 1:
+        return
+    module = _module(model, fqn)
+    hd = _head_dim(module)
+    if hd is None:
+        return
+    for rel in _tp_sharded_heads(spec):
+        p = _param(module, rel)
+        if p is None:  # pragma: no cover - _check_params ran first
+            continue
+        heads = p.shape[0] // hd
+        if heads % tp:
+            kind = "query" if rel.rpartition(".")[0].rpartition(".")[2] in _Q_NAMES else "key/value"
+            raise DivisibilityError(
+                f"{fqn}: {heads} {kind} heads ({rel}: {tuple(p.shape)}, head_dim {hd}) cannot be split "
+                f"over tp={tp}. Each rank must hold whole heads: choose a tp size that divides {heads}, "
+                f"or replicate {rel} with an override."
+            )
+
+
+def compute_tp_local_attrs(model: nn.Module, fqn: str, spec: ModuleShardingSpec, mesh: MeshSpec) -> dict[str, tuple[int, int]] | None:
+    """Head-count attributes (when q/k/v are tp-sharded) plus ``tp_divide_attrs`` → (global, local)."""
+    tp = mesh.size("tp")
+    module = _module(model, fqn)
+    names: list[str] = []
+    if _tp_sharded_heads(spec):
+        names += [a for a in HEAD_COUNT_ATTRS if isinstance(getattr(module, a, None), int) and not isinstance(getattr(module, a), bool)]
+    extra = spec.tp_divide_attrs if isinstance(spec.tp_divide_attrs, list) else []
+    for attr in extra:
+        if not hasattr(module, attr):
+            public = [n for n, v in vars(module).items() if isinstance(v, int) and not n.startswith("_")]
+            best = close_matches(attr, public, n=1)
+            hint = f" Did you mean {best[0]!r}?" if best else ""
+            raise PlanningError(
+                f"{fqn}.tp_divide_attrs: {type(module).__name__} has no attribute {attr!r}.{hint} "
+                f"Integer attributes there: {public}"
+            )
+        value = getattr(module, attr)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise PlanningError(
+                f"{fqn}.tp_divide_attrs: {attr!r} is {type(value).__name__} {value!r}; only integer "
+                "attributes can be divided by the tp size."
+            )
+        if attr not in names:
+            names.append(attr)
+    if not names:
+        return None
+    plan: dict[str, tuple[int, int]] = {}
+    for attr in names:
+        value = int(getattr(module, attr))
+        if value % tp:
+            raise DivisibilityError(
+                f"{fqn}.{attr} = {value} is not divisible by tp={tp}; each rank must hold an equal "
+                f"share. Choose a tp size that divides {value}."
+            )
+        plan[attr] = (value, value // tp)
+    return plan
+
+
+def compute_deferred_biases(model: nn.Module, fqn: str, spec: ModuleShardingSpec) -> tuple[str, ...]:
+    """Biases of rowwise-sharded Linears whose output leaves the boundary as Partial on tp.
+
+    Megatron semantics: such a bias is added once, after the exit reduction, rather than
+    on every rank before it (which would count it tp times, or need a division).
+    """
+    params = spec.params if isinstance(spec.params, dict) else {}
+    out_src = spec.out_src if isinstance(spec.out_src, dict) else {}
+    if not any(isinstance(layout.get("tp"), Partial) for layout in out_src.values()):
+        return ()
+    module = _module(model, fqn)
+    deferred = []
+    for rel, named in params.items():
+        if not rel.endswith(".bias"):
+            continue
+        weight = params.get(rel[: -len("bias")] + "weight", {})
+        w_tp, b_tp = weight.get("tp"), named.get("tp", Replicate())
+        owner = _module(module, rel.rpartition(".")[0])
+        if isinstance(owner, nn.Linear) and isinstance(w_tp, Shard) and w_tp.dim == 1 and isinstance(b_tp, Replicate):
+            deferred.append(rel)
+    return tuple(deferred)
+
+
+def lint_plan(model: nn.Module, modules: Mapping[str, ModuleShardingSpec], mesh: MeshSpec) -> None:
+    """Every check that needs the model: axes, parameter shapes, heads, coverage, injections."""
+    for fqn, spec in modules.items():
+        if spec.region_dispatch is True and not spec.has_injection:
+            raise PlanningError(
+                f"{fqn}: region_dispatch=True without an injection is redundant (dispatching is the "
+                "default for ordinary boundaries). Remove it, or set region_dispatch: false if the "
+                "module's own forward communicates."
+            )
+        _check_axes(fqn, spec, mesh)
+        _check_params(model, fqn, spec, mesh)
+        _check_heads(model, fqn, spec, mesh)
+    _check_coverage(model, modules, mesh)
+
+
+def _check_coverage(model: nn.Module, modules: Mapping[str, ModuleShardingSpec], mesh: MeshSpec) -> None:
+    if "tp" not in mesh and "cp" not in mesh:
+        return  # nothing is planned on any axis: every parameter stays whole
+    seen: dict[int, list[tuple[str, Any]]] = {}
+    for fqn, spec in modules.items():
+        module = _module(model, fqn)
+        params = spec.params if isinstance(spec.params, dict) else {}
+        for rel, named in params.items():
+            sources = spec._ep_stack.get(rel) or [rel]
+            for src in sources:
+                p = _param(module, src)
+                if p is not None:
+                    full = f"{fqn}.{src}" if fqn else src
+                    seen.setdefault(id(p), []).append((full, dict(named)))
+    uncovered = []
+    for name, p in model.named_parameters():
+        hits = seen.get(id(p), [])
+        if not hits:
+            if p.requires_grad:
+                uncovered.append(name)
+            continue
+        layouts = {tuple(sorted((a, repr(pl)) for a, pl in named.items())) for _, named in hits}
+        if len(layouts) > 1:
+            where = ", ".join(f"{n} {_fmt(named)}" for n, named in hits)
+            raise CoverageError(
+                f"parameter {name} is declared by more than one boundary with different placements: "
+                f"{where}. A parameter has one layout; declare it in exactly one boundary (tied weights "
+                "must agree)."
+            )
+        names = [n for n, _ in hits]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise CoverageError(
+                f"parameter {dup[0]} is declared more than once (nested boundaries both list it); "
+                "every parameter belongs to exactly one boundary. Remove it from all but one."
+            )
+    if uncovered:
+        listing = ", ".join(uncovered[:8]) + (f" and {len(uncovered) - 8} more" if len(uncovered) > 8 else "")
+        raise CoverageError(
+            f"trainable parameter(s) {listing} are not declared by any boundary, so apply would not "
+            "know their layout. Add them to the 'params' of the boundary that owns them (an override "
+            "with params: {NAME: {tp: replicate}} keeps them whole)."
+        )

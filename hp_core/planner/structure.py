@@ -1,0 +1,206 @@
+"""Roles → blocks: find the boundaries of a model from its module tree and parameter names.
+
+Works on meta-device models: only names, shapes and the module tree are read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from hp_core.templates import Role, RoleRule, classify_param
+
+__all__ = ["Block", "ModelStructure", "UncoveredParameterError", "analyse", "model_architectures"]
+
+_PROJECTION_ROLES = (Role.COLWISE, Role.ROWWISE, Role.FUSED_QKV, Role.FUSED_GATE_UP)
+_ATTENTION_LEAVES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value", "query_key_value", "c_attn", "Wqkv")
+
+
+class UncoveredParameterError(ValueError):
+    """A parameter that no boundary template claims (the planner cannot guess its layout)."""
+
+
+@dataclasses.dataclass
+class Block:
+    """One boundary candidate: a module, its kind, and the roles of the parameters it owns."""
+
+    fqn: str
+    kind: str
+    module: nn.Module
+    params: dict[str, Role]  # relative param path -> role
+    shapes: dict[str, tuple[int, ...]]
+
+
+@dataclasses.dataclass
+class ModelStructure:
+    blocks: list[Block]
+    roles: dict[str, Role]  # param FQN (every alias) -> role
+    tied: dict[str, str]  # alias FQN -> first FQN of the same Parameter
+    architectures: tuple[str, ...]
+    module_names: list[str]
+
+
+def model_architectures(model: nn.Module) -> tuple[str, ...]:
+    """HF ``config.architectures`` when present, else the model's class name."""
+    cfg = getattr(model, "config", None)
+    archs = getattr(cfg, "architectures", None) or ()
+    return tuple(archs) or (type(model).__name__,)
+
+
+def _parent(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
+
+
+def _under(fqn: str, root: str) -> bool:
+    return root == "" or fqn == root or fqn.startswith(root + ".")
+
+
+def _first_input(module: nn.Module) -> str:
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):  # pragma: no cover - every nn.Module forward is introspectable
+        return "input"
+    for p in params:
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return p.name
+    return "input"
+
+
+def first_input_name(module: nn.Module) -> str:
+    """The name of the first positional parameter of ``module.forward``."""
+    return _first_input(module)
+
+
+def returns_tuple(module: nn.Module) -> bool:
+    """Whether ``module.forward`` is annotated to return a tuple."""
+    try:
+        ann = inspect.signature(module.forward).return_annotation
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
+    text = ann if isinstance(ann, str) else repr(ann)
+    return text.startswith(("tuple", "typing.Tuple", "Tuple"))
+
+
+def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
+    """Classify every parameter and group them into blocks (SPEC §4 steps 1-2)."""
+    rules = list(rules)
+    archs = model_architectures(model)
+    modules = dict(model.named_modules())
+    roles: dict[str, Role] = {}
+    owner: dict[str, str] = {}
+    tied: dict[str, str] = {}
+    first_by_id: dict[int, str] = {}
+    for mfqn, mod in modules.items():
+        for pname, p in mod._parameters.items():
+            if p is None:
+                continue
+            fqn = f"{mfqn}.{pname}" if mfqn else pname
+            roles[fqn] = classify_param(fqn, rules, archs)
+            owner[fqn] = mfqn
+            if id(p) in first_by_id:
+                tied[fqn] = first_by_id[id(p)]
+            else:
+                first_by_id[id(p)] = fqn
+
+    claimed: dict[str, tuple[str, str]] = {}  # param fqn -> (block fqn, kind)
+
+    def claim(root: str, kind: str) -> None:
+        for fqn in roles:
+            if _under(fqn, root) and fqn not in claimed:
+                claimed[fqn] = (root, kind)
+
+    # 1. MoE blocks: the parent of the experts container / of the router module.
+    moe_roots: list[str] = []
+    for fqn, role in roles.items():
+        root = None
+        if role is Role.MOE_EXPERT:
+            head, sep, _ = fqn.partition(".experts.")
+            root = head if sep else _parent(_parent(fqn))
+        elif role is Role.MOE_ROUTER:
+            root = _parent(owner[fqn])
+        if root is not None and root not in moe_roots:
+            moe_roots.append(root)
+    # Keep outermost roots only (a router inside the experts' parent is the same block).
+    moe_roots = [r for r in moe_roots if not any(o != r and _under(r, o) for o in moe_roots)]
+    for r in moe_roots:
+        claim(r, "moe")
+
+    # 2. Attention / MLP: the parent of each projection leaf, outside MoE blocks.
+    pair_roots: dict[str, str] = {}
+    for fqn, role in roles.items():
+        if fqn in claimed or role not in _PROJECTION_ROLES:
+            continue
+        leaf = owner[fqn]
+        root = _parent(leaf)
+        if root not in pair_roots:
+            pair_roots[root] = "mlp"
+        if role is Role.FUSED_QKV or leaf.rpartition(".")[2] in _ATTENTION_LEAVES:
+            pair_roots[root] = "attention"
+    for r, kind in pair_roots.items():
+        claim(r, kind)
+
+    # 3. Embedding, lm_head, norms: their owning module.
+    for wanted, kind in ((Role.EMBED, "embed"), (Role.LM_HEAD, "lm_head"), (Role.NORM, "norm")):
+        for fqn, role in roles.items():
+            if role is wanted and fqn not in claimed:
+                claim(owner[fqn], kind)
+
+    unclaimed = [f for f, r in roles.items() if f not in claimed and r is not Role.SKIP and f not in tied]
+    if unclaimed:
+        lines = "\n".join(f"  {f} ({roles[f].value}, shape {tuple(_param(model, f).shape)})" for f in unclaimed[:10])
+        more = f"\n  ... and {len(unclaimed) - 10} more" if len(unclaimed) > 10 else ""
+        mod = owner[unclaimed[0]]
+        raise UncoveredParameterError(
+            f"no boundary template claims these parameters, so hp cannot know their layout:\n{lines}{more}\n"
+            f"Declare the owning module with an override that states its full contract, e.g.\n"
+            f"  - match: {mod!r}\n    params: {{{unclaimed[0].rpartition('.')[2]}: {{tp: replicate}}}}\n"
+            f"    in_src: ...\n    in_dst: ...\n    out_src: ...\n    out_dst: ...\n"
+            "or register a RoleRule for your architecture through a plugin (docs/plugins.md)."
+        )
+
+    # 4. Decoder layers: the parent of each attention block (sequence-parallel entry).
+    layer_roots: list[str] = []
+    for r, kind in pair_roots.items():
+        if kind == "attention":
+            layer = _parent(r)
+            if layer and layer not in layer_roots and layer in modules:
+                layer_roots.append(layer)
+
+    kinds: dict[str, str] = {}
+    for _fqn, (root, kind) in claimed.items():
+        kinds.setdefault(root, kind)
+    for layer in layer_roots:
+        kinds.setdefault(layer, "layer")
+    blocks: list[Block] = []
+    for mfqn in modules:  # model order
+        if mfqn not in kinds:
+            continue
+        params: dict[str, Role] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for fqn, role in roles.items():
+            if claimed.get(fqn, (None,))[0] == mfqn:
+                rel = fqn[len(mfqn) + 1 :] if mfqn else fqn
+                params[rel] = role
+                shapes[rel] = tuple(_param(model, fqn).shape)
+        blocks.append(Block(mfqn, kinds[mfqn], modules[mfqn], params, shapes))
+    return ModelStructure(blocks, roles, tied, archs, list(modules))
+
+
+def _param(model: nn.Module, fqn: str) -> torch.Tensor:
+    mod_path, _, name = fqn.rpartition(".")
+    mod = model.get_submodule(mod_path) if mod_path else model
+    return mod._parameters[name]  # type: ignore[return-value]
+
+
+def leaf_name(rel: str) -> str:
+    """``"self_attn.q_proj.weight"`` → ``"q_proj"`` (the owning leaf module's attribute name)."""
+    parts = rel.split(".")
+    return parts[-2] if len(parts) >= 2 else ""
+
+
+def modules_of(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
+    return [model.get_submodule(n) if n else model for n in names]

@@ -1,0 +1,103 @@
+"""hp's plugin system: entry-point discovery, registries with provenance, user registration.
+
+Plugins are distributions with an entry point in the ``hp_core`` group whose object
+(usually a module) implements the hooks in :mod:`hp_core.hookspecs`. Discovery is lazy
+and happens once per process; every registered item records the plugin (and
+distribution) that provided it. See ``docs/plugins.md``.
+
+Environment switches:
+
+- ``HP_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry-point plugins (the built-in still loads);
+- ``HP_PLUGINS=cp,moe``: load only these entry-point names (``HP_PLUGINS=`` loads none);
+- ``HP_PLUGINS_STRICT=1``: a plugin failure raises :class:`PluginLoadError` instead of
+  being reported.
+"""
+
+from __future__ import annotations
+
+from hp_core.hookspecs import hookimpl, hookspec
+from hp_core.plugins._errors import (
+    DuplicateRegistrationError,
+    InvalidRegistrationError,
+    PluginLoadError,
+    UnknownRegistryItemError,
+)
+from hp_core.plugins._items import (
+    FORWARD_STYLES,
+    USER_PROVIDER,
+    PluginInfo,
+    PluginStatus,
+    RegisteredItem,
+    RegistryKind,
+)
+from hp_core.plugins._manager import (
+    BUILTIN_PLUGIN_NAME,
+    ENTRY_POINT_GROUP,
+    ENV_DISABLE_AUTOLOAD,
+    ENV_PLUGINS,
+    ENV_STRICT,
+    HpPluginWarning,
+    load_plugins,
+    plugin_packages,
+    plugin_report,
+    plugin_warnings,
+    register_plugin,
+    reset_plugins,
+)
+from hp_core.plugins._registry import (
+    COMPUTE_FACTORY_REGISTRY,
+    INNER_WRAPPER_REGISTRY,
+    ROUTER_ADAPTER_REGISTRY,
+    TEMPLATE_REGISTRY,
+    PluginRegistry,
+    ProtectedRegistryItemError,
+    lookup,
+    register_compute_factory,
+    register_inner_wrapper,
+    register_router_adapter,
+    register_template,
+    registered_items,
+    suggest_compute_factory,
+    unregister,
+)
+
+__all__ = [
+    "BUILTIN_PLUGIN_NAME",
+    "COMPUTE_FACTORY_REGISTRY",
+    "ENTRY_POINT_GROUP",
+    "ENV_DISABLE_AUTOLOAD",
+    "ENV_PLUGINS",
+    "ENV_STRICT",
+    "FORWARD_STYLES",
+    "INNER_WRAPPER_REGISTRY",
+    "ROUTER_ADAPTER_REGISTRY",
+    "TEMPLATE_REGISTRY",
+    "USER_PROVIDER",
+    "DuplicateRegistrationError",
+    "HpPluginWarning",
+    "InvalidRegistrationError",
+    "PluginInfo",
+    "PluginLoadError",
+    "PluginRegistry",
+    "PluginStatus",
+    "ProtectedRegistryItemError",
+    "RegisteredItem",
+    "RegistryKind",
+    "UnknownRegistryItemError",
+    "hookimpl",
+    "hookspec",
+    "load_plugins",
+    "lookup",
+    "plugin_packages",
+    "plugin_report",
+    "plugin_warnings",
+    "register_compute_factory",
+    "register_inner_wrapper",
+    "register_plugin",
+    "register_router_adapter",
+    "register_template",
+    "registered_items",
+    "reset_plugins",
+    "suggest_compute_factory",
+    "unregister",
+]

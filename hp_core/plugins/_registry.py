@@ -1,0 +1,239 @@
+"""Read-only registry views, lookups, and programmatic registration for users."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, overload
+
+from hp_core.plugins._errors import (
+    UnknownRegistryItemError,
+    _UnknownRegistryKeyError,
+)
+from hp_core.plugins._items import (
+    USER_PROVIDER,
+    Provider,
+    RegisteredItem,
+    RegistryKind,
+    closest,
+    did_you_mean,
+    make_compute_factory,
+    make_inner_wrapper,
+    make_router_adapter,
+    make_template,
+)
+from hp_core.plugins._manager import _LOCK, check_conflicts, current_state
+
+__all__ = [
+    "COMPUTE_FACTORY_REGISTRY",
+    "INNER_WRAPPER_REGISTRY",
+    "ROUTER_ADAPTER_REGISTRY",
+    "TEMPLATE_REGISTRY",
+    "PluginRegistry",
+    "ProtectedRegistryItemError",
+    "lookup",
+    "register_compute_factory",
+    "register_inner_wrapper",
+    "register_router_adapter",
+    "register_template",
+    "registered_items",
+    "suggest_compute_factory",
+    "unregister",
+]
+
+_USER = Provider(USER_PROVIDER)
+_REGISTER_FN = {
+    RegistryKind.TEMPLATE: "register_template(item)",
+    RegistryKind.INNER_WRAPPER: "register_inner_wrapper(name, fn)",
+    RegistryKind.COMPUTE_FACTORY: "register_compute_factory(name, factory)",
+    RegistryKind.ROUTER_ADAPTER: "register_router_adapter(name, adapter)",
+}
+
+
+class ProtectedRegistryItemError(ValueError):
+    """``unregister`` was asked to remove an item a plugin registered."""
+
+
+def _kind(kind: RegistryKind | str) -> RegistryKind:
+    try:
+        return RegistryKind(kind)
+    except ValueError:
+        names = [k.value for k in RegistryKind]
+        raise ValueError(
+            f"unknown registry kind {kind!r}.{did_you_mean(str(kind), names)}\n"
+            f"Registry kinds are: {', '.join(names)}."
+        ) from None
+
+
+def _unknown_message(kind: RegistryKind, name: object) -> str:
+    state = current_state()
+    items = state.items[kind]
+    plural = kind.label + "s"
+    best = closest(str(name), items) if items else None
+    lines = [
+        f"unknown {kind.label} {name!r}." + (f" Did you mean {best!r}?" if best else ""),
+    ]
+    if items:
+        known = ", ".join(f"{n} ({item.describe_provider()})" for n, item in items.items())
+        lines.append(f"Known {plural}: {known}.")
+    else:
+        lines.append(f"No {plural} are registered.")
+    inactive = [p for p in state.report if p.status in ("failed", "disabled")]
+    if inactive:
+        listed = ", ".join(f"{p.name!r} ({p.status})" for p in inactive)
+        lines.append(f"Not loaded: plugin(s) {listed}; run `hp plugins` for details.")
+    lines.append(
+        "Fix: use a known name, install the plugin that provides it, or register it with "
+        f"hp_core.plugins.{_REGISTER_FN[kind]}."
+    )
+    return "\n".join(lines)
+
+
+class PluginRegistry(Mapping[str, RegisteredItem]):
+    """A read-only ``name → RegisteredItem`` view of one registry.
+
+    Loads plugins on first access. ``registry[name]`` and :meth:`get_item` raise
+    :class:`UnknownRegistryItemError` (``registry[name]``'s error is also a ``KeyError``,
+    as the ``Mapping`` protocol requires). Mutate it only through ``register_*`` /
+    :func:`unregister`.
+    """
+
+    __slots__ = ("_kind",)
+
+    def __init__(self, kind: RegistryKind | str) -> None:
+        self._kind = _kind(kind)
+
+    @property
+    def kind(self) -> RegistryKind:
+        return self._kind
+
+    def _items(self) -> dict[str, RegisteredItem]:
+        return current_state().items[self._kind]
+
+    def __getitem__(self, name: str) -> RegisteredItem:
+        item = self._items().get(name)
+        if item is None:
+            raise _UnknownRegistryKeyError(
+                _unknown_message(self._kind, name), kind=self._kind.value, name=str(name)
+            )
+        return item
+
+    def get_item(self, name: str) -> RegisteredItem:
+        """The item registered as ``name``, or :class:`UnknownRegistryItemError`."""
+        item = self._items().get(name)
+        if item is None:
+            raise UnknownRegistryItemError(
+                _unknown_message(self._kind, name), kind=self._kind.value, name=str(name)
+            )
+        return item
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items()
+
+    @overload
+    def get(self, name: str, /) -> RegisteredItem | None: ...
+    @overload
+    def get(self, name: str, /, default: Any) -> Any: ...
+    def get(self, name: str, /, default: Any = None) -> Any:
+        return self._items().get(name, default)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._items()))
+
+    def __len__(self) -> int:
+        return len(self._items())
+
+    def __repr__(self) -> str:
+        return f"<{self._kind.label} registry: {', '.join(self) or 'empty'}>"
+
+
+TEMPLATE_REGISTRY = PluginRegistry(RegistryKind.TEMPLATE)
+INNER_WRAPPER_REGISTRY = PluginRegistry(RegistryKind.INNER_WRAPPER)
+COMPUTE_FACTORY_REGISTRY = PluginRegistry(RegistryKind.COMPUTE_FACTORY)
+ROUTER_ADAPTER_REGISTRY = PluginRegistry(RegistryKind.ROUTER_ADAPTER)
+
+
+def lookup(kind: RegistryKind | str, name: str) -> RegisteredItem:
+    """The item ``name`` of registry ``kind`` (``"inner_wrapper"``, ``"compute_factory"``, ...)."""
+    return PluginRegistry(kind).get_item(name)
+
+
+def registered_items(kind: RegistryKind | str | None = None) -> list[RegisteredItem]:
+    """Every registered item (of one kind, or of all kinds in registry order)."""
+    state = current_state()
+    kinds = list(RegistryKind) if kind is None else [_kind(kind)]
+    return [item for k in kinds for item in state.items[k].values()]
+
+
+def suggest_compute_factory(architecture: str) -> str | None:
+    """The compute factory registered for an HF architecture class name, or None."""
+    for item in current_state().items[RegistryKind.COMPUTE_FACTORY].values():
+        if architecture in item.meta.get("architectures", ()):
+            return item.name
+    return None
+
+
+def _commit(item: RegisteredItem) -> RegisteredItem:
+    with _LOCK:
+        state = current_state()
+        check_conflicts(state, [item])
+        state.items[item.kind][item.name] = item
+    return item
+
+
+def register_inner_wrapper(
+    name: str,
+    fn: Callable[..., Any],
+    *,
+    needs_cp: bool = False,
+    region_dispatch: bool | None = None,
+    forward_style: str = "any",
+) -> RegisteredItem:
+    """Register an ``@inner_wrapper`` function under ``name`` (provider ``"user"``).
+
+    Raises InvalidRegistrationError / InjectionDefinitionError (a TypeError) for a bad
+    item and DuplicateRegistrationError for a taken name; the registry is unchanged then.
+    """
+    return _commit(
+        make_inner_wrapper(
+            name,
+            fn,
+            _USER,
+            needs_cp=needs_cp,
+            region_dispatch=region_dispatch,
+            forward_style=forward_style,
+        )
+    )
+
+
+def register_compute_factory(
+    name: str, factory: Callable[..., Any], *, architectures: tuple[str, ...] = ()
+) -> RegisteredItem:
+    """Register a ``@local_compute`` factory under ``name`` (provider ``"user"``)."""
+    return _commit(make_compute_factory(name, factory, _USER, architectures=architectures))
+
+
+def register_router_adapter(name: str, adapter: Callable[..., Any]) -> RegisteredItem:
+    """Register a router adapter callable under ``name`` (provider ``"user"``)."""
+    return _commit(make_router_adapter(name, adapter, _USER))
+
+
+def register_template(item: Any) -> RegisteredItem:
+    """Register a template or role rule (any object with ``name``) (provider ``"user"``)."""
+    return _commit(make_template(item, _USER))
+
+
+def unregister(kind: RegistryKind | str, name: str) -> RegisteredItem:
+    """Remove a user-registered item and return it. Plugin items cannot be removed."""
+    registry_kind = _kind(kind)
+    with _LOCK:
+        item = lookup(registry_kind, name)
+        if item.provider != USER_PROVIDER or item.distribution is not None:
+            raise ProtectedRegistryItemError(
+                f"{registry_kind.label} {name!r} is registered by {item.describe_provider()}, "
+                "not by a register_* call.\n"
+                "Only items registered programmatically can be unregistered.\n"
+                "Fix: leave the plugin out with HP_PLUGINS=<other names>, or uninstall "
+                f"{item.distribution or 'it'}."
+            )
+        del current_state().items[registry_kind][name]
+    return item

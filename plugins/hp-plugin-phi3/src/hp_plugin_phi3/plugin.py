@@ -1,0 +1,33 @@
+"""Role rules for ``Phi3ForCausalLM``: fused ``qkv_proj`` / ``gate_up_proj``, rowwise exits.
+
+Phi-3 packs q, k and v into one ``self_attn.qkv_proj`` Linear and gate and up into one
+``mlp.gate_up_proj`` Linear. Both are column-parallel *fused* projections: each tp rank
+must hold its slice of every packed part, not a contiguous slice of the packed weight.
+``o_proj`` and ``down_proj`` are ordinary row-parallel exits. The rules are scoped to
+the architecture, so they take precedence over the core's defaults for Phi-3 only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hp_core.hookspecs import hookimpl
+from hp_core.templates import Role, RoleRule
+
+__all__ = ["ARCHITECTURE", "PHI3_ROLE_RULES", "hp_register_templates"]
+
+ARCHITECTURE = "Phi3ForCausalLM"
+
+PHI3_ROLE_RULES: tuple[RoleRule, ...] = (
+    RoleRule("phi3.fused_qkv", r"(^|\.)self_attn\.qkv_proj\.weight$", Role.FUSED_QKV, (ARCHITECTURE,)),
+    RoleRule("phi3.fused_gate_up", r"(^|\.)mlp\.gate_up_proj\.weight$", Role.FUSED_GATE_UP, (ARCHITECTURE,)),
+    RoleRule("phi3.o_proj", r"(^|\.)self_attn\.o_proj\.weight$", Role.ROWWISE, (ARCHITECTURE,)),
+    RoleRule("phi3.down_proj", r"(^|\.)mlp\.down_proj\.weight$", Role.ROWWISE, (ARCHITECTURE,)),
+)
+
+
+@hookimpl
+def hp_register_templates(register: Callable[[RoleRule], None]) -> None:
+    """Register the Phi-3 role rules."""
+    for rule in PHI3_ROLE_RULES:
+        register(rule)

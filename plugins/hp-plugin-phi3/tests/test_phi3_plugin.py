@@ -1,0 +1,74 @@
+"""hp-plugin-phi3: discovered through its entry point, its rules classify a real Phi-3 model."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Phi3Config, Phi3ForCausalLM
+
+from hp_core.plugins import TEMPLATE_REGISTRY, plugin_report, reset_plugins
+from hp_core.templates import Role, classify_param
+
+HERE = Path(__file__).resolve().parent.parent
+ARCH = "Phi3ForCausalLM"
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    for var in ("HP_DISABLE_PLUGIN_AUTOLOAD", "HP_PLUGINS", "HP_PLUGINS_STRICT"):
+        monkeypatch.delenv(var, raising=False)
+    reset_plugins()
+    yield
+    reset_plugins()
+
+
+def phi3_rules():
+    return [item.value for item in TEMPLATE_REGISTRY.values() if item.provider == "phi3"]
+
+
+def test_discovered_with_provenance():
+    (row,) = [r for r in plugin_report() if r.name == "phi3"]
+    assert (row.distribution, row.version, row.status, row.items) == ("hp-plugin-phi3", "0.1.0", "loaded", 4)
+    item = TEMPLATE_REGISTRY["phi3.fused_qkv"]
+    assert (item.provider, item.distribution) == ("phi3", "hp-plugin-phi3")
+    assert item.meta["architectures"] == (ARCH,)
+
+
+def test_rules_classify_a_real_phi3_model():
+    config = Phi3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+    )
+    with torch.device("meta"):
+        model = Phi3ForCausalLM(config)
+    rules = phi3_rules()
+    expected = {
+        "self_attn.qkv_proj.weight": Role.FUSED_QKV,
+        "mlp.gate_up_proj.weight": Role.FUSED_GATE_UP,
+        "self_attn.o_proj.weight": Role.ROWWISE,
+        "mlp.down_proj.weight": Role.ROWWISE,
+    }
+    seen = {}
+    for fqn, _ in model.named_parameters():
+        matching = [r for r in rules if r.matches(fqn, (ARCH,))]
+        suffix = next((s for s in expected if fqn.endswith(s)), None)
+        if suffix is None:
+            assert matching == [], fqn
+            continue
+        assert [r.role for r in matching] == [expected[suffix]], fqn
+        assert classify_param(fqn, list(TEMPLATE_REGISTRY[n].value for n in TEMPLATE_REGISTRY), (ARCH,)) == expected[suffix]
+        seen[suffix] = fqn
+    assert set(seen) == set(expected)
+    # scoped: for another architecture the Phi-3 rules do not apply
+    assert not any(r.matches(seen["mlp.down_proj.weight"], ("LlamaForCausalLM",)) for r in rules)
+
+
+def test_uses_only_the_public_hp_core_surface():
+    for path in (HERE / "src" / "hp_plugin_phi3").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hp_core"):
+                assert not any(part.startswith("_") for part in node.module.split(".")), (path, node.module)
+                assert not any(alias.name.startswith("_") for alias in node.names), (path, node.module)
