@@ -1,0 +1,213 @@
+"""Boundary wrappers: entry redistribution → compute → exit redistribution.
+
+Between boundaries only local tensors flow, each in the layout its contract declares.
+A boundary's ``forward`` is replaced by a ``BoundaryForward`` that
+
+* converts each declared input ``in_src → in_dst``,
+* runs the computation:
+  - validate + dispatching region: the original forward on DTensors (parameters are
+    DTensors), then checks each declared output against ``out_src``
+    (``PlacementMismatchError``);
+  - local region (``region_dispatch=False``, injected compute, or production): local
+    tensors; in validate the boundary's own DTensor parameters are unwrapped for the
+    call and the outputs re-wrapped by the declared ``out_src``;
+* converts each declared output ``out_src → out_dst``, and adds deferred rowwise
+  biases once, after the exit reduction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from hp_core.planner.comms import grad_is_partial
+from hp_core.runtime.layouts import Transition, same_placement, to_placements
+from hp_core.spec import ModuleShardingSpec, PlacementMismatchError
+
+__all__ = ["BoundaryForward"]
+
+
+def _positions(fn: Callable[..., Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for i, p in enumerate(inspect.signature(fn).parameters.values()):
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            out[p.name] = i
+    return out
+
+
+def _owner(module: nn.Module, rel: str) -> tuple[nn.Module, str]:
+    path, _, name = rel.rpartition(".")
+    return (module.get_submodule(path) if path else module), name
+
+
+class BoundaryForward:
+    """The replacement ``forward`` of one boundary module."""
+
+    def __init__(
+        self,
+        fqn: str,
+        module: nn.Module,
+        spec: ModuleShardingSpec,
+        mesh: Any,
+        mode: str,
+        *,
+        compute: Callable[..., Any] | None = None,
+        dispatch: bool,
+    ) -> None:
+        self.fqn = fqn
+        self.module = module
+        self.spec = spec
+        self.mesh = mesh
+        self.mode = mode
+        self.original = module.forward
+        self.compute = compute if compute is not None else self.original
+        self.dispatch = dispatch and mode == "validate"
+        self.__signature__ = inspect.signature(self.original)
+        self._pos = _positions(self.original)
+        in_src, in_dst = spec.in_src or {}, spec.in_dst or {}
+        partial_axes = [a for a in mesh.mesh_dim_names if grad_is_partial(spec, a)]
+        self.inputs = {
+            name: Transition(in_src.get(name, in_dst.get(name)), in_dst.get(name, in_src.get(name)), mesh, grad_partial_axes=partial_axes)
+            for name in dict.fromkeys([*in_src, *in_dst])
+        }
+        out_src, out_dst = spec.out_src or {}, spec.out_dst or {}
+        self.out_names = spec.output_names() or list(out_dst)
+        self.outputs = {
+            name: Transition(out_src.get(name, out_dst.get(name)), out_dst.get(name, out_src.get(name)), mesh)
+            for name in dict.fromkeys([*out_src, *out_dst])
+        }
+        self.expected_out = {name: to_placements(layout, mesh) for name, layout in out_src.items()}
+        self.deferred = [_owner(module, rel) for rel in spec._deferred_bias_params]
+        self.own_params = [_owner(module, rel) for rel in (spec.params or {}) if rel not in spec._ep_stack]
+
+    # ------------------------------------------------------------------ inputs
+    def _convert_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], how: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if not self.inputs:
+            return args, kwargs
+        args = list(args)  # type: ignore[assignment]
+        for name, tr in self.inputs.items():
+            if name in kwargs:
+                kwargs[name] = self._convert(tr, kwargs[name], how)
+            else:
+                i = self._pos.get(name)
+                if i is not None and i < len(args):
+                    args[i] = self._convert(tr, args[i], how)  # type: ignore[index]
+        return tuple(args), kwargs
+
+    @staticmethod
+    def _convert(tr: Transition, x: Any, how: str) -> Any:
+        if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+            return x
+        if how == "local":
+            return tr.local(x)
+        if how == "dtensor":
+            return tr.to_dtensor(x)
+        return tr.via_dtensor(x)
+
+    # ------------------------------------------------------------------ outputs
+    def _split(self, out: Any) -> tuple[list[Any], bool]:
+        if isinstance(out, tuple) and len(self.out_names) > 1:
+            return list(out), True
+        return [out], False
+
+    def _join(self, items: list[Any], was_tuple: bool) -> Any:
+        return tuple(items) if was_tuple else items[0]
+
+    def _exit(self, out: Any, how: str) -> Any:
+        items, was_tuple = self._split(out)
+        names = self.out_names if was_tuple else (self.out_names[:1] or ["output"])
+        for i, name in enumerate(names):
+            if i >= len(items) or name not in self.outputs:
+                continue
+            x, tr = items[i], self.outputs[name]
+            if how == "check":
+                items[i] = tr.exit_dtensor(self._check(name, x))
+            elif how == "rewrap":
+                items[i] = tr.via_dtensor(x)
+            else:
+                items[i] = tr.local(x)
+        if self.deferred and items and isinstance(items[0], torch.Tensor):
+            for owner, name in self.deferred:
+                bias = owner._parameters[name]
+                items[0] = items[0] + (bias.to_local() if isinstance(bias, DTensor) else bias)
+        return self._join(items, was_tuple)
+
+    def _check(self, name: str, x: Any) -> DTensor:
+        expected = self.expected_out.get(name)
+        stage = f"out_src[{name}]"
+        if not isinstance(x, DTensor):
+            raise PlacementMismatchError(self.fqn, self.spec.out_src[name], f"a plain {type(x).__name__} (not a DTensor)", stage)
+        if expected is not None and not all(same_placement(a, e) for a, e in zip(x.placements, expected, strict=True)):
+            names = list(self.mesh.mesh_dim_names)
+            actual = dict(zip(names, x.placements, strict=True))
+            declared = dict(zip(names, expected, strict=True))
+            raise PlacementMismatchError(self.fqn, declared, actual, stage)
+        return x
+
+    # ------------------------------------------------------------------ call
+    @contextlib.contextmanager
+    def _detached_biases(self) -> Iterator[None]:
+        saved = [(o, n, o._parameters[n]) for o, n in self.deferred]
+        for o, n, _ in saved:
+            o._parameters[n] = None
+        try:
+            yield
+        finally:
+            for o, n, p in saved:
+                o._parameters[n] = p
+
+    @contextlib.contextmanager
+    def _local_params(self) -> Iterator[None]:
+        """Validate, local region: the boundary's own DTensor parameters as local tensors."""
+        saved = []
+        for owner, name in self.own_params:
+            p = owner._parameters.get(name)
+            if isinstance(p, DTensor):
+                saved.append((owner, name, p))
+                owner._parameters[name] = p.to_local()
+        try:
+            yield
+        finally:
+            for owner, name, p in saved:
+                owner._parameters[name] = p
+
+    def _replicate_rest(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Validate: undeclared tensor inputs (rotary tables, masks) join as replicated DTensors.
+
+        Wrapping them explicitly (rather than only allowing implicit replication) keeps the
+        tensors autograd saves for backward DTensors too.
+        """
+        placements = [Replicate()] * len(self.mesh.mesh_dim_names)
+
+        def wrap(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+                return DTensor.from_local(x, self.mesh, placements, run_check=False)
+            if isinstance(x, tuple | list) and any(isinstance(v, torch.Tensor) for v in x):
+                return type(x)(wrap(v) for v in x)
+            return x
+
+        return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.mode == "production":
+            args, kwargs = self._convert_inputs(args, kwargs, "local")
+            with self._detached_biases():
+                out = self.compute(*args, **kwargs)
+            return self._exit(out, "local")
+        if self.dispatch:
+            args, kwargs = self._replicate_rest(*self._convert_inputs(args, kwargs, "dtensor"))
+            with self._detached_biases(), implicit_replication(), sdpa_kernel([SDPBackend.MATH]):
+                out = self.compute(*args, **kwargs)
+            return self._exit(out, "check")
+        args, kwargs = self._convert_inputs(args, kwargs, "via")
+        with self._detached_biases(), self._local_params():
+            out = self.compute(*args, **kwargs)
+        return self._exit(out, "rewrap")

@@ -1,0 +1,109 @@
+"""Layout transitions on tensors: the communication a contract implies.
+
+``Transition`` is built once per boundary input/output at apply time and called on
+every forward. Production lowers a change on a single mesh axis to one differentiable
+collective (``hp_core.runtime.collectives``); anything else — several axes at once, or
+a shard whose order on the mesh the lowering cannot honour — falls back to DTensor's
+``redistribute``. Validate mode always goes through DTensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from hp_core.runtime import collectives as C
+from hp_core.spec import resolve_placements
+
+__all__ = ["Transition", "same_placement", "to_placements"]
+
+
+def to_placements(named: Mapping[str, Placement] | None, mesh: Any) -> tuple[Placement, ...]:
+    return tuple(resolve_placements(dict(named or {}), list(mesh.mesh_dim_names)))
+
+
+def same_placement(actual: Placement, expected: Placement) -> bool:
+    """Equality that treats DTensor's masked partial (vocab-parallel lookup) as ``partial``."""
+    if isinstance(expected, Partial):
+        return isinstance(actual, Partial) and getattr(actual, "reduce_op", "sum") == expected.reduce_op
+    return actual == expected
+
+
+class Transition:
+    """``src → dst`` for one tensor on one mesh; ``grad_partial_axes`` marks partial gradients."""
+
+    def __init__(
+        self,
+        src: Mapping[str, Placement] | None,
+        dst: Mapping[str, Placement] | None,
+        mesh: Any,
+        *,
+        grad_partial_axes: Sequence[str] = (),
+    ) -> None:
+        self.mesh = mesh
+        self.names = list(mesh.mesh_dim_names)
+        self.src = to_placements(src, mesh)
+        self.dst = to_placements(dst if dst is not None else src, mesh)
+        self.grad = tuple(
+            Partial() if (name in grad_partial_axes and isinstance(d, Replicate)) else d
+            for name, d in zip(self.names, self.dst, strict=True)
+        )
+        self.identity = self.src == self.dst and self.grad == self.dst
+        self._local = None if self.identity else self._lower()
+
+    # --------------------------------------------------------------- lowering
+    def _lower(self) -> Any:
+        changed = [i for i, (s, d, g) in enumerate(zip(self.src, self.dst, self.grad, strict=True)) if s != d or g != d]
+        if len(changed) != 1:
+            return None
+        i = changed[0]
+        s, d, g = self.src[i], self.dst[i], self.grad[i]
+        dim = s.dim if isinstance(s, Shard) else d.dim if isinstance(d, Shard) else None
+        if dim is not None:
+            # Single-axis lowering is exact only when no inner mesh axis also shards `dim`.
+            for j in range(i + 1, len(self.names)):
+                if any(isinstance(p, Shard) and p.dim == dim for p in (self.src[j], self.dst[j])):
+                    return None
+        group = self.mesh.get_group(self.names[i])
+        grad_partial = isinstance(g, Partial)
+        if isinstance(s, Shard) and isinstance(d, Replicate):
+            return lambda x: C.all_gather_along(x, s.dim, group, grad_partial=grad_partial)
+        if isinstance(s, Replicate) and isinstance(d, Shard):
+            return lambda x: C.slice_along(x, d.dim, group)
+        if isinstance(s, Partial) and isinstance(d, Replicate):
+            return lambda x: C.all_reduce(x, group)
+        if isinstance(s, Partial) and isinstance(d, Shard):
+            return lambda x: C.reduce_scatter_along(x, d.dim, group)
+        if isinstance(s, Replicate) and isinstance(d, Replicate) and grad_partial:
+            return lambda x: C.copy_to_region(x, group)
+        return None
+
+    # --------------------------------------------------------------- calls
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """Production: local tensor in ``src`` → local tensor in ``dst``."""
+        if self.identity or not isinstance(x, torch.Tensor):
+            return x
+        if self._local is not None:
+            return self._local(x)
+        dt = DTensor.from_local(x, self.mesh, self.src, run_check=False)
+        return dt.redistribute(self.mesh, self.dst).to_local(grad_placements=self.grad)
+
+    def to_dtensor(self, x: torch.Tensor) -> DTensor:
+        """Validate, dispatching region: local ``src`` → DTensor in ``dst``."""
+        dt = DTensor.from_local(x, self.mesh, self.src, run_check=False)
+        return dt.redistribute(self.mesh, self.dst) if self.src != self.dst else dt
+
+    def via_dtensor(self, x: torch.Tensor) -> torch.Tensor:
+        """Validate, local region: local ``src`` → local ``dst`` through DTensor."""
+        if not isinstance(x, torch.Tensor):
+            return x
+        return self.to_dtensor(x).to_local(grad_placements=self.grad)
+
+    def exit_dtensor(self, dt: DTensor) -> torch.Tensor:
+        """Validate: a DTensor the region produced (already checked against ``src``) → local ``dst``."""
+        if tuple(dt.placements) == self.dst:
+            return dt.to_local()
+        return dt.redistribute(self.mesh, self.dst).to_local()

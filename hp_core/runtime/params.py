@@ -1,0 +1,64 @@
+"""Parameter sharding: ``distribute_tensor`` every declared parameter once.
+
+Validate keeps the DTensor parameters; production keeps only the local shard, as a
+plain ``nn.Parameter``, for good. Tied parameters (one Parameter reachable under two
+names) are sharded once and stay tied. Meta tensors stay meta.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from hp_core.plan import ShardingPlan
+from hp_core.runtime.journal import Journal
+from hp_core.runtime.layouts import to_placements
+
+__all__ = ["declared_params", "shard_parameters"]
+
+
+def _owner(module: nn.Module, rel: str) -> tuple[nn.Module, str]:
+    path, _, name = rel.rpartition(".")
+    return (module.get_submodule(path) if path else module), name
+
+
+def declared_params(model: nn.Module, plan: ShardingPlan) -> Iterator[tuple[str, str, nn.Module, str, dict]]:
+    """``(boundary fqn, relative name, owning module, attribute, named placement)`` in plan order."""
+    for fqn, spec in plan.items():
+        module = model.get_submodule(fqn) if fqn else model
+        for rel, named in (spec.params or {}).items():
+            owner, name = _owner(module, rel)
+            yield fqn, rel, owner, name, named
+
+
+def _distribute(t: torch.Tensor, mesh: Any, placements: tuple, mode: str) -> torch.Tensor:
+    data = t.detach()
+    # Rank 0's values are the truth, as in DTensor: every rank ends up with the same model.
+    # Meta tensors carry no values, so they are only chunked.
+    dt = distribute_tensor(data, mesh, placements, src_data_rank=None if data.is_meta else 0)
+    return dt if mode == "validate" else dt.to_local()
+
+
+def shard_parameters(model: nn.Module, plan: ShardingPlan, mesh: Any, mode: str, journal: Journal) -> dict[int, nn.Parameter]:
+    """Replace every declared parameter by its sharded version; returns ``id(old) → new``."""
+    done: dict[int, nn.Parameter] = {}
+    for _fqn, _rel, owner, name, named in declared_params(model, plan):
+        old = owner._parameters[name]
+        if old is None or isinstance(old, DTensor):
+            continue
+        new = done.get(id(old))
+        if new is None:
+            sharded = _distribute(old, mesh, to_placements(named, mesh), mode)
+            new = nn.Parameter(sharded, requires_grad=old.requires_grad)
+            done[id(old)] = new
+        journal.set_param(owner, name, new)
+    # Tied aliases that no boundary names (e.g. lm_head.weight declared only once) follow.
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) in done and module._parameters[name] is not done[id(p)]:
+                journal.set_param(module, name, done[id(p)])
+    return done

@@ -1,0 +1,277 @@
+"""Preflight: everything ``apply`` can check without touching the model (SPEC §5).
+
+Runs on every rank; the ranks then exchange their plan fingerprint and their verdict
+in one collective, so a divergent plan or a rank-local failure is an error on every
+rank instead of a deadlock later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from hp_core.injection import (
+    ResolvedInjection,
+    check_forward_compatible,
+    resolve_injection,
+)
+from hp_core.mesh import MeshSpec
+from hp_core.plan import ShardingPlan
+from hp_core.planner.lints import PlanningError, lint_plan
+from hp_core.spec import ModuleShardingSpec, close_matches
+
+__all__ = [
+    "InjectionPlan",
+    "MeshMismatchError",
+    "PlanMismatchError",
+    "PreflightError",
+    "PreflightResult",
+    "context_meshes",
+    "preflight",
+]
+
+MODES = ("production", "validate")
+
+
+class PreflightError(ValueError):
+    """``apply`` refused before touching the model; the message says what to fix."""
+
+
+class MeshMismatchError(PreflightError):
+    """The mesh lacks an axis the plan needs, or its sizes differ from the plan's."""
+
+
+class PlanMismatchError(PreflightError):
+    """Ranks hold different plans (or one rank failed its preflight)."""
+
+
+@dataclasses.dataclass
+class InjectionPlan:
+    """What preflight resolved for one boundary's injections."""
+
+    inner_wrapper: ResolvedInjection | None = None
+    inner_target: str | None = None
+    local_compute: ResolvedInjection | None = None
+    compute_fn: Callable[..., Any] | None = None
+
+
+@dataclasses.dataclass
+class PreflightResult:
+    injections: dict[str, InjectionPlan]
+    meshes: dict[str, Any]
+
+
+def _yaml_cp_fix(fqn: str) -> str:
+    return (
+        "  - match: \"*.self_attn\"\n    when: cp\n    inner_target: self\n"
+        "    inner_wrapper: sdpa_hf\n    region_dispatch: false"
+    )
+
+
+def context_meshes(mesh: Any, plan: ShardingPlan) -> dict[str, Any]:
+    """The framework context every injection may declare (None for inactive axes)."""
+    names = list(mesh.mesh_dim_names)
+    out: dict[str, Any] = {"mesh": mesh, "tp_mesh": None, "cp_mesh": None, "ep_mesh": None}
+    for axis in ("tp", "cp"):
+        if axis in names and mesh[axis].size() > 1:
+            out[f"{axis}_mesh"] = mesh[axis]
+    return out
+
+
+def _check_mesh(plan: ShardingPlan, mesh: Any) -> None:
+    names = getattr(mesh, "mesh_dim_names", None)
+    if names is None or not hasattr(mesh, "get_group"):
+        raise MeshMismatchError(
+            "apply() needs a torch DeviceMesh with mesh_dim_names (e.g. init_device_mesh('cpu', "
+            f"(2,), mesh_dim_names=('tp',))), got {type(mesh).__name__}."
+        )
+    actual = MeshSpec.from_any(mesh)
+    planned = dict(zip(plan.mesh_axis_names, plan.mesh_shape or (None,) * len(plan.mesh_axis_names), strict=True))
+    missing = [a for a in planned if a not in actual]
+    if missing:
+        raise MeshMismatchError(
+            f"the plan was made for axes {list(planned)} but the mesh {actual} lacks {missing}. Apply "
+            "the plan on the mesh it was made for, or plan again for this mesh."
+        )
+    wrong = {a: (planned[a], actual.size(a)) for a in planned if planned[a] is not None and planned[a] != actual.size(a)}
+    if wrong:
+        detail = ", ".join(f"{a}: plan {p}, mesh {m}" for a, (p, m) in wrong.items())
+        raise MeshMismatchError(f"mesh sizes differ from the plan's ({detail}). Plan again for this mesh.")
+
+
+def _check_modules(model: nn.Module, plan: ShardingPlan) -> dict[str, nn.Module]:
+    modules = dict(model.named_modules())
+    for fqn in plan:
+        if fqn not in modules:
+            best = close_matches(fqn, modules, n=3)
+            hint = f" Close matches: {best}." if best else ""
+            raise PreflightError(f"plan names module {fqn!r}, which the model does not have.{hint} Plan for this model.")
+    return modules
+
+
+def _resolve(fqn: str, spec: ModuleShardingSpec, module: nn.Module, plan: ShardingPlan, meshes: dict[str, Any]) -> InjectionPlan:
+    src = f"plan[{fqn!r}]"
+    result = InjectionPlan()
+    cp_active = meshes["cp_mesh"] is not None
+    if (spec.inner_target is None) != (spec.inner_wrapper is None):
+        have, lack = ("inner_target", "inner_wrapper") if spec.inner_target is not None else ("inner_wrapper", "inner_target")
+        raise PreflightError(
+            f"{fqn}: {have} is set but {lack} is not; an inner wrap needs both (which submodule, and "
+            f"what replaces its forward). Add {lack}, e.g. inner_target: self."
+        )
+    if spec.has_injection and spec.region_dispatch is None:
+        raise PreflightError(
+            f"{fqn}: injected compute must declare region_dispatch explicitly: true if it is plain torch "
+            "ops (validate dispatches DTensors through it), false if it communicates or uses custom "
+            "kernels (it then runs on local tensors)."
+        )
+    if spec.region_dispatch is True and not spec.has_injection:
+        raise PreflightError(
+            f"{fqn}: region_dispatch=True without an injection is redundant; remove it (or set false "
+            "if the module's own forward communicates)."
+        )
+    if spec.inner_wrapper is not None:
+        target = spec.inner_target
+        if target != "self":
+            child = getattr(module, str(target), None)
+            if not isinstance(child, nn.Module):
+                children = [n for n, _ in module.named_children()]
+                best = close_matches(str(target), children, n=1)
+                hint = f" Did you mean {best[0]!r}?" if best else ""
+                raise PreflightError(
+                    f"{fqn}: inner_target {target!r} is not a child module of {type(module).__name__}.{hint} "
+                    f"Children: {children}; use 'self' for the module itself."
+                )
+            if spec.inner_out_src is None:
+                raise PreflightError(
+                    f"{fqn}: inner_target {target!r} is a child, so inner_out_src must say the layout of "
+                    "its output ('first_input', or a placement mapping such as {tp: shard(1)})."
+                )
+        resolved = resolve_injection(spec.inner_wrapper, "inner_wrapper", source=f"{src}.inner_wrapper")
+        meta = _registry_meta(spec.inner_wrapper)
+        if meta.get("needs_cp") and not cp_active:
+            raise PreflightError(
+                f"{fqn}: inner wrapper {resolved.name!r} is a context-parallel wrapper, but the mesh has no "
+                "active cp axis. Add cp to the mesh, or guard the override with 'when: cp'."
+            )
+        required = meta.get("region_dispatch")
+        if required is not None and spec.region_dispatch is not required:
+            raise PreflightError(
+                f"{fqn}: inner wrapper {resolved.name!r} requires region_dispatch: {str(required).lower()} "
+                f"(it {'communicates' if required is False else 'is plain torch ops'}); the plan has "
+                f"{spec.region_dispatch}."
+            )
+        result.inner_wrapper, result.inner_target = resolved, target
+    if spec.local_compute_fn is not None:
+        resolved = resolve_injection(spec.local_compute_fn, "local_compute", source=f"{src}.local_compute_fn")
+        compute = resolved.bind({**meshes, "module": module}, source=f"{src}.local_compute_fn")
+        if not callable(compute):
+            raise PreflightError(
+                f"{fqn}: the @local_compute factory {resolved.name!r} returned {compute!r}; it must return "
+                "compute_fn(module, *forward_args)."
+            )
+        check_forward_compatible(compute, module.forward, leading=1, source=f"{src}.local_compute_fn")
+        result.local_compute, result.compute_fn = resolved, compute
+    if spec._needs_cp_attn and cp_active and spec.inner_wrapper is None and spec.local_compute_fn is None:
+        raise PreflightError(
+            f"{fqn}: attention under cp={meshes['cp_mesh'].size()} needs a context-parallel attention "
+            "wrapper (each rank holds only part of the sequence, so keys and values must be gathered). "
+            f"Install hp-plugin-cp and add to your overrides:\n{_yaml_cp_fix(fqn)}"
+        )
+    if spec._ep_size > 1 and spec.local_compute_fn is None:
+        from hp_core.planner.structure import model_architectures
+        from hp_core.plugins import suggest_compute_factory
+
+        raise PreflightError(
+            f"{fqn}: experts are sharded over ep={spec._ep_size} but no compute is declared; the MoE "
+            "block needs an expert-parallel compute that dispatches tokens with all-to-all. Add:\n"
+            f"  - match: {fqn!r}\n    local_compute_fn: {suggest_compute_factory(model_architectures(module)[0]) or 'FACTORY'}\n"
+            "    region_dispatch: false\n(hp plugins lists the factories installed.)"
+        )
+    return result
+
+
+def _registry_meta(value: Any) -> dict[str, Any]:
+    from hp_core.injection import Target
+    from hp_core.plugins import INNER_WRAPPER_REGISTRY
+
+    name = value.target if isinstance(value, Target) else value
+    if isinstance(name, str) and name in INNER_WRAPPER_REGISTRY:
+        return dict(INNER_WRAPPER_REGISTRY.get_item(name).meta)
+    return {}
+
+
+def _check_attrs(model: nn.Module, plan: ShardingPlan) -> None:
+    for fqn, spec in plan.items():
+        for attr, (glob, _local) in (spec._tp_local_attr_plan or {}).items():
+            module = model.get_submodule(fqn) if fqn else model
+            value = getattr(module, attr, None)
+            if value != glob:
+                raise PreflightError(
+                    f"{fqn}.{attr} is {value!r} but the plan expects {glob} (it divides it by tp). Was the "
+                    "plan made for another model, or was the model already parallelized?"
+                )
+
+
+def _exchange(plan: ShardingPlan, error: BaseException | None) -> None:
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    mine = (plan.fingerprint(), None if error is None else f"{type(error).__name__}: {error}")
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if error is not None:
+        raise error
+    failed = {r: e for r, (_, e) in enumerate(gathered) if e is not None}
+    if failed:
+        rank, msg = next(iter(failed.items()))
+        raise PlanMismatchError(f"apply() failed its preflight on rank(s) {sorted(failed)} (rank {rank}: {msg}); no rank touched its model.")
+    prints = {fp for fp, _ in gathered}
+    if len(prints) > 1:
+        by_rank = {r: fp[:12] for r, (fp, _) in enumerate(gathered)}
+        raise PlanMismatchError(
+            f"ranks hold different plans (fingerprints by rank: {by_rank}). Every rank must apply the same "
+            "plan, or the collectives it implies would deadlock: build the plan identically on every rank "
+            "(same model config, mesh, overrides and hp/plugin versions) or load one frozen artifact."
+        )
+
+
+def preflight(model: nn.Module, plan: ShardingPlan, mesh: Any, mode: str) -> PreflightResult:
+    """Check everything; raise before any mutation. Collective: every rank must call it."""
+    error: BaseException | None = None
+    result = PreflightResult({}, {})
+    try:
+        if mode not in MODES:
+            raise PreflightError(f"apply(mode={mode!r}): mode must be one of {MODES}.")
+        if not isinstance(plan, ShardingPlan):
+            raise PreflightError(f"apply() expects a ShardingPlan (from hp_core.plan(...)), got {type(plan).__name__}.")
+        if getattr(model, "_hp_applied", None) is not None:
+            raise PreflightError(
+                f"this {type(model).__name__} was already parallelized by hp; apply a plan to an unsharded model."
+            )
+        if plan.loss_parallel and not hasattr(type(model), "loss_function"):
+            raise PreflightError(
+                "loss_parallel needs a model that computes its loss through 'loss_function' (Hugging "
+                f"Face causal LMs do); {type(model).__name__} has none. Plan with loss_parallel=False."
+            )
+        _check_mesh(plan, mesh)
+        modules = _check_modules(model, plan)
+        try:
+            lint_plan(model, plan.modules, MeshSpec.from_any(mesh))
+        except PlanningError as e:
+            raise PreflightError(f"the plan does not fit this model: {e}") from e
+        _check_attrs(model, plan)
+        meshes = context_meshes(mesh, plan)
+        result.meshes = meshes
+        for fqn, spec in plan.items():
+            if spec.is_boundary:
+                result.injections[fqn] = _resolve(fqn, spec, modules[fqn], plan, meshes)
+    except Exception as e:  # every rank must reach the exchange
+        error = e
+    _exchange(plan, error)
+    return result

@@ -1,0 +1,48 @@
+"""Compare a parallelized model with its single-device original, tensor by tensor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hp_core.runtime.layouts import to_placements
+
+__all__ = ["full_tensor", "full_grads", "max_abs_diff"]
+
+
+def full_tensor(t: torch.Tensor, placements_by_axis: dict | None, mesh: Any) -> torch.Tensor:
+    """The whole tensor behind a local shard (or a DTensor), on every rank."""
+    if isinstance(t, DTensor):
+        return t.full_tensor()
+    if not placements_by_axis:
+        return t
+    return DTensor.from_local(t, mesh, to_placements(placements_by_axis, mesh), run_check=False).full_tensor()
+
+
+def full_grads(model: nn.Module, mesh: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, unsharded, keyed by its (deduplicated) name."""
+    state = getattr(model, "_hp_applied", None)
+    layouts: dict[int, dict] = {}
+    if state is not None:
+        for fqn, spec in state.plan.items():
+            module = model.get_submodule(fqn) if fqn else model
+            for rel, named in (spec.params or {}).items():
+                path, _, name = rel.rpartition(".")
+                owner = module.get_submodule(path) if path else module
+                p = owner._parameters.get(name)
+                if p is not None:
+                    layouts[id(p)] = named
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            out[name] = full_tensor(p.grad, layouts.get(id(p)), mesh)
+    return out
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per-key max |a - b|; a key in only one of them maps to inf."""
+    keys = set(a) | set(b)
+    return {k: (float((a[k].float() - b[k].float()).abs().max()) if k in a and k in b else float("inf")) for k in sorted(keys)}
