@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_embedding", "VocabParallelCausalLMLoss"]
+__all__ = ["VocabParallelCausalLMLoss", "vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
 
 
 def vocab_parallel_embedding(module: nn.Embedding, group: Any) -> Any:

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from hp_core.runtime.layouts import to_placements
 
-__all__ = ["full_tensor", "full_grads", "max_abs_diff"]
+__all__ = ["full_grads", "full_tensor", "max_abs_diff"]
 
 
 def full_tensor(t: torch.Tensor, placements_by_axis: dict | None, mesh: Any) -> torch.Tensor:
