@@ -222,7 +222,8 @@ def _exchange(plan: ShardingPlan, error: BaseException | None) -> None:
         if error is not None:
             raise error
         return
-    mine = (plan.fingerprint(), None if error is None else f"{type(error).__name__}: {error}")
+    fingerprint = plan.fingerprint() if isinstance(plan, ShardingPlan) else f"<{type(plan).__name__}>"
+    mine = (fingerprint, None if error is None else f"{type(error).__name__}: {error}")
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if error is not None:

@@ -1,0 +1,212 @@
+"""Rank-side tasks: apply's preflight errors and its rollback (the model stays as it was)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import hp_core.runtime as R
+from hp_core.injection import inner_wrapper, local_compute
+from hp_core.mesh import MeshSpec
+from hp_core.planner import plan as make_plan
+from hp_core.runtime import apply
+from hp_core.testing.models import build_model
+
+
+def snapshot(model: nn.Module) -> dict[str, Any]:
+    """Everything apply may touch: parameter objects and values, instance attributes, the loss."""
+    return {
+        "params": [(n, id(p), p.detach().clone()) for n, p in model.named_parameters(remove_duplicate=False)],
+        "dicts": {n: {k: (id(v), v if isinstance(v, int) else None) for k, v in vars(m).items() if not k.startswith("_") or k in ("_loss_function", "_hp_applied")} for n, m in model.named_modules()},
+        "forward_attrs": sorted(n for n, m in model.named_modules() if "forward" in vars(m)),
+    }
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if [(n, i) for n, i, _ in a["params"]] != [(n, i) for n, i, _ in b["params"]]:
+        return False
+    if not all(torch.equal(x, y) for (_, _, x), (_, _, y) in zip(a["params"], b["params"], strict=True)):
+        return False
+    return a["dicts"] == b["dicts"] and a["forward_attrs"] == b["forward_attrs"]
+
+
+@inner_wrapper
+def identity_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    return target_module.forward
+
+
+@local_compute
+def mismatched_compute(module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    def compute(module, not_hidden_states):
+        return not_hidden_states
+
+    return compute
+
+
+def undecorated(module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    return None
+
+
+def _tp_mesh() -> Any:
+    return init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+
+
+def _case(name: str, model: nn.Module) -> tuple[Any, Any, Any, str]:
+    """(plan, mesh, model, mode) for one error case."""
+    mesh = _tp_mesh()
+    p = make_plan(model, mesh)
+    mode = "production"
+    attn = "model.layers.0.self_attn"
+    if name == "mesh_missing_axis":
+        p = make_plan(model, MeshSpec(("tp", "cp"), (2, 2)), overrides=[{"match": "*.self_attn", "inner_target": "self", "inner_wrapper": identity_wrapper, "region_dispatch": False}])
+    elif name == "mesh_size":
+        p = make_plan(model, "tp=1")
+    elif name == "not_a_mesh":
+        mesh = MeshSpec(("tp",), (2,))
+    elif name == "bad_mode":
+        mode = "fast"
+    elif name == "not_a_plan":
+        p = {"model.embed_tokens": None}
+    elif name == "unknown_module":
+        p = make_plan(build_model("llama", num_hidden_layers=3), mesh)
+    elif name == "divergent_plan":
+        p = make_plan(model, mesh, sequence_parallel=dist.get_rank() == 0)
+    elif name == "rank_local_failure":
+        mode = "production" if dist.get_rank() == 0 else "fast"
+    elif name == "region_dispatch_true":
+        p[attn].region_dispatch = True
+    elif name == "injection_without_region_dispatch":
+        p[attn].inner_target, p[attn].inner_wrapper = "self", identity_wrapper
+    elif name == "target_without_wrapper":
+        p[attn].inner_target, p[attn].region_dispatch = "self", False
+    elif name == "wrapper_without_target":
+        p[attn].inner_wrapper, p[attn].region_dispatch = identity_wrapper, False
+    elif name == "child_without_inner_out_src":
+        p[attn].inner_target, p[attn].inner_wrapper, p[attn].region_dispatch = "q_proj", identity_wrapper, False
+    elif name == "child_typo":
+        p[attn].inner_target, p[attn].inner_wrapper, p[attn].region_dispatch = "q_prj", identity_wrapper, False
+        p[attn].inner_out_src = "first_input"
+    elif name == "unknown_wrapper_name":
+        p[attn].inner_target, p[attn].inner_wrapper, p[attn].region_dispatch = "self", "sdpa_hff", False
+    elif name == "undecorated_compute":
+        p["model.layers.0.mlp"].local_compute_fn, p["model.layers.0.mlp"].region_dispatch = undecorated, False
+    elif name == "compute_signature":
+        p["model.layers.0.mlp"].local_compute_fn, p["model.layers.0.mlp"].region_dispatch = mismatched_compute, False
+    elif name == "cp_without_wrapper":
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+        p = make_plan(model, mesh)
+    elif name == "ep_without_compute":
+        model = build_model("qwen2moe")
+        p = make_plan(model, mesh, ep_size=2)
+    elif name == "attr_mismatch":
+        p[attn]._tp_local_attr_plan = {"head_dim": (99, 49)}
+    elif name == "loss_parallel_without_loss_function":
+        model = _NoLossLM()
+        p = make_plan(model, mesh, loss_parallel=True)
+    elif name == "double_apply":
+        apply(model, make_plan(model, mesh), mesh)
+    else:  # pragma: no cover - a typo in the test itself
+        raise KeyError(name)
+    return p, mesh, model, mode
+
+
+class _NoLossLM(nn.Module):
+    """A model with an embedding and a head but no HF loss_function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed_tokens = nn.Embedding(128, 64)
+        self.lm_head = nn.Linear(64, 128, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.embed_tokens(input_ids))
+
+
+def apply_error(name: str) -> dict[str, Any]:
+    """Run one failing apply; report the exception and whether the model stayed as it was."""
+    model = build_model("llama")
+    p, mesh, model, mode = _case(name, model)
+    before = snapshot(model)
+    try:
+        apply(model, p, mesh, mode=mode)
+    except Exception as e:
+        return {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e), "untouched": same(before, snapshot(model))}
+    return {"type": None}
+
+
+def rollback(phase: str, mode: str) -> dict[str, Any]:
+    """Make one phase of apply fail after it has mutated something; the model must be intact."""
+    model = build_model("llama", attention_bias=True)
+    mesh = _tp_mesh()
+    p = make_plan(model, mesh, loss_parallel=phase == "loss")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss_before = float(model(input_ids=ids, labels=ids, use_cache=False).loss)
+    model.zero_grad(set_to_none=True)
+    before = snapshot(model)
+    saved: dict[str, Any] = {}
+
+    def boom(*_a: Any, **_k: Any) -> None:
+        raise RuntimeError(f"injected failure in {phase}")
+
+    if phase == "params":
+        original = R.shard_parameters
+
+        def params_then_fail(*a: Any, **k: Any) -> Any:
+            original(*a, **k)
+            boom()
+
+        saved["shard_parameters"] = R.shard_parameters
+        R.shard_parameters = params_then_fail
+    elif phase == "boundaries":
+        original_bf = R.BoundaryForward
+        count = {"n": 0}
+
+        def third_fails(*a: Any, **k: Any) -> Any:
+            count["n"] += 1
+            if count["n"] == 3:
+                boom()
+            return original_bf(*a, **k)
+
+        saved["BoundaryForward"] = R.BoundaryForward
+        R.BoundaryForward = third_fails
+    elif phase == "grad_sync":
+        saved["ReplicatedGradSync"] = R.ReplicatedGradSync
+        R.ReplicatedGradSync = boom
+    elif phase == "loss":
+        saved["VocabParallelCausalLMLoss"] = R.VocabParallelCausalLMLoss
+        original_loss = R.VocabParallelCausalLMLoss
+
+        def loss_then_fail(*a: Any, **k: Any) -> Any:
+            original_loss(*a, **k)
+            boom()
+
+        R.VocabParallelCausalLMLoss = loss_then_fail
+    elif phase == "final":
+        original_set = R.Journal.set_attr
+
+        def fail_on_marker(self: Any, obj: Any, name: str, value: Any) -> None:
+            if name == "_hp_applied":
+                boom()
+            original_set(self, obj, name, value)
+
+        saved["Journal.set_attr"] = original_set
+        R.Journal.set_attr = fail_on_marker
+    try:
+        apply(model, p, mesh, mode=mode)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    finally:
+        for key, value in saved.items():
+            if key == "Journal.set_attr":
+                R.Journal.set_attr = value
+            else:
+                setattr(R, key, value)
+    untouched = same(before, snapshot(model))
+    loss_after = float(model(input_ids=ids, labels=ids, use_cache=False).loss)
+    return {"error": error, "untouched": untouched, "same_loss": loss_after == loss_before}
