@@ -14,9 +14,10 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from hp_core.injection import InjectionBindingError, check_forward_compatible
 from hp_core.plan import ShardingPlan
 from hp_core.planner.comms import sp_grad_params
-from hp_core.runtime.boundary import BoundaryForward
+from hp_core.runtime.boundary import BoundaryForward, InnerOutputCheck
 from hp_core.runtime.grads import ReplicatedGradSync
 from hp_core.runtime.journal import Journal, set_forward
 from hp_core.runtime.params import shard_parameters
@@ -70,32 +71,33 @@ def _compute_for(fqn: str, module: nn.Module, plan: ShardingPlan, mesh: Any, mod
     return None, spec.region_dispatch is not False
 
 
-def _inner_wrap(fqn: str, module: nn.Module, plan: ShardingPlan, pre: PreflightResult, journal: Journal) -> Any:
+def _inner_wrap(fqn: str, module: nn.Module, plan: ShardingPlan, mesh: Any, mode: str, pre: PreflightResult, journal: Journal) -> Any:
     """Install an inner wrapper's replacement forward; returns it for a ``self`` target."""
     inj = pre.injections.get(fqn)
     if inj is None or inj.inner_wrapper is None:
         return None
-    from hp_core.injection import check_forward_compatible
-
     spec = plan[fqn]
     target = module if inj.inner_target == "self" else getattr(module, str(inj.inner_target))
     before = target.__dict__.get("forward")
     original = target.forward
-    replacement = inj.inner_wrapper.bind({**pre.meshes, "target_module": target}, source=f"plan[{fqn!r}].inner_wrapper")
+    source = f"plan[{fqn!r}].inner_wrapper"
+    replacement = inj.inner_wrapper.bind({**pre.meshes, "target_module": target}, source=source)
     if replacement is None:  # the wrapper installed it in place
         replacement = target.__dict__.get("forward")
         if replacement is None or replacement is before:
-            raise PreflightError(
-                f"{fqn}: inner wrapper {inj.inner_wrapper.name!r} returned None but did not replace "
+            raise InjectionBindingError(
+                f"{source}: {inj.inner_wrapper.name!r} returned None but did not replace "
                 f"{type(target).__name__}.forward; return the replacement forward instead."
             )
         # Undo the wrapper's own assignment if a later phase fails.
         journal.record(lambda: target.__dict__.pop("forward", None) if before is None else target.__dict__.__setitem__("forward", before))
-    check_forward_compatible(replacement, original, source=f"plan[{fqn!r}].inner_wrapper")
-    spec._resolved_inner_wrapper = inj.inner_wrapper.name
-    spec._resolved_inner_target = fqn if inj.inner_target == "self" else f"{fqn}.{inj.inner_target}"
+    check_forward_compatible(replacement, original, source=source)
+    journal.set_attr(spec, "_resolved_inner_wrapper", inj.inner_wrapper.name)
+    journal.set_attr(spec, "_resolved_inner_target", fqn if inj.inner_target == "self" else f"{fqn}.{inj.inner_target}")
     if inj.inner_target == "self":
         return replacement
+    if mode == "validate" and spec.region_dispatch is True:
+        replacement = InnerOutputCheck(f"{fqn}.{inj.inner_target}", replacement, spec.inner_out_src, mesh)
     set_forward(journal, target, replacement)
     return None
 
@@ -117,7 +119,7 @@ def apply(model: nn.Module, plan: ShardingPlan, mesh: Any, *, mode: str = "produ
             if not spec.is_boundary:
                 continue
             module = model.get_submodule(fqn) if fqn else model
-            replacement = _inner_wrap(fqn, module, plan, pre, journal)
+            replacement = _inner_wrap(fqn, module, plan, mesh, mode, pre, journal)
             compute, dispatch = _compute_for(fqn, module, plan, mesh, mode, pre)
             bf = BoundaryForward(fqn, module, spec, mesh, mode, compute=compute or replacement, dispatch=dispatch)
             set_forward(journal, module, bf)

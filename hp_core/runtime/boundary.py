@@ -32,7 +32,7 @@ from hp_core.planner.comms import grad_is_partial
 from hp_core.runtime.layouts import Transition, same_placement, to_placements
 from hp_core.spec import ModuleShardingSpec, PlacementMismatchError
 
-__all__ = ["BoundaryForward"]
+__all__ = ["BoundaryForward", "InnerOutputCheck"]
 
 
 def _positions(fn: Callable[..., Any]) -> dict[str, int]:
@@ -211,3 +211,36 @@ class BoundaryForward:
         with self._detached_biases(), self._local_params():
             out = self.compute(*args, **kwargs)
         return self._exit(out, "rewrap")
+
+
+class InnerOutputCheck:
+    """Validate mode, dispatching region: check a child replacement's output by ``inner_out_src``.
+
+    ``"first_input"`` means "the layout of its first tensor argument"; a mapping declares
+    the layout outright. A mismatch is a ``PlacementMismatchError`` at stage ``inner_out_src``.
+    """
+
+    def __init__(self, name: str, fn: Callable[..., Any], inner_out_src: Any, mesh: Any) -> None:
+        self.name = name
+        self.fn = fn
+        self.mesh = mesh
+        self.declared = inner_out_src
+        self.__signature__ = inspect.signature(fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.fn(*args, **kwargs)
+        first = out[0] if isinstance(out, tuple) else out
+        if self.declared == "first_input":
+            src = next((a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)), None)
+            expected = tuple(src.placements) if src is not None else None
+        else:
+            layout = next(iter(self.declared.values()))
+            expected = to_placements(layout, self.mesh)
+        names = list(self.mesh.mesh_dim_names)
+        if expected is None or not isinstance(first, DTensor) or not all(
+            same_placement(a, e) for a, e in zip(first.placements, expected, strict=True)
+        ):
+            actual = dict(zip(names, first.placements, strict=True)) if isinstance(first, DTensor) else f"a plain {type(first).__name__}"
+            declared = dict(zip(names, expected, strict=True)) if expected is not None else self.declared
+            raise PlacementMismatchError(self.name, declared, actual, "inner_out_src")
+        return out
