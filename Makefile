@@ -22,7 +22,8 @@ $(STAMP): $(DISTS)
 
 demo: $(STAMP)
 	$(BIN)/hp plugins
-	$(BIN)/python examples/tour.py
+	$(BIN)/hp plan --model llama --mesh tp=2
+	$(BIN)/python examples/tp_train.py --steps 5
 
 lint: $(STAMP)
 	$(BIN)/ruff check hp_core hp_plugin_cp hp_plugin_moe plugins tests tools examples

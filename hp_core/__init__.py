@@ -1,4 +1,9 @@
-"""hp: parallelize a PyTorch model over a DeviceMesh from declared per-module contracts."""
+"""hp: parallelize a PyTorch model over a DeviceMesh from declared per-module contracts.
+
+The two verbs: :func:`plan` derives every boundary's contract from the model's structure
+(plus your overrides) and :func:`apply` shards the parameters and wraps each boundary
+with the communication its contract implies.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,23 @@ from hp_core.injection import (
     require_injection_meta,
     trust_packages,
 )
+from hp_core.mesh import MeshSpec
+from hp_core.plan import (
+    OverrideEntry,
+    ShardingPlan,
+    dump_overrides,
+    dump_plan,
+    load_overrides,
+    load_plan,
+)
+from hp_core.planner import plan
+from hp_core.plugins import (
+    register_compute_factory,
+    register_inner_wrapper,
+    register_router_adapter,
+    register_template,
+)
+from hp_core.runtime import apply, finalize_grads
 from hp_core.spec import (
     CP,
     DP,
@@ -26,7 +48,7 @@ from hp_core.spec import (
     parse_placement,
     resolve_placements,
 )
-from hp_core.templates import Role, RoleRule
+from hp_core.templates import BoundaryTemplate, Role, RoleRule
 
 __version__ = "0.1.0"
 
@@ -35,22 +57,37 @@ __all__ = [
     "DP",
     "EP",
     "TP",
+    "BoundaryTemplate",
     "InjectionMeta",
     "MeshAxisName",
+    "MeshSpec",
     "ModuleShardingSpec",
     "NamedPlacement",
+    "OverrideEntry",
     "PlacementMismatchError",
     "Role",
     "RoleRule",
+    "ShardingPlan",
     "Target",
     "__version__",
+    "apply",
+    "dump_overrides",
+    "dump_plan",
+    "finalize_grads",
     "format_named_placement",
     "format_placement",
     "hookimpl",
     "inner_wrapper",
+    "load_overrides",
+    "load_plan",
     "local_compute",
     "parse_named_placement",
     "parse_placement",
+    "plan",
+    "register_compute_factory",
+    "register_inner_wrapper",
+    "register_router_adapter",
+    "register_template",
     "require_injection_meta",
     "resolve_placements",
     "trust_packages",
