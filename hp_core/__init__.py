@@ -17,14 +17,6 @@ from hp_core.injection import (
     trust_packages,
 )
 from hp_core.mesh import MeshSpec
-from hp_core.plan import (
-    OverrideEntry,
-    ShardingPlan,
-    dump_overrides,
-    dump_plan,
-    load_overrides,
-    load_plan,
-)
 from hp_core.planner import plan
 from hp_core.plugins import (
     register_compute_factory,
@@ -33,6 +25,14 @@ from hp_core.plugins import (
     register_template,
 )
 from hp_core.runtime import apply, finalize_grads
+from hp_core.sharding_plan import (
+    OverrideEntry,
+    ShardingPlan,
+    dump_overrides,
+    dump_plan,
+    load_overrides,
+    load_plan,
+)
 from hp_core.spec import (
     CP,
     DP,

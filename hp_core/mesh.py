@@ -54,7 +54,7 @@ class MeshSpec:
             raise MeshSpecError(f"expected a mesh like 'tp=4,cp=2', got {text!r}")
         for part in text.split(","):
             name, sep, size = part.partition("=")
-            if not sep or not size.strip().isdigit():
+            if not sep or not size.strip().isdecimal():  # isdigit() accepts "²", which int() refuses
                 raise MeshSpecError(f"mesh {text!r}: {part.strip()!r} is not AXIS=SIZE (e.g. 'tp=4,cp=2')")
             names.append(name.strip())
             sizes.append(int(size))

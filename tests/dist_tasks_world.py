@@ -21,3 +21,31 @@ def fail_on_rank(bad: int) -> int:
 def hang_unless_rank0() -> None:
     if dist.get_rank() != 0:
         dist.barrier()  # rank 0 never joins
+
+
+class _Unpicklable(Exception):
+    def __init__(self) -> None:
+        super().__init__("cannot travel")
+        self.payload = lambda: None
+
+
+def raise_unpicklable() -> None:
+    raise _Unpicklable()
+
+
+def return_unpicklable():
+    return lambda: None
+
+
+def fail_rank1_while_rank0_waits() -> None:
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 gave up")
+    dist.barrier()
+
+
+def die_on_rank1() -> None:
+    import os
+
+    if dist.get_rank() == 1:
+        os._exit(3)
+    dist.barrier()

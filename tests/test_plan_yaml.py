@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-import hp_core.plan as plan_mod
+import hp_core.sharding_plan as plan_mod
 from hp_core.injection import Target, inner_wrapper
-from hp_core.plan import (
+from hp_core.sharding_plan import (
     PlanError,
     PlanYAMLError,
     ShardingPlan,

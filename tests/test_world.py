@@ -41,3 +41,27 @@ def test_hang_becomes_timeout_and_a_fresh_world_follows():
 def test_world_size_validated():
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         World(0)
+
+
+def test_unpicklable_exception_and_result_are_reported():
+    w = get_world(2)
+    with pytest.raises(WorldTaskError) as e:
+        w.run(tasks.raise_unpicklable)
+    assert e.value.exceptions == {0: None, 1: None} and "_Unpicklable: cannot travel" in str(e.value)
+    with pytest.raises(WorldTaskError, match="cannot be sent back"):
+        w.run(tasks.return_unpicklable)
+    assert w.run(tasks.all_reduce_rank)[1] == (1, 3.0)
+
+
+def test_failure_while_others_wait_tears_the_world_down():
+    w = get_world(2)
+    with pytest.raises(WorldTaskError, match="rank 1 gave up"):
+        w.run(tasks.fail_rank1_while_rank0_waits, failure_grace=2)
+    assert not w.alive
+
+
+def test_dead_rank_is_reported_and_replaced():
+    w = get_world(2)
+    with pytest.raises(WorldError, match=r"rank\(s\) \[1\] died \(exit codes \{1: 3\}\)"):
+        w.run(tasks.die_on_rank1, timeout=60)
+    assert get_world(2).run(tasks.all_reduce_rank)[0] == (0, 3.0)

@@ -12,19 +12,26 @@ from typing import Any
 from torch import nn
 
 from hp_core.mesh import MeshSpec
-from hp_core.plan import OverridesLike, ShardingPlan, resolve_overrides
 from hp_core.planner.comms import Collective, boundary_collectives, sp_grad_params, step_collectives
 from hp_core.planner.context import TemplateContext
 from hp_core.planner.lints import (
     CoverageError,
     DivisibilityError,
+    FusedProjectionError,
     MeshAxisError,
     PlanningError,
     compute_deferred_biases,
     compute_tp_local_attrs,
     lint_plan,
 )
-from hp_core.planner.structure import Block, ModelStructure, UncoveredParameterError, analyse
+from hp_core.planner.structure import (
+    Block,
+    ModelStructure,
+    UncoveredParameterError,
+    analyse,
+    check_unclaimed,
+)
+from hp_core.sharding_plan import OverridesLike, ShardingPlan, resolve_overrides
 from hp_core.spec import ModuleShardingSpec
 from hp_core.templates import BoundaryTemplate, RoleRule
 
@@ -33,6 +40,7 @@ __all__ = [
     "Collective",
     "CoverageError",
     "DivisibilityError",
+    "FusedProjectionError",
     "MeshAxisError",
     "ModelStructure",
     "PlanningError",
@@ -130,7 +138,9 @@ def plan(
         active=active,
         mesh_axis_names=ms.axis_names,
     )
-    lint_plan(model, modules, ms)
+    if "tp" in ms or "cp" in ms:  # as lint_plan's coverage check: else nothing is sharded
+        check_unclaimed(structure, modules)
+    lint_plan(model, modules, ms, structure.roles)
     for fqn, spec in modules.items():
         spec._deferred_bias_params = compute_deferred_biases(model, fqn, spec)
         if ms.size("tp") > 1:

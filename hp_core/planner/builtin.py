@@ -10,27 +10,19 @@ from __future__ import annotations
 from torch.distributed.tensor import Shard
 
 from hp_core.planner.context import TemplateContext
+from hp_core.planner.lints import FusedProjectionError
 from hp_core.spec import ModuleShardingSpec
 from hp_core.templates import BoundaryTemplate, Role
 
 __all__ = ["DEFAULT_BOUNDARY_TEMPLATES", "FusedProjectionError"]
 
 
-class FusedProjectionError(ValueError):
-    """A fused projection (qkv / gate_up) that plain ``Shard(0)`` cannot split correctly."""
-
-
 def _pair_params(ctx: TemplateContext) -> dict[str, dict]:
     params: dict[str, dict] = {}
     for rel, role in ctx.block.params.items():
         is_bias = rel.endswith("bias")
-        if role in (Role.FUSED_QKV, Role.FUSED_GATE_UP) and ctx.tp > 1:
-            raise FusedProjectionError(
-                f"{ctx.fqn}.{rel}: a fused {role.value} projection concatenates its parts along "
-                "dim 0, so Shard(0) would give one rank all of q (or gate) and another all of v "
-                "(or up). hp does not re-interleave fused weights yet: override this boundary "
-                f"(e.g. params: {{{rel}: {{tp: replicate}}}}) or plan with tp=1."
-            )
+        # Fused projections derive Shard(0) like colwise ones; lint_plan rejects that after
+        # the overrides are merged (an override replicating them is the way out).
         if role in (Role.COLWISE, Role.FUSED_QKV, Role.FUSED_GATE_UP):
             params[rel] = ctx.tp_param(Shard(0))
         elif role is Role.ROWWISE and not is_bias:

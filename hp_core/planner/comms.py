@@ -27,7 +27,16 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from hp_core.spec import ModuleShardingSpec
 
-__all__ = ["Collective", "boundary_collectives", "grad_is_partial", "step_collectives", "transition"]
+__all__ = [
+    "Collective",
+    "Transition",
+    "boundary_collectives",
+    "boundary_transitions",
+    "grad_is_partial",
+    "sp_grad_params",
+    "step_collectives",
+    "transition",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +74,23 @@ def grad_is_partial(spec: ModuleShardingSpec, axis: str) -> bool:
     return any(isinstance(named.get(axis), Shard) for named in params.values())
 
 
+@dataclasses.dataclass(frozen=True)
+class Transition:
+    """One entry or exit layout change of one boundary on one mesh axis.
+
+    ``forward`` / ``backward`` name the collective of each pass (None: no communication).
+    """
+
+    fqn: str
+    side: str  # "in" | "out"
+    name: str  # input or output name
+    axis: str
+    src: Placement
+    dst: Placement
+    forward: str | None
+    backward: str | None
+
+
 def _pairs(src: Mapping[str, Mapping[str, Placement]] | None, dst: Mapping[str, Mapping[str, Placement]] | None):
     src = src if isinstance(src, dict) else {}
     dst = dst if isinstance(dst, dict) else {}
@@ -75,23 +101,33 @@ def _pairs(src: Mapping[str, Mapping[str, Placement]] | None, dst: Mapping[str, 
                 yield name, axis, src[name].get(axis, Replicate()), dst[name].get(axis, Replicate())
 
 
-def boundary_collectives(fqn: str, spec: ModuleShardingSpec) -> list[Collective]:
-    """The collectives of one boundary's entry and exit transitions."""
-    out: list[Collective] = []
+def boundary_transitions(fqn: str, spec: ModuleShardingSpec) -> list[Transition]:
+    """Every entry (``in_src → in_dst``) and exit (``out_src → out_dst``) transition, per axis.
+
+    Unchanged layouts are listed too (their forward is None; a replicated input of a
+    boundary that shards parameters still all-reduces its gradient). A non-boundary
+    (``is_boundary=False``) has none.
+    """
+    out: list[Transition] = []
     if not spec.is_boundary:
         return out
     for name, axis, s, d in _pairs(spec.in_src, spec.in_dst):
         fwd, bwd = transition(s, d, grad_partial=grad_is_partial(spec, axis))
-        if fwd:
-            out.append(Collective(fwd, axis, "forward", f"{fqn} in.{name}"))
-        if bwd:
-            out.append(Collective(bwd, axis, "backward", f"{fqn} in.{name}"))
+        out.append(Transition(fqn, "in", name, axis, s, d, fwd, bwd))
     for name, axis, s, d in _pairs(spec.out_src, spec.out_dst):
         fwd, bwd = transition(s, d, grad_partial=False)
-        if fwd:
-            out.append(Collective(fwd, axis, "forward", f"{fqn} out.{name}"))
-        if bwd:
-            out.append(Collective(bwd, axis, "backward", f"{fqn} out.{name}"))
+        out.append(Transition(fqn, "out", name, axis, s, d, fwd, bwd))
+    return out
+
+
+def boundary_collectives(fqn: str, spec: ModuleShardingSpec) -> list[Collective]:
+    """The collectives of one boundary's entry and exit transitions."""
+    out: list[Collective] = []
+    for t in boundary_transitions(fqn, spec):
+        if t.forward:
+            out.append(Collective(t.forward, t.axis, "forward", f"{fqn} {t.side}.{t.name}"))
+        if t.backward:
+            out.append(Collective(t.backward, t.axis, "backward", f"{fqn} {t.side}.{t.name}"))
     return out
 
 
@@ -99,24 +135,38 @@ def sp_grad_params(modules: Mapping[str, ModuleShardingSpec]) -> list[str]:
     """Parameters replicated on tp inside boundaries that compute on tp-sequence-sharded inputs.
 
     Each rank sees only its tokens, so their gradients are partial sums; hp reduces them
-    once per step, all together.
+    once per step, all together. Deferred rowwise biases count too when their boundary
+    exits tp-sharded: they are added after the reduce-scatter, to this rank's tokens only
+    (Megatron marks them ``sequence_parallel`` for the same reason).
     """
     out = []
     for fqn, spec in modules.items():
         if not spec.is_boundary or not isinstance(spec.params, dict) or not spec.params:
             continue
         in_dst = spec.in_dst if isinstance(spec.in_dst, dict) else {}
-        if not any(isinstance(layout.get("tp"), Shard) for layout in in_dst.values()):
+        out_dst = spec.out_dst if isinstance(spec.out_dst, dict) else {}
+        sharded_in = any(isinstance(layout.get("tp"), Shard) for layout in in_dst.values())
+        sharded_out = any(isinstance(layout.get("tp"), Shard) for layout in out_dst.values())
+        deferred = set(spec._deferred_bias_params) if sharded_out else set()
+        if not sharded_in and not deferred:
             continue
         for rel, named in spec.params.items():
-            if isinstance(named.get("tp", Replicate()), Replicate) and "ep" not in named:
+            if not isinstance(named.get("tp", Replicate()), Replicate) or "ep" in named:
+                continue
+            if sharded_in or rel in deferred:
                 out.append(f"{fqn}.{rel}" if fqn else rel)
     return out
 
 
-def step_collectives(modules: Mapping[str, ModuleShardingSpec]) -> Counter[tuple[str, str, str]]:
-    """``{(phase, op, axis): count}`` for one forward + backward of the whole plan."""
+def step_collectives(modules: Mapping[str, ModuleShardingSpec], *, loss_parallel: bool = False) -> Counter[tuple[str, str, str]]:
+    """``{(phase, op, axis): count}`` for one forward + backward of the whole plan.
+
+    ``loss_parallel`` adds the vocab-parallel cross-entropy's two forward all-reduces
+    (the max, then the sum of exponentials packed with the target logit).
+    """
     counts: Counter[tuple[str, str, str]] = Counter()
+    if loss_parallel:
+        counts[("forward", "all_reduce", "tp")] += 2
     for fqn, spec in modules.items():
         for c in boundary_collectives(fqn, spec):
             counts[(c.phase, c.op, c.axis)] += 1

@@ -14,13 +14,15 @@ from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from hp_core.mesh import MeshSpec
-from hp_core.plan import PlanError
-from hp_core.spec import ModuleShardingSpec, close_matches, format_placement
+from hp_core.sharding_plan import PlanError
+from hp_core.spec import CANONICAL_AXES, ModuleShardingSpec, close_matches, format_placement
+from hp_core.templates import Role
 
 __all__ = [
     "HEAD_COUNT_ATTRS",
     "CoverageError",
     "DivisibilityError",
+    "FusedProjectionError",
     "MeshAxisError",
     "PlanningError",
     "compute_deferred_biases",
@@ -56,6 +58,34 @@ class CoverageError(PlanningError):
 
 class MeshAxisError(PlanningError):
     """A placement on an axis the mesh lacks, or on a data-parallel axis."""
+
+
+class FusedProjectionError(PlanningError):
+    """A fused projection (qkv / gate_up) that plain ``Shard(0)`` cannot split correctly."""
+
+
+_FUSED_PARTS = {Role.FUSED_QKV: ("q/k/v", "q", "v"), Role.FUSED_GATE_UP: ("gate/up", "gate", "up")}
+
+
+def _check_fused(fqn: str, spec: ModuleShardingSpec, roles: Mapping[str, Role], mesh: MeshSpec) -> None:
+    if mesh.size("tp") <= 1:
+        return
+    params = spec.params if isinstance(spec.params, dict) else {}
+    for rel, named in params.items():
+        role = roles.get(f"{fqn}.{rel}" if fqn else rel)
+        if role not in _FUSED_PARTS or not isinstance(named.get("tp"), Shard):
+            continue
+        parts, first, last = _FUSED_PARTS[role]
+        whole = ", ".join(f"{p}: {{tp: replicate}}" for p in params)
+        raise FusedProjectionError(
+            f"{fqn}.params.{rel}.tp: {rel} is a fused {parts} projection; its rows are the parts "
+            f"concatenated along dim 0, so {format_placement(named['tp'])} over tp={mesh.size('tp')} "
+            f"would give one rank all of {first} and another all of {last}. hp does not re-interleave "
+            "fused weights yet. Replicate the boundary with an override (its output is then whole, "
+            f"not partial), e.g.\n  - match: {fqn!r}\n    params: {{{whole}}}\n"
+            f"    out_src: {{{', '.join(f'{o}: {{tp: replicate}}' for o in (spec.out_src or {'output': None}))}}}\n"
+            "or plan with tp=1."
+        )
 
 
 def _fmt(named: Mapping[str, Placement]) -> str:
@@ -99,7 +129,8 @@ def _check_axes(fqn: str, spec: ModuleShardingSpec, mesh: MeshSpec) -> None:
             if axis == "ep" and spec._ep_size > 1:
                 continue  # the derived expert mesh (edp, ep)
             if axis not in mesh:
-                best = close_matches(axis, mesh.axis_names, n=1)
+                # A canonical axis (cp, ep, ...) is not a typo of another one.
+                best = [] if axis in CANONICAL_AXES else close_matches(axis, mesh.axis_names, n=1)
                 hint = f" Did you mean {best[0]!r}?" if best else ""
                 raise MeshAxisError(
                     f"{fqn}.{where}: axis {axis!r} is not a dimension of the mesh {mesh}.{hint} Add the "
@@ -256,9 +287,19 @@ def compute_deferred_biases(model: nn.Module, fqn: str, spec: ModuleShardingSpec
     return tuple(deferred)
 
 
-def lint_plan(model: nn.Module, modules: Mapping[str, ModuleShardingSpec], mesh: MeshSpec) -> None:
-    """Every check that needs the model: axes, parameter shapes, heads, coverage, injections."""
+def lint_plan(
+    model: nn.Module,
+    modules: Mapping[str, ModuleShardingSpec],
+    mesh: MeshSpec,
+    roles: Mapping[str, Role] | None = None,
+) -> None:
+    """Every check that needs the model: axes, parameter shapes, heads, coverage, injections.
+
+    ``roles`` (param FQN → role, from the structure analysis) enables the fused-projection check.
+    """
     for fqn, spec in modules.items():
+        if roles:
+            _check_fused(fqn, spec, roles, mesh)
         if spec.region_dispatch is True and not spec.has_injection:
             raise PlanningError(
                 f"{fqn}: region_dispatch=True without an injection is redundant (dispatching is the "

@@ -7,20 +7,29 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from hp_core.planner.lints import CoverageError
+from hp_core.spec import ModuleShardingSpec
 from hp_core.templates import Role, RoleRule, classify_param
 
-__all__ = ["Block", "ModelStructure", "UncoveredParameterError", "analyse", "model_architectures"]
+__all__ = [
+    "Block",
+    "ModelStructure",
+    "UncoveredParameterError",
+    "analyse",
+    "check_unclaimed",
+    "model_architectures",
+]
 
 _PROJECTION_ROLES = (Role.COLWISE, Role.ROWWISE, Role.FUSED_QKV, Role.FUSED_GATE_UP)
 _ATTENTION_LEAVES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value", "query_key_value", "c_attn", "Wqkv")
 
 
-class UncoveredParameterError(ValueError):
+class UncoveredParameterError(CoverageError):
     """A parameter that no boundary template claims (the planner cannot guess its layout)."""
 
 
@@ -42,6 +51,8 @@ class ModelStructure:
     tied: dict[str, str]  # alias FQN -> first FQN of the same Parameter
     architectures: tuple[str, ...]
     module_names: list[str]
+    #: Parameters no template claims: param FQN -> (owning module FQN, shape).
+    unclaimed: dict[str, tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
 
 
 def model_architectures(model: nn.Module) -> tuple[str, ...]:
@@ -149,18 +160,13 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
             if role is wanted and fqn not in claimed:
                 claim(owner[fqn], kind)
 
-    unclaimed = [f for f, r in roles.items() if f not in claimed and r is not Role.SKIP and f not in tied]
-    if unclaimed:
-        lines = "\n".join(f"  {f} ({roles[f].value}, shape {tuple(_param(model, f).shape)})" for f in unclaimed[:10])
-        more = f"\n  ... and {len(unclaimed) - 10} more" if len(unclaimed) > 10 else ""
-        mod = owner[unclaimed[0]]
-        raise UncoveredParameterError(
-            f"no boundary template claims these parameters, so hp cannot know their layout:\n{lines}{more}\n"
-            f"Declare the owning module with an override that states its full contract, e.g.\n"
-            f"  - match: {mod!r}\n    params: {{{unclaimed[0].rpartition('.')[2]}: {{tp: replicate}}}}\n"
-            f"    in_src: ...\n    in_dst: ...\n    out_src: ...\n    out_dst: ...\n"
-            "or register a RoleRule for your architecture through a plugin (docs/plugins.md)."
-        )
+    # Parameters no template claims: an override may still declare them (checked after
+    # the merge by check_unclaimed), so they are recorded here, not rejected.
+    unclaimed = {
+        f: (owner[f], tuple(_param(model, f).shape))
+        for f, r in roles.items()
+        if f not in claimed and r is not Role.SKIP and f not in tied
+    }
 
     # 4. Decoder layers: the parent of each attention block (sequence-parallel entry).
     layer_roots: list[str] = []
@@ -187,7 +193,34 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
                 params[rel] = role
                 shapes[rel] = tuple(_param(model, fqn).shape)
         blocks.append(Block(mfqn, kinds[mfqn], modules[mfqn], params, shapes))
-    return ModelStructure(blocks, roles, tied, archs, list(modules))
+    return ModelStructure(blocks, roles, tied, archs, list(modules), unclaimed)
+
+
+def check_unclaimed(structure: ModelStructure, modules: Mapping[str, ModuleShardingSpec]) -> None:
+    """Raise for parameters no template claimed and no override declared either."""
+    if not structure.unclaimed:
+        return
+    declared: set[str] = set()
+    for fqn, spec in modules.items():
+        params = spec.params if isinstance(spec.params, dict) else {}
+        for rel in params:
+            for src in spec._ep_stack.get(rel) or [rel]:
+                declared.add(f"{fqn}.{src}" if fqn else src)
+    missing = [f for f in structure.unclaimed if f not in declared]
+    if not missing:
+        return
+    lines = "\n".join(
+        f"  {f} ({structure.roles[f].value}, shape {structure.unclaimed[f][1]})" for f in missing[:10]
+    )
+    more = f"\n  ... and {len(missing) - 10} more" if len(missing) > 10 else ""
+    mod = structure.unclaimed[missing[0]][0]
+    rel = missing[0][len(mod) + 1 :] if mod else missing[0]
+    raise UncoveredParameterError(
+        f"no boundary template claims these parameters, so hp cannot know their layout:\n{lines}{more}\n"
+        "Declare them in an override; to keep one whole without wrapping its module's forward:\n"
+        f"  - match: {mod!r}\n    is_boundary: false\n    params: {{{rel}: {{tp: replicate}}}}\n"
+        "or register a RoleRule for your architecture through a plugin (docs/plugins.md)."
+    )
 
 
 def _param(model: nn.Module, fqn: str) -> torch.Tensor:

@@ -15,7 +15,6 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from hp_core.injection import InjectionBindingError, check_forward_compatible
-from hp_core.plan import ShardingPlan
 from hp_core.planner.comms import sp_grad_params
 from hp_core.runtime.boundary import BoundaryForward, InnerOutputCheck
 from hp_core.runtime.grads import ReplicatedGradSync
@@ -29,6 +28,7 @@ from hp_core.runtime.preflight import (
     preflight,
 )
 from hp_core.runtime.vocab import VocabParallelCausalLMLoss, vocab_parallel_embedding
+from hp_core.sharding_plan import ShardingPlan
 
 __all__ = [
     "AppliedModel",
@@ -150,10 +150,6 @@ def _grad_sync(model: nn.Module, plan: ShardingPlan, mesh: Any) -> ReplicatedGra
         return None
     # A list in plan order: every rank must concatenate the gradients in the same order.
     names = list(sp_grad_params(plan.modules))
-    for fqn, spec in plan.items():
-        out_dst = spec.out_dst if isinstance(spec.out_dst, dict) else {}
-        if any(isinstance(layout.get("tp"), Shard) for layout in out_dst.values()):
-            names.extend(f"{fqn}.{rel}" if fqn else rel for rel in spec._deferred_bias_params)
     if not names:
         return None
     params = []

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hp_core.plan import ShardingPlan
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.layouts import to_placements
+from hp_core.sharding_plan import ShardingPlan
 
 __all__ = ["declared_params", "shard_parameters"]
 

@@ -20,8 +20,8 @@ from hp_core.injection import (
     resolve_injection,
 )
 from hp_core.mesh import MeshSpec
-from hp_core.plan import ShardingPlan
 from hp_core.planner.lints import PlanningError, lint_plan
+from hp_core.sharding_plan import ShardingPlan
 from hp_core.spec import ModuleShardingSpec, close_matches
 
 __all__ = [

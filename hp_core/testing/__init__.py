@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hp_core.testing.models import FAMILIES, build_model, tiny_config
 from hp_core.testing.world import (
     World,
     WorldError,
@@ -11,4 +12,14 @@ from hp_core.testing.world import (
     shutdown_worlds,
 )
 
-__all__ = ["World", "WorldError", "WorldTaskError", "WorldTimeoutError", "get_world", "shutdown_worlds"]
+__all__ = [
+    "FAMILIES",
+    "World",
+    "WorldError",
+    "WorldTaskError",
+    "WorldTimeoutError",
+    "build_model",
+    "get_world",
+    "shutdown_worlds",
+    "tiny_config",
+]

@@ -81,6 +81,12 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], tasks: A
         task_id, fn, args, kwargs = item
         try:
             value = fn(*args, **kwargs)
+            import pickle
+
+            try:
+                pickle.dumps(value)
+            except Exception as e:
+                raise TypeError(f"task result of type {type(value).__name__} cannot be sent back (not picklable): {e}") from None
             results.put((rank, task_id, True, value, None))
         except BaseException as e:  # report everything, including assertion failures
             exc: BaseException | None = e
@@ -145,8 +151,14 @@ class World:
                     self.close()
                     raise WorldError(f"world of {self.world_size}: rank(s) {dead} died (exit codes {codes}) during {what}.") from None
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
-        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, failure_grace: float = 10.0, **kwargs: Any
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
+
+        Once a rank has failed, the others get ``failure_grace`` seconds to finish (they may be
+        stuck in a collective the failed rank never reached); then the world is torn down.
+        """
         if not self.alive:
             raise WorldError("this world was closed; use get_world() for a fresh one")
         task_id = self._next_id
@@ -161,7 +173,7 @@ class World:
         while len(values) + len(failures) < self.world_size:
             if failures:
                 # Other ranks may be stuck in a collective the failing rank never reached.
-                deadline = min(deadline, time.monotonic() + 10.0)
+                deadline = min(deadline, time.monotonic() + failure_grace)
             try:
                 rank, tid, ok, payload, exc = self._get(deadline, f"task {name}")
             except WorldTimeoutError:

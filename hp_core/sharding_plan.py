@@ -652,6 +652,13 @@ class ShardingPlan:
         )
         return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
+    def explain(self) -> str:
+        """Plain text: per boundary its params, entry/exit collectives, injections and
+        attribute changes, then the predicted collectives per training step."""
+        from hp_core.planner.explain import explain  # local: the planner imports this module
+
+        return explain(self)
+
     def copy(self) -> ShardingPlan:
         """A copy whose specs can be mutated without touching this plan."""
         return ShardingPlan(
