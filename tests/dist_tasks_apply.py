@@ -139,13 +139,30 @@ def apply_error(name: str) -> dict[str, Any]:
     return {"type": None}
 
 
+def _loss(model: nn.Module, ids: torch.Tensor) -> float:
+    if hasattr(model, "config"):
+        return float(model(input_ids=ids, labels=ids, use_cache=False).loss)
+    return float(torch.nn.functional.cross_entropy(model(ids).reshape(-1, 128), ids.reshape(-1)))
+
+
 def rollback(phase: str, mode: str) -> dict[str, Any]:
     """Make one phase of apply fail after it has mutated something; the model must be intact."""
-    model = build_model("llama", attention_bias=True)
+    from tests._toy_models import head_attention_lm
+
+    if phase == "attrs":
+        torch.manual_seed(0)
+        model = head_attention_lm()
+    else:
+        model = build_model("llama", attention_bias=True)
     mesh = _tp_mesh()
-    p = make_plan(model, mesh, loss_parallel=phase == "loss")
+    overrides = None
+    if phase == "inner":
+        from tests.dist_tasks_inject import installs_in_place
+
+        overrides = [{"match": "*.self_attn", "inner_target": "self", "inner_wrapper": installs_in_place, "region_dispatch": True}]
+    p = make_plan(model, mesh, loss_parallel=phase == "loss", overrides=overrides)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    loss_before = float(model(input_ids=ids, labels=ids, use_cache=False).loss)
+    loss_before = _loss(model, ids)
     model.zero_grad(set_to_none=True)
     before = snapshot(model)
     saved: dict[str, Any] = {}
@@ -186,11 +203,14 @@ def rollback(phase: str, mode: str) -> dict[str, Any]:
             boom()
 
         R.VocabParallelCausalLMLoss = loss_then_fail
-    elif phase == "final":
+    elif phase in ("final", "attrs", "inner"):
         original_set = R.Journal.set_attr
+        seen = {"num_heads": 0}
 
         def fail_on_marker(self: Any, obj: Any, name: str, value: Any) -> None:
-            if name == "_hp_applied":
+            if name == "num_heads":
+                seen["num_heads"] += 1
+            if name == "_hp_applied" or (phase == "attrs" and seen["num_heads"] == 2):
                 boom()
             original_set(self, obj, name, value)
 
@@ -208,5 +228,5 @@ def rollback(phase: str, mode: str) -> dict[str, Any]:
             else:
                 setattr(R, key, value)
     untouched = same(before, snapshot(model))
-    loss_after = float(model(input_ids=ids, labels=ids, use_cache=False).loss)
+    loss_after = _loss(model, ids)
     return {"error": error, "untouched": untouched, "same_loss": loss_after == loss_before}

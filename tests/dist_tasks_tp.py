@@ -169,3 +169,38 @@ def meta_apply(mode: str) -> dict:
     q = model.model.layers[0].self_attn.q_proj.weight
     local = q.to_local() if hasattr(q, "to_local") else q
     return {"meta": bool(local.is_meta), "local_shape": tuple(local.shape)}
+
+
+def head_attrs_compare() -> dict:
+    """A model that keeps head counts on its attention modules: divided in production only."""
+    import torch.nn.functional as F
+
+    from tests._toy_models import head_attention_lm
+
+    torch.manual_seed(0)
+    base = head_attention_lm()
+    mesh = _mesh((2,), ("tp",))
+    ref, prod, val = (copy.deepcopy(base) for _ in range(3))
+    for m, mode in ((prod, "production"), (val, "validate")):
+        apply(m, make_plan(m, mesh), mesh, mode=mode)
+    ids = _batch(0)
+    res = {}
+    for k, m in (("ref", ref), ("prod", prod), ("val", val)):
+        logits = m(ids)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids.reshape(-1))
+        loss.backward()
+        res[k] = (logits.detach(), {n: p.grad for n, p in m.named_parameters()} if k == "ref" else full_grads(m, mesh))
+    attn = lambda m: m.model.layers[0].self_attn  # noqa: E731
+    return {
+        "prod_heads": (attn(prod).num_heads, attn(prod).num_key_value_heads),
+        "val_heads": (attn(val).num_heads, attn(val).num_key_value_heads),
+        "logits": max(_excess(res[k][0], res["ref"][0]) for k in ("prod", "val")),
+        "grad": max(max(_excess(res[k][1][n], res["ref"][1][n]) for n in res["ref"][1]) for k in ("prod", "val")),
+    }
+
+
+def tied_stays_tied(mode: str) -> bool:
+    model = build_model("llama", seed=0, tie_word_embeddings=True)
+    mesh = _mesh((2,), ("tp",))
+    apply(model, make_plan(model, mesh), mesh, mode=mode)
+    return model.lm_head.weight is model.model.embed_tokens.weight

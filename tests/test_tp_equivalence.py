@@ -48,7 +48,8 @@ def test_tp2_variants(family, config, loss_parallel, sp):
         _check(r)
 
 
-@pytest.mark.parametrize("family,sp", [("llama", True), ("qwen2", False), ("mistral", True)])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
 def test_dp2_tp2(family, sp):
     results = get_world(4).run(tasks.train_compare, family, (2, 2), ("dp", "tp"), sp=sp)
     for r in results:
@@ -105,3 +106,14 @@ def test_gradient_accumulation_over_two_micro_batches():
 def test_apply_on_meta_model_keeps_meta(mode):
     for r in get_world(2).run(tasks.meta_apply, mode):
         assert r == {"meta": True, "local_shape": (32, 64)}
+
+
+def test_head_count_attributes_divided_in_production_only():
+    for r in get_world(2).run(tasks.head_attrs_compare):
+        assert r["prod_heads"] == (2, 1) and r["val_heads"] == (4, 2)
+        assert r["logits"] < TOL and r["grad"] < TOL, r
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_tied_weights_stay_tied(mode):
+    assert get_world(2).run(tasks.tied_stays_tied, mode) == [True, True]
