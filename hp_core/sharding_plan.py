@@ -111,22 +111,7 @@ _OPT_BOOL_FIELDS = ("skip_source_lowering", "region_dispatch")
 _INJECTION_FIELDS = ("inner_wrapper", "local_compute_fn")
 
 #: User fields of ModuleShardingSpec, in dataclass order (the key order of a dumped spec).
-USER_FIELDS = (
-    "params",
-    "in_src",
-    "in_dst",
-    "out_src",
-    "out_dst",
-    "out_names",
-    "tp_divide_attrs",
-    "is_boundary",
-    "skip_source_lowering",
-    "region_dispatch",
-    "inner_target",
-    "inner_wrapper",
-    "inner_out_src",
-    "local_compute_fn",
-)
+USER_FIELDS = tuple(f.name for f in dataclasses.fields(ModuleShardingSpec) if f.init)
 #: Fields a user override may set (``skip_source_lowering`` belongs to codegen).
 OVERRIDE_FIELDS = tuple(n for n in USER_FIELDS if n != "skip_source_lowering")
 #: Internal fields written under a module's ``_internal:`` mapping (YAML key → attribute).

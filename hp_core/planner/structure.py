@@ -66,10 +66,6 @@ def _parent(fqn: str) -> str:
     return fqn.rpartition(".")[0]
 
 
-def _under(fqn: str, root: str) -> bool:
-    return root == "" or fqn == root or fqn.startswith(root + ".")
-
-
 def _first_input(module: nn.Module) -> str:
     try:
         params = list(inspect.signature(module.forward).parameters.values())
@@ -96,6 +92,36 @@ def returns_tuple(module: nn.Module) -> bool:
     return text.startswith(("tuple", "typing.Tuple", "Tuple"))
 
 
+def _ancestors(fqn: str) -> list[str]:
+    """``"a.b.c"`` → ``["a.b", "a", ""]``: every enclosing module path, innermost first."""
+    out = []
+    while fqn:
+        fqn = _parent(fqn)
+        out.append(fqn)
+    return out
+
+
+def _claim_pass(
+    params: Iterable[str], roots: dict[str, str], claimed: dict[str, tuple[str, str]], *, inclusive_owner: dict[str, str]
+) -> None:
+    """Give every unclaimed parameter under one of ``roots`` (first registered wins) to it.
+
+    Linear in the number of parameters times the module depth: each parameter looks up
+    its own ancestors instead of every root scanning every parameter.
+    """
+    order = {root: i for i, root in enumerate(roots)}
+    for fqn in params:
+        if fqn in claimed:
+            continue
+        best = None
+        for anc in [inclusive_owner[fqn], *_ancestors(inclusive_owner[fqn])]:
+            i = order.get(anc)
+            if i is not None and (best is None or i < order[best]):
+                best = anc
+        if best is not None:
+            claimed[fqn] = (best, roots[best])
+
+
 def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
     """Classify every parameter and group them into blocks (SPEC §4 steps 1-2)."""
     rules = list(rules)
@@ -103,6 +129,7 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
     modules = dict(model.named_modules())
     roles: dict[str, Role] = {}
     owner: dict[str, str] = {}
+    tensors: dict[str, torch.Tensor] = {}
     tied: dict[str, str] = {}
     first_by_id: dict[int, str] = {}
     for mfqn, mod in modules.items():
@@ -112,6 +139,7 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
             fqn = f"{mfqn}.{pname}" if mfqn else pname
             roles[fqn] = classify_param(fqn, rules, archs)
             owner[fqn] = mfqn
+            tensors[fqn] = p
             if id(p) in first_by_id:
                 tied[fqn] = first_by_id[id(p)]
             else:
@@ -119,13 +147,8 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
 
     claimed: dict[str, tuple[str, str]] = {}  # param fqn -> (block fqn, kind)
 
-    def claim(root: str, kind: str) -> None:
-        for fqn in roles:
-            if _under(fqn, root) and fqn not in claimed:
-                claimed[fqn] = (root, kind)
-
     # 1. MoE blocks: the parent of the experts container / of the router module.
-    moe_roots: list[str] = []
+    found: dict[str, None] = {}
     for fqn, role in roles.items():
         root = None
         if role is Role.MOE_EXPERT:
@@ -133,12 +156,11 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
             root = head if sep else _parent(_parent(fqn))
         elif role is Role.MOE_ROUTER:
             root = _parent(owner[fqn])
-        if root is not None and root not in moe_roots:
-            moe_roots.append(root)
+        if root is not None:
+            found.setdefault(root, None)
     # Keep outermost roots only (a router inside the experts' parent is the same block).
-    moe_roots = [r for r in moe_roots if not any(o != r and _under(r, o) for o in moe_roots)]
-    for r in moe_roots:
-        claim(r, "moe")
+    moe_roots = {r: "moe" for r in found if not any(a in found for a in _ancestors(r))}
+    _claim_pass(roles, moe_roots, claimed, inclusive_owner=owner)
 
     # 2. Attention / MLP: the parent of each projection leaf, outside MoE blocks.
     pair_roots: dict[str, str] = {}
@@ -151,19 +173,20 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
             pair_roots[root] = "mlp"
         if role is Role.FUSED_QKV or leaf.rpartition(".")[2] in _ATTENTION_LEAVES:
             pair_roots[root] = "attention"
-    for r, kind in pair_roots.items():
-        claim(r, kind)
+    _claim_pass(roles, pair_roots, claimed, inclusive_owner=owner)
 
-    # 3. Embedding, lm_head, norms: their owning module.
+    # 3. Embedding, lm_head, norms: their owning module (and whatever lies under it).
+    leaf_roots: dict[str, str] = {}
     for wanted, kind in ((Role.EMBED, "embed"), (Role.LM_HEAD, "lm_head"), (Role.NORM, "norm")):
         for fqn, role in roles.items():
             if role is wanted and fqn not in claimed:
-                claim(owner[fqn], kind)
+                leaf_roots.setdefault(owner[fqn], kind)
+    _claim_pass(roles, leaf_roots, claimed, inclusive_owner=owner)
 
     # Parameters no template claims: an override may still declare them (checked after
     # the merge by check_unclaimed), so they are recorded here, not rejected.
     unclaimed = {
-        f: (owner[f], tuple(_param(model, f).shape))
+        f: (owner[f], tuple(tensors[f].shape))
         for f, r in roles.items()
         if f not in claimed and r is not Role.SKIP and f not in tied
     }
@@ -177,8 +200,10 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
                 layer_roots.append(layer)
 
     kinds: dict[str, str] = {}
-    for _fqn, (root, kind) in claimed.items():
+    members: dict[str, list[str]] = {}
+    for fqn, (root, kind) in claimed.items():
         kinds.setdefault(root, kind)
+        members.setdefault(root, []).append(fqn)
     for layer in layer_roots:
         kinds.setdefault(layer, "layer")
     blocks: list[Block] = []
@@ -187,11 +212,10 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
             continue
         params: dict[str, Role] = {}
         shapes: dict[str, tuple[int, ...]] = {}
-        for fqn, role in roles.items():
-            if claimed.get(fqn, (None,))[0] == mfqn:
-                rel = fqn[len(mfqn) + 1 :] if mfqn else fqn
-                params[rel] = role
-                shapes[rel] = tuple(_param(model, fqn).shape)
+        for fqn in members.get(mfqn, ()):
+            rel = fqn[len(mfqn) + 1 :] if mfqn else fqn
+            params[rel] = roles[fqn]
+            shapes[rel] = tuple(tensors[fqn].shape)
         blocks.append(Block(mfqn, kinds[mfqn], modules[mfqn], params, shapes))
     return ModelStructure(blocks, roles, tied, archs, list(modules), unclaimed)
 
