@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.hp-installed
 DISTS  := pyproject.toml hp_plugin_cp/pyproject.toml hp_plugin_moe/pyproject.toml plugins/hp-plugin-phi3/pyproject.toml
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint venv clean bench
 
 venv: $(STAMP)
 
@@ -26,12 +26,18 @@ demo: $(STAMP)
 	$(BIN)/python examples/tp_train.py --steps 5
 
 lint: $(STAMP)
-	$(BIN)/ruff check hp_core hp_plugin_cp hp_plugin_moe plugins tests tools examples
+	$(BIN)/ruff check hp_core hp_plugin_cp hp_plugin_moe plugins tests tools examples benchmarks
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest --cov=hp_core --cov=hp_plugin_cp --cov=hp_plugin_moe \
 		--cov-report=term-missing:skip-covered --cov-report=json:.coverage.json
 	$(BIN)/python tools/check_coverage.py .coverage.json
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/step_overhead.py
+	$(BIN)/python benchmarks/planning_scale.py
+	$(BIN)/python benchmarks/plugin_discovery.py
+	$(BIN)/python benchmarks/memory.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .coverage .coverage.json
