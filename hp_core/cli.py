@@ -20,9 +20,13 @@ if TYPE_CHECKING:
     from hp_core.plugins import RegisteredItem
 
 __all__ = [
+    "add_check_command",
+    "add_freeze_command",
     "add_plan_command",
     "add_plugins_command",
     "build_parser",
+    "cmd_check",
+    "cmd_freeze",
     "cmd_plan",
     "cmd_plugins",
     "main",
@@ -148,8 +152,6 @@ class _UsageError(Exception):
 
 def add_plan_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``hp plan --model NAME_OR_CONFIG --mesh tp=8,cp=2 ...``: plan on the meta device and explain."""
-    from hp_core.testing.models import PRESETS
-
     parser = subparsers.add_parser(
         "plan",
         help="plan a model for a mesh on the meta device and print the plan",
@@ -159,6 +161,15 @@ def add_plan_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
             "the collectives of one training step. Nothing is downloaded."
         ),
     )
+    _add_planning_args(parser)
+    parser.add_argument("--yaml", action="store_true", help="print the plan as YAML instead of the explanation")
+    parser.set_defaults(handler=cmd_plan)
+
+
+def _add_planning_args(parser: argparse.ArgumentParser) -> None:
+    """The model, mesh and planning options shared by ``hp plan`` and ``hp freeze``."""
+    from hp_core.testing.models import PRESETS
+
     parser.add_argument(
         "--model",
         required=True,
@@ -180,8 +191,6 @@ def add_plan_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     parser.add_argument(
         "--ep", type=_positive_int, default=1, metavar="N", help="expert-parallel size for MoE blocks (default 1)"
     )
-    parser.add_argument("--yaml", action="store_true", help="print the plan as YAML instead of the explanation")
-    parser.set_defaults(handler=cmd_plan)
 
 
 def _positive_int(text: str) -> int:
@@ -233,36 +242,49 @@ def _load_config(model: str) -> Any:
         raise _UsageError(f"--model: {str(file)!r}: transformers cannot build this config: {e}") from None
 
 
-def cmd_plan(args: argparse.Namespace, out: Console, err: Console) -> int:
-    """Plan ``--model`` for ``--mesh`` on the meta device; print ``explain()`` or the YAML plan."""
+class _Failed(Exception):
+    """A command failed: ``code`` is the exit status (1 problem, 2 usage)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _load_model(name: str) -> Any:
+    """``--model``: a preset or an HF config, built on the meta device (usage errors exit 2)."""
+    from hp_core.testing.models import model_from_config
+
+    try:
+        config = _load_config(name)
+    except _UsageError as e:
+        raise _Failed(2, str(e)) from None
+    try:
+        return model_from_config(config, device="meta")
+    except (ValueError, KeyError, TypeError) as e:
+        raise _Failed(2, f"--model: cannot build a causal LM from {name!r}: {e}") from None
+
+
+def _plan_from_args(args: argparse.Namespace, err: Console) -> tuple[Any, Any]:
+    """Plan ``--model`` for ``--mesh`` with the planning options; returns ``(plan, model)``.
+
+    Raises :class:`_Failed`; prints hp's own warnings (e.g. a glob matching nothing) to ``err``.
+    """
     import warnings
     from pathlib import Path
 
     from hp_core.mesh import MeshSpec, MeshSpecError
 
-    def fail(code: int, message: str) -> int:
-        err.print(Text(f"hp plan: error: {message}"))
-        return code
-
     try:
         mesh = MeshSpec.parse(args.mesh)
     except MeshSpecError as e:
-        return fail(2, f"--mesh: {e}")
+        raise _Failed(2, f"--mesh: {e}") from None
     if args.overrides is not None and not Path(args.overrides).is_file():
-        return fail(2, f"--overrides: {args.overrides!r}: no such file.")
-    try:
-        config = _load_config(args.model)
-    except _UsageError as e:
-        return fail(2, str(e))
+        raise _Failed(2, f"--overrides: {args.overrides!r}: no such file.")
+    model = _load_model(args.model)
 
     from hp_core.planner import plan
-    from hp_core.sharding_plan import dump_plan
-    from hp_core.testing.models import model_from_config
 
-    try:
-        model = model_from_config(config, device="meta")
-    except (ValueError, KeyError, TypeError) as e:
-        return fail(2, f"--model: cannot build a causal LM from {args.model!r}: {e}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -275,12 +297,155 @@ def cmd_plan(args: argparse.Namespace, out: Console, err: Console) -> int:
                 ep_size=args.ep,
             )
         except ValueError as e:  # PlanError and friends: every planner error is a ValueError
-            return fail(1, f"{type(e).__name__}: {e}")
+            raise _Failed(1, f"{type(e).__name__}: {e}") from None
     for w in caught:
         if w.category.__module__.startswith("hp_core"):
             err.print(Text(f"warning: {w.message}"))
+    return result, model
+
+
+def cmd_plan(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """Plan ``--model`` for ``--mesh`` on the meta device; print ``explain()`` or the YAML plan."""
+    from hp_core.sharding_plan import dump_plan
+
+    try:
+        result, _ = _plan_from_args(args, err)
+    except _Failed as e:
+        err.print(Text(f"hp plan: error: {e.message}"))
+        return e.code
     text = dump_plan(result) if args.yaml else result.explain()
     out.print(Text(text.rstrip("\n")), soft_wrap=True)
+    return 0
+
+
+# ---------------------------------------------------------------------- hp freeze
+
+
+def add_freeze_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``hp freeze --model ... --mesh ... -o ARTIFACT``: plan and write a signed artifact."""
+    parser = subparsers.add_parser(
+        "freeze",
+        help="plan a model for a mesh and write the plan as a signed artifact",
+        description=(
+            "Plan the model on the meta device (as hp plan does) and write the frozen plan, the "
+            "inputs that produced it (model digest, mesh, overrides, hp and plugin versions) and "
+            "a sha256 signature over both to ARTIFACT: canonical JSON, written atomically. "
+            "Freezing the same inputs twice gives identical bytes. See docs/artifacts.md."
+        ),
+    )
+    _add_planning_args(parser)
+    parser.add_argument("-o", "--output", required=True, metavar="ARTIFACT", help="the artifact file to write")
+    parser.set_defaults(handler=cmd_freeze)
+
+
+def cmd_freeze(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """Plan, freeze, sign and write ``--output``; exit 1 for planning/freezing problems, 2 for usage."""
+    from pathlib import Path
+
+    from hp_core.codegen import FreezeError, make_artifact, write_artifact
+
+    target = Path(args.output)
+    try:
+        if target.is_dir() or not target.parent.is_dir():
+            why = "is a directory" if target.is_dir() else "its folder does not exist"
+            raise _Failed(2, f"-o/--output: {args.output!r}: {why}; name the artifact file to write.")
+        result, model = _plan_from_args(args, err)
+        try:
+            artifact = make_artifact(result, model=model, overrides=args.overrides)
+        except FreezeError as e:
+            raise _Failed(1, f"FreezeError: {e}") from None
+        try:
+            write_artifact(artifact, target)
+        except OSError as e:
+            raise _Failed(1, f"cannot write {args.output!r}: {e}") from None
+    except _Failed as e:
+        err.print(Text(f"hp freeze: error: {e.message}"), soft_wrap=True)
+        return e.code
+    injected = len(artifact.meta["injections"])
+    out.print(
+        Text(
+            f"hp freeze: wrote {args.output}: {len(result)} modules, {injected} with injections, "
+            f"mesh {artifact.inputs['mesh']}, signature {artifact.signature}"
+        ),
+        soft_wrap=True,
+    )
+    return 0
+
+
+# ----------------------------------------------------------------------- hp check
+
+
+def add_check_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``hp check ARTIFACT [--model ...]``: verify an artifact, and that it fits a model."""
+    parser = subparsers.add_parser(
+        "check",
+        help="verify an artifact (signature, format, schema, registry items) and that it fits a model",
+        description=(
+            "Verify ARTIFACT: its format version, its signature, that its meta rebuilds into a "
+            "plan and that every injected registry item is installed. With --model, also check "
+            "that it was frozen for that model, that every planned module exists in it and that "
+            "the planner's lints pass (every trainable parameter covered by exactly one boundary, "
+            "shapes divisible). Exit 0: ok; 1: a problem; 2: usage."
+        ),
+    )
+    parser.add_argument("artifact", metavar="ARTIFACT", help="an artifact written by hp freeze")
+    parser.add_argument(
+        "--model",
+        metavar="NAME_OR_CONFIG",
+        help="the model to check against: a preset or a path to an HF config.json (or its folder)",
+    )
+    parser.set_defaults(handler=cmd_check)
+
+
+def cmd_check(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """Verify the artifact, then (with ``--model``) that it applies to that model."""
+    from pathlib import Path
+
+    from hp_core.codegen import ArtifactError, check_against_model, read_artifact, version_drift
+
+    path = Path(args.artifact)
+    try:
+        if not path.is_file():
+            raise _Failed(2, f"{args.artifact!r}: no such file.")
+        model = _load_model(args.model) if args.model is not None else None
+        try:
+            artifact = read_artifact(path)
+        except ArtifactError as e:
+            raise _Failed(1, f"{type(e).__name__}: {e}") from None
+        except OSError as e:
+            raise _Failed(1, f"cannot read {args.artifact!r}: {e}") from None
+    except _Failed as e:
+        err.print(Text(f"hp check: error: {e.message}"), soft_wrap=True)
+        return e.code
+    plan = artifact.plan()
+    out.print(
+        Text(
+            f"hp check: {args.artifact}: signature ok ({artifact.signature}), format "
+            f"{artifact.format_version}, {len(plan)} modules, mesh {artifact.inputs['mesh']}, "
+            "injected registry items installed"
+        ),
+        soft_wrap=True,
+    )
+    for note in version_drift(artifact):
+        err.print(
+            Text(f"warning: {note} (the artifact still verifies; re-freeze if the plan should change)"),
+            soft_wrap=True,
+        )
+    if model is None:
+        out.print(Text("model: not checked (pass --model NAME_OR_CONFIG to check module names and coverage)"))
+        return 0
+    problems = check_against_model(artifact, model)
+    for problem in problems:
+        err.print(Text(f"hp check: problem: {problem}"), soft_wrap=True)
+    if problems:
+        return 1
+    out.print(
+        Text(
+            f"model {args.model}: frozen for this model, every planned module exists, lints pass "
+            "(every trainable parameter covered)"
+        ),
+        soft_wrap=True,
+    )
     return 0
 
 
@@ -290,6 +455,8 @@ def cmd_plan(args: argparse.Namespace, out: Console, err: Console) -> int:
 COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     add_plugins_command,
     add_plan_command,
+    add_freeze_command,
+    add_check_command,
 ]
 
 
