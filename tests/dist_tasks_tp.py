@@ -204,3 +204,20 @@ def tied_stays_tied(mode: str) -> bool:
     mesh = _mesh((2,), ("tp",))
     apply(model, make_plan(model, mesh), mesh, mode=mode)
     return model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def finalize_twice_is_harmless() -> float:
+    """finalize_grads after the automatic reduction must not sum the gradients again."""
+    import hp_core
+
+    base = build_model("llama", seed=0)
+    mesh = _mesh((2,), ("tp",))
+    ref, prod = copy.deepcopy(base), copy.deepcopy(base)
+    apply(prod, make_plan(prod, mesh), mesh, mode="production")
+    ids = _batch(0)
+    ref(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    prod(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    hp_core.finalize_grads(prod)
+    hp_core.finalize_grads(prod)
+    diffs = max_abs_diff(full_grads(prod, mesh), {n: p.grad for n, p in ref.named_parameters()})
+    return max(diffs.values())

@@ -43,6 +43,10 @@ from tests._plugin_fakes import clean_plugin_env
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch):
     clean_plugin_env(monkeypatch)
+    # The registries under test start empty: the installed plugins (hp-plugin-cp, -moe, ...)
+    # register real items whose names these tests reuse.
+    monkeypatch.setenv("HP_DISABLE_PLUGIN_AUTOLOAD", "1")
+    reset_plugins()
     yield
     reset_plugins()
 
@@ -400,6 +404,7 @@ def test_register_plugin_same_object_twice_under_another_name():
 
 
 def test_unknown_name_mentions_plugins_that_did_not_load(monkeypatch):
+    monkeypatch.delenv("HP_DISABLE_PLUGIN_AUTOLOAD")
     monkeypatch.setenv("HP_PLUGINS", "moe")
     reset_plugins()
     with pytest.raises(UnknownRegistryItemError) as e:

@@ -117,3 +117,7 @@ def test_head_count_attributes_divided_in_production_only():
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_tied_weights_stay_tied(mode):
     assert get_world(2).run(tasks.tied_stays_tied, mode) == [True, True]
+
+
+def test_finalize_grads_after_the_automatic_reduction_changes_nothing():
+    assert max(get_world(2).run(tasks.finalize_twice_is_harmless)) < TOL

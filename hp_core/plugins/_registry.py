@@ -64,6 +64,14 @@ def _kind(kind: RegistryKind | str) -> RegistryKind:
         ) from None
 
 
+#: Item names that first-party plugin distributions register, so that a lookup failing
+#: because the plugin is not installed (or not loaded) can say what to install.
+WELL_KNOWN_ITEMS: dict[RegistryKind, dict[str, str]] = {
+    RegistryKind.INNER_WRAPPER: dict.fromkeys(("sdpa_qkv", "sdpa_hf", "flex_qkv", "flex_hf"), "hp-plugin-cp"),
+    RegistryKind.COMPUTE_FACTORY: dict.fromkeys(("qwen2moe", "mixtral", "routed_only", "deepseekv3"), "hp-plugin-moe"),
+}
+
+
 def _unknown_message(kind: RegistryKind, name: object) -> str:
     state = current_state()
     items = state.items[kind]
@@ -72,6 +80,12 @@ def _unknown_message(kind: RegistryKind, name: object) -> str:
     lines = [
         f"unknown {kind.label} {name!r}." + (f" Did you mean {best!r}?" if best else ""),
     ]
+    dist = WELL_KNOWN_ITEMS.get(kind, {}).get(str(name))
+    if dist is not None:
+        lines.append(
+            f"{name!r} is provided by the distribution {dist}, whose plugin is not loaded: install it "
+            f"(pip install {dist}), or, if it is installed, check `hp plugins` and HP_PLUGINS."
+        )
     if items:
         known = ", ".join(f"{n} ({item.describe_provider()})" for n, item in items.items())
         lines.append(f"Known {plural}: {known}.")

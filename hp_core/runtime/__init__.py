@@ -17,6 +17,7 @@ from torch.distributed.tensor import Shard
 from hp_core.injection import InjectionBindingError, check_forward_compatible
 from hp_core.planner.comms import sp_grad_params
 from hp_core.runtime.boundary import BoundaryForward, InnerOutputCheck
+from hp_core.runtime.experts import expert_grad_syncs
 from hp_core.runtime.grads import ReplicatedGradSync
 from hp_core.runtime.journal import Journal, set_forward
 from hp_core.runtime.params import shard_parameters
@@ -49,6 +50,10 @@ class AppliedModel:
     mesh: Any
     forwards: dict[str, BoundaryForward]
     grad_sync: ReplicatedGradSync | None
+    #: ep size → the derived ``(edp, ep)`` expert mesh its experts live on.
+    expert_meshes: dict[int, Any] = dataclasses.field(default_factory=dict)
+    #: Sums of expert gradients over replicas that saw different tokens (one per ep size).
+    expert_grad_syncs: list[ReplicatedGradSync] = dataclasses.field(default_factory=list)
 
 
 def _tp_group(mesh: Any) -> Any:
@@ -81,6 +86,8 @@ def _inner_wrap(fqn: str, module: nn.Module, plan: ShardingPlan, mesh: Any, mode
     before = target.__dict__.get("forward")
     original = target.forward
     source = f"plan[{fqn!r}].inner_wrapper"
+    # The target's FQN, for the wrapper's error messages (it only receives the module).
+    journal.set_attr(target, "_hp_fqn", fqn if inj.inner_target == "self" else f"{fqn}.{inj.inner_target}")
     replacement = inj.inner_wrapper.bind({**pre.meshes, "target_module": target}, source=source)
     if replacement is None:  # the wrapper installed it in place
         replacement = target.__dict__.get("forward")
@@ -113,7 +120,7 @@ def apply(model: nn.Module, plan: ShardingPlan, mesh: Any, *, mode: str = "produ
     pre = preflight(model, plan, mesh, mode)
     journal = Journal()
     try:
-        shard_parameters(model, plan, mesh, mode, journal)
+        shard_parameters(model, plan, mesh, mode, journal, experts=pre.experts)
         forwards: dict[str, BoundaryForward] = {}
         for fqn, spec in plan.items():
             if not spec.is_boundary:
@@ -130,13 +137,16 @@ def apply(model: nn.Module, plan: ShardingPlan, mesh: Any, *, mode: str = "produ
                 for attr, (_glob, local) in (spec._tp_local_attr_plan or {}).items():
                     journal.set_attr(module, attr, local)
         sync = _grad_sync(model, plan, mesh)
-        if sync is not None:
-            handle = model.register_forward_pre_hook(lambda _m, _a: sync.arm())
-            journal.record(handle.remove)
-            journal.record(sync.remove)
+        expert_syncs = expert_grad_syncs(model, plan, pre.experts)
+        for s in (sync, *expert_syncs):
+            if s is not None:
+                handle = model.register_forward_pre_hook(lambda _m, _a, s=s: s.arm())
+                journal.record(handle.remove)
+                journal.record(s.remove)
         if plan.loss_parallel:
             _install_loss(model, mesh, journal)
-        state = AppliedModel(plan, mode, mesh, forwards, sync)
+        meshes = {ep: groups.mesh for ep, groups in pre.experts.items()}
+        state = AppliedModel(plan, mode, mesh, forwards, sync, meshes, expert_syncs)
         journal.set_attr(model, "_hp_applied", state)
     except BaseException:
         journal.rollback()
@@ -181,12 +191,15 @@ def _install_loss(model: nn.Module, mesh: Any, journal: Journal) -> None:
 
 
 def finalize_grads(model: nn.Module) -> None:
-    """Run the pending tp reduction of sequence-parallel replicated gradients now.
+    """Run the pending gradient reductions now: the tp sum of sequence-parallel replicated
+    gradients and the sum of expert gradients over their replicas.
 
-    hp runs it automatically when the last such gradient arrives; call this only if some
-    of those parameters got no gradient in a backward (e.g. a skipped layer).
+    hp runs each automatically when the last of its gradients arrives; call this only if
+    some of those parameters got no gradient in a backward (e.g. a skipped layer).
     """
     state = getattr(model, "_hp_applied", None)
-    if state is not None and state.grad_sync is not None:
-        state.grad_sync.flush()
+    if state is not None:
+        for sync in (state.grad_sync, *state.expert_grad_syncs):
+            if sync is not None:
+                sync.flush()
 

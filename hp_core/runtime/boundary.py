@@ -87,6 +87,10 @@ class BoundaryForward:
         self.expected_out = {name: to_placements(layout, mesh) for name, layout in out_src.items()}
         self.deferred = [_owner(module, rel) for rel in spec._deferred_bias_params]
         self.own_params = [_owner(module, rel) for rel in (spec.params or {}) if rel not in spec._ep_stack]
+        if not (spec.params or self.inputs or self.outputs):
+            # An empty contract (e.g. a plan over a dp-only mesh) has nothing to check, and its
+            # parameters are plain tensors that a DTensor backward could not mix with.
+            self.dispatch = False
 
     # ------------------------------------------------------------------ inputs
     def _convert_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], how: str) -> tuple[tuple[Any, ...], dict[str, Any]]:

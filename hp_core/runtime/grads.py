@@ -32,6 +32,7 @@ class ReplicatedGradSync:
         self._pending: set[int] = set()
         self._base: dict[int, torch.Tensor | None] = {}
         self._handles: list[Any] = []
+        self._armed = False
         self.reductions = 0
         for p in self.params:
             self._handles.append(p.register_post_accumulate_grad_hook(self._arrived))
@@ -40,6 +41,7 @@ class ReplicatedGradSync:
         """Called when a forward with grad enabled starts: remember what is already reduced."""
         if not torch.is_grad_enabled():
             return
+        self._armed = True
         self._pending = {id(p) for p in self.params}
         self._base = {id(p): (_local(p.grad).detach().clone() if p.grad is not None else None) for p in self.params}
 
@@ -51,7 +53,14 @@ class ReplicatedGradSync:
             self.flush()
 
     def flush(self) -> None:
-        """Reduce now (also callable by hand, e.g. when some parameter got no gradient)."""
+        """Reduce now (also callable by hand, e.g. when some parameter got no gradient).
+
+        A no-op when nothing new arrived since the last reduction, so calling it after the
+        automatic reduction does not sum the gradients twice.
+        """
+        if not self._armed:
+            return
+        self._armed = False
         self._pending = set()
         with_grad = [p for p in self.params if p.grad is not None]
         if not with_grad:

@@ -2,18 +2,20 @@
 
 Validate keeps the DTensor parameters; production keeps only the local shard, as a
 plain ``nn.Parameter``, for good. Tied parameters (one Parameter reachable under two
-names) are sharded once and stay tied. Meta tensors stay meta.
+names) are sharded once and stay tied. Meta tensors stay meta. Expert parameters of an
+expert-parallel boundary go to the derived expert mesh instead (``hp_core.runtime.experts``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from hp_core.runtime.experts import ExpertGroups, shard_expert_parameters
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.layouts import to_placements
 from hp_core.sharding_plan import ShardingPlan
@@ -27,10 +29,16 @@ def _owner(module: nn.Module, rel: str) -> tuple[nn.Module, str]:
 
 
 def declared_params(model: nn.Module, plan: ShardingPlan) -> Iterator[tuple[str, str, nn.Module, str, dict]]:
-    """``(boundary fqn, relative name, owning module, attribute, named placement)`` in plan order."""
+    """``(boundary fqn, relative name, owning module, attribute, named placement)`` in plan order.
+
+    Stacked expert parameters (``_ep_stack``) are left out: they have no owner until
+    ``shard_expert_parameters`` creates it.
+    """
     for fqn, spec in plan.items():
         module = model.get_submodule(fqn) if fqn else model
         for rel, named in (spec.params or {}).items():
+            if rel in spec._ep_stack:
+                continue
             owner, name = _owner(module, rel)
             yield fqn, rel, owner, name, named
 
@@ -43,10 +51,25 @@ def _distribute(t: torch.Tensor, mesh: Any, placements: tuple, mode: str) -> tor
     return dt if mode == "validate" else dt.to_local()
 
 
-def shard_parameters(model: nn.Module, plan: ShardingPlan, mesh: Any, mode: str, journal: Journal) -> dict[int, nn.Parameter]:
-    """Replace every declared parameter by its sharded version; returns ``id(old) → new``."""
+def shard_parameters(
+    model: nn.Module,
+    plan: ShardingPlan,
+    mesh: Any,
+    mode: str,
+    journal: Journal,
+    experts: Mapping[int, ExpertGroups] | None = None,
+) -> dict[int, nn.Parameter]:
+    """Replace every declared parameter by its sharded version; returns ``id(old) → new``.
+
+    ``experts`` (ep size → expert mesh, from preflight) is needed when the plan has
+    expert-parallel boundaries.
+    """
     done: dict[int, nn.Parameter] = {}
-    for _fqn, _rel, owner, name, named in declared_params(model, plan):
+    if experts:
+        done.update(shard_expert_parameters(model, plan, mode, journal, experts))
+    for fqn, _rel, owner, name, named in declared_params(model, plan):
+        if "ep" in named and plan[fqn]._ep_size > 1:
+            continue  # on the expert mesh, above
         old = owner._parameters[name]
         if old is None or isinstance(old, DTensor):
             continue

@@ -2,7 +2,10 @@
 
 Runs on every rank; the ranks then exchange their plan fingerprint and their verdict
 in one collective, so a divergent plan or a rank-local failure is an error on every
-rank instead of a deadlock later.
+rank instead of a deadlock later. With expert parallelism a second phase follows the
+exchange: it creates the expert meshes (a collective that every rank must reach, hence
+only after the verdict) and binds the expert-parallel compute factories, then the ranks
+exchange their verdict once more.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_core.injection import (
+    InjectionBindingError,
     ResolvedInjection,
     check_forward_compatible,
     resolve_injection,
@@ -63,6 +67,8 @@ class InjectionPlan:
 class PreflightResult:
     injections: dict[str, InjectionPlan]
     meshes: dict[str, Any]
+    #: ep size → ``hp_core.runtime.experts.ExpertGroups`` (expert mesh, replica group).
+    experts: dict[int, Any] = dataclasses.field(default_factory=dict)
 
 
 def _yaml_cp_fix(fqn: str) -> str:
@@ -113,7 +119,26 @@ def _check_modules(model: nn.Module, plan: ShardingPlan) -> dict[str, nn.Module]
     return modules
 
 
-def _resolve(fqn: str, spec: ModuleShardingSpec, module: nn.Module, plan: ShardingPlan, meshes: dict[str, Any]) -> InjectionPlan:
+def _bind_compute(fqn: str, resolved: ResolvedInjection, module: nn.Module, context: dict[str, Any]) -> Callable[..., Any]:
+    src = f"plan[{fqn!r}].local_compute_fn"
+    compute = resolved.bind({**context, "module": module}, source=src)
+    if not callable(compute):
+        raise PreflightError(
+            f"{fqn}: the @local_compute factory {resolved.name!r} returned {compute!r}; it must return "
+            "compute_fn(module, *forward_args)."
+        )
+    check_forward_compatible(compute, module.forward, leading=1, source=src)
+    return compute
+
+
+def _resolve(
+    fqn: str,
+    spec: ModuleShardingSpec,
+    module: nn.Module,
+    plan: ShardingPlan,
+    meshes: dict[str, Any],
+    archs: tuple[str, ...] = (),
+) -> InjectionPlan:
     src = f"plan[{fqn!r}]"
     result = InjectionPlan()
     cp_active = meshes["cp_mesh"] is not None
@@ -168,14 +193,9 @@ def _resolve(fqn: str, spec: ModuleShardingSpec, module: nn.Module, plan: Shardi
         result.inner_wrapper, result.inner_target = resolved, target
     if spec.local_compute_fn is not None:
         resolved = resolve_injection(spec.local_compute_fn, "local_compute", source=f"{src}.local_compute_fn")
-        compute = resolved.bind({**meshes, "module": module}, source=f"{src}.local_compute_fn")
-        if not callable(compute):
-            raise PreflightError(
-                f"{fqn}: the @local_compute factory {resolved.name!r} returned {compute!r}; it must return "
-                "compute_fn(module, *forward_args)."
-            )
-        check_forward_compatible(compute, module.forward, leading=1, source=f"{src}.local_compute_fn")
-        result.local_compute, result.compute_fn = resolved, compute
+        result.local_compute = resolved
+        if spec._ep_size <= 1:  # an expert-parallel factory is bound after the exchange (it needs ep_mesh)
+            result.compute_fn = _bind_compute(fqn, resolved, module, meshes)
     if spec._needs_cp_attn and cp_active and spec.inner_wrapper is None and spec.local_compute_fn is None:
         raise PreflightError(
             f"{fqn}: attention under cp={meshes['cp_mesh'].size()} needs a context-parallel attention "
@@ -183,15 +203,27 @@ def _resolve(fqn: str, spec: ModuleShardingSpec, module: nn.Module, plan: Shardi
             f"Install hp-plugin-cp and add to your overrides:\n{_yaml_cp_fix(fqn)}"
         )
     if spec._ep_size > 1 and spec.local_compute_fn is None:
-        from hp_core.planner.structure import model_architectures
         from hp_core.plugins import suggest_compute_factory
+        from hp_core.runtime.experts import expert_matches, override_entries
 
+        # The model's architecture first, then the block's own class name.
+        candidates = (*archs, type(module).__name__)
+        name = next((n for n in map(suggest_compute_factory, candidates) if n), None)
+        hint = (
+            f"(the factory registered for {candidates[0]}; hp plugins lists the factories installed.)"
+            if name
+            else f"(no installed plugin registers a factory for {candidates[0]}: install hp-plugin-moe, "
+            "or write your own @local_compute factory; hp plugins lists the factories installed.)"
+        )
+        entries = override_entries(expert_matches(plan, fqn), f"    local_compute_fn: {name or 'FACTORY'}\n    region_dispatch: false\n")
         raise PreflightError(
             f"{fqn}: experts are sharded over ep={spec._ep_size} but no compute is declared; the MoE "
-            "block needs an expert-parallel compute that dispatches tokens with all-to-all. Add:\n"
-            f"  - match: {fqn!r}\n    local_compute_fn: {suggest_compute_factory(model_architectures(module)[0]) or 'FACTORY'}\n"
-            "    region_dispatch: false\n(hp plugins lists the factories installed.)"
+            f"block needs an expert-parallel compute that dispatches tokens with all-to-all. Add:\n{entries}{hint}"
         )
+    if spec._ep_size > 1:
+        from hp_core.runtime.experts import check_expert_boundary
+
+        check_expert_boundary(fqn, spec, module)
     return result
 
 
@@ -242,10 +274,60 @@ def _exchange(plan: ShardingPlan, error: BaseException | None) -> None:
         )
 
 
+def _expert_layouts(model: nn.Module, plan: ShardingPlan, mesh: Any) -> dict[int, Any]:
+    """ep size → ``ExpertLayout`` of the plan's expert-parallel boundaries (pure)."""
+    from hp_core.runtime.experts import ExpertParallelError, expert_layout
+
+    layouts: dict[int, Any] = {}
+    spec_of: dict[int, str] = {}
+    ranks: tuple[int, ...] = ()
+    for fqn, spec in plan.items():
+        if not spec.is_boundary or spec._ep_size <= 1:
+            continue
+        if not ranks:
+            ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            if len(ranks) != world:
+                raise ExpertParallelError(
+                    f"{fqn}: expert parallelism derives its expert mesh from the dense region, which must span "
+                    f"every rank of the job; the mesh has {len(ranks)} of {world} ranks. Apply on a mesh "
+                    "over the whole world."
+                )
+        layout = expert_layout(fqn, spec, plan, MeshSpec.from_any(mesh), ranks)
+        other = layouts.setdefault(spec._ep_size, layout)
+        if other != layout:
+            raise ExpertParallelError(
+                f"{fqn}: its tokens are laid out differently from those of {spec_of[spec._ep_size]} "
+                f"(another block with ep={spec._ep_size}), so their experts' replicas would need different "
+                "gradient reductions. Give every expert-parallel block the same in_dst."
+            )
+        spec_of.setdefault(spec._ep_size, fqn)
+    return layouts
+
+
+def _bind_experts(model: nn.Module, plan: ShardingPlan, mesh: Any, result: PreflightResult, layouts: dict[int, Any]) -> None:
+    """Phase 2: create the expert meshes (collective), then bind the expert-parallel factories."""
+    from hp_core.runtime.experts import build_expert_groups
+
+    result.experts = build_expert_groups(mesh, layouts)
+    for fqn, inj in result.injections.items():
+        if inj.local_compute is None or inj.compute_fn is not None:
+            continue
+        module = model.get_submodule(fqn) if fqn else model
+        context = {**result.meshes, "ep_mesh": result.experts[plan[fqn]._ep_size].mesh}
+        try:
+            inj.compute_fn = _bind_compute(fqn, inj.local_compute, module, context)
+        except (PreflightError, InjectionBindingError):
+            raise
+        except Exception as e:  # the factory refused the module: name the boundary
+            raise PreflightError(f"{fqn}: the @local_compute factory {inj.local_compute.name!r} refused this module: {e}") from e
+
+
 def preflight(model: nn.Module, plan: ShardingPlan, mesh: Any, mode: str) -> PreflightResult:
     """Check everything; raise before any mutation. Collective: every rank must call it."""
     error: BaseException | None = None
     result = PreflightResult({}, {})
+    layouts: dict[int, Any] = {}
     try:
         if mode not in MODES:
             raise PreflightError(f"apply(mode={mode!r}): mode must be one of {MODES}.")
@@ -269,10 +351,20 @@ def preflight(model: nn.Module, plan: ShardingPlan, mesh: Any, mode: str) -> Pre
         _check_attrs(model, plan)
         meshes = context_meshes(mesh, plan)
         result.meshes = meshes
+        from hp_core.planner.structure import model_architectures
+
+        archs = model_architectures(model)
         for fqn, spec in plan.items():
             if spec.is_boundary:
-                result.injections[fqn] = _resolve(fqn, spec, modules[fqn], plan, meshes)
+                result.injections[fqn] = _resolve(fqn, spec, modules[fqn], plan, meshes, archs)
+        layouts = _expert_layouts(model, plan, mesh)
     except Exception as e:  # every rank must reach the exchange
         error = e
     _exchange(plan, error)
+    if layouts:
+        try:
+            _bind_experts(model, plan, mesh, result, layouts)
+        except Exception as e:
+            error = e
+        _exchange(plan, error)
     return result

@@ -8,9 +8,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hp_core.runtime.experts import expert_placements
 from hp_core.runtime.layouts import to_placements
 
-__all__ = ["full_grads", "full_tensor", "max_abs_diff"]
+__all__ = ["full_expert_tensor", "full_grads", "full_tensor", "max_abs_diff"]
 
 
 def full_tensor(t: torch.Tensor, placements_by_axis: dict | None, mesh: Any) -> torch.Tensor:
@@ -23,9 +24,13 @@ def full_tensor(t: torch.Tensor, placements_by_axis: dict | None, mesh: Any) -> 
 
 
 def full_grads(model: nn.Module, mesh: Any) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient, unsharded, keyed by its (deduplicated) name."""
+    """Every parameter's gradient, unsharded, keyed by its (deduplicated) name.
+
+    Expert parameters of expert-parallel boundaries are gathered over their expert mesh
+    (stacked per-expert parameters appear under their stacked name).
+    """
     state = getattr(model, "_hp_applied", None)
-    layouts: dict[int, dict] = {}
+    layouts: dict[int, tuple[dict, Any]] = {}
     if state is not None:
         for fqn, spec in state.plan.items():
             module = model.get_submodule(fqn) if fqn else model
@@ -33,13 +38,28 @@ def full_grads(model: nn.Module, mesh: Any) -> dict[str, torch.Tensor]:
                 path, _, name = rel.rpartition(".")
                 owner = module.get_submodule(path) if path else module
                 p = owner._parameters.get(name)
-                if p is not None:
-                    layouts[id(p)] = named
+                if p is None:
+                    continue
+                if "ep" in named and spec._ep_size > 1:
+                    layouts[id(p)] = (named, state.expert_meshes[spec._ep_size])
+                else:
+                    layouts[id(p)] = (named, mesh)
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         if p.grad is not None:
-            out[name] = full_tensor(p.grad, layouts.get(id(p)), mesh)
+            named, on = layouts.get(id(p), (None, mesh))
+            if named is not None and on is not mesh:
+                out[name] = full_expert_tensor(p.grad, named, on)
+            else:
+                out[name] = full_tensor(p.grad, named, mesh)
     return out
+
+
+def full_expert_tensor(t: torch.Tensor, named: dict, expert_mesh: Any) -> torch.Tensor:
+    """The whole tensor behind this rank's experts (a local ``[E / ep, ...]`` shard or a DTensor)."""
+    if isinstance(t, DTensor):
+        return t.full_tensor()
+    return DTensor.from_local(t, expert_mesh, expert_placements(named), run_check=False).full_tensor()
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -40,6 +40,24 @@ def test_discovered_and_loaded_with_provenance(monkeypatch):
     assert (row.distribution, row.version, row.status, row.error) == ("hp-plugin-moe", "0.1.0", "loaded", None)
     assert Path(hp_plugin_moe.plugin.__file__) == HERE / "src" / "hp_plugin_moe" / "plugin.py"
     mine = [item for item in registered_items() if item.provider == "moe"]
-    assert row.items == len(mine)
-    assert {item.kind.value for item in mine} <= {"compute_factory", "router_adapter"}
+    assert row.items == len(mine) == 7
+    assert {item.kind.value for item in mine} == {"compute_factory", "router_adapter"}
     assert all(item.distribution == "hp-plugin-moe" for item in mine)
+    factories = {item.name: item.meta["architectures"] for item in mine if item.kind.value == "compute_factory"}
+    assert factories == {
+        "qwen2moe": ("Qwen2MoeForCausalLM",),
+        "mixtral": ("MixtralForCausalLM",),
+        "routed_only": ("Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
+        "deepseekv3": ("DeepseekV3ForCausalLM",),
+    }
+
+
+def test_disabled_plugin_registers_nothing_but_its_factories_still_import(monkeypatch):
+    """With the plugin not loaded its names are unknown to hp, yet the functions stay usable."""
+    import hp_plugin_moe
+    from hp_core.plugins import suggest_compute_factory
+
+    monkeypatch.setenv("HP_PLUGINS", "")
+    assert suggest_compute_factory("Qwen2MoeForCausalLM") is None
+    assert not [item for item in registered_items() if item.provider == "moe"]
+    assert hp_plugin_moe.qwen2moe._injection_meta.kind == "local_compute"

@@ -1,26 +1,39 @@
 """The hp plugin object of hp-plugin-moe (entry point ``moe`` in group ``hp_core``).
 
-Not implemented yet: both hooks register NOTHING for now. The EP archetype factories
-(``qwen2moe``, ``mixtral``, ``routed_only``, ``deepseekv3``, with the HF architectures
-they are suggested for) and the router adapters arrive with the EP implementation in a
-later change; the hooks are here so that discovery, provenance and ``hp plugins``
-already work end to end.
+Registers the EP archetype factories with the Hugging Face architectures each is the
+suggested compute for (``hp_core.plugins.suggest_compute_factory``), and the router
+adapters.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from hp_core.hookspecs import hookimpl
+from hp_plugin_moe.factories import deepseekv3, mixtral, qwen2moe, routed_only
+from hp_plugin_moe.routers import BUILTIN_ROUTERS
+
+__all__ = ["FACTORIES", "hp_register_compute_factories", "hp_register_router_adapters"]
+
+#: factory name → (factory, HF architectures it is suggested for).
+FACTORIES: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {
+    "qwen2moe": (qwen2moe, ("Qwen2MoeForCausalLM",)),
+    "mixtral": (mixtral, ("MixtralForCausalLM",)),
+    "routed_only": (routed_only, ("Qwen3MoeForCausalLM", "OlmoeForCausalLM")),
+    "deepseekv3": (deepseekv3, ("DeepseekV3ForCausalLM",)),
+}
 
 
 @hookimpl
 def hp_register_compute_factories(register: Callable[..., None]) -> None:
-    """Register the EP compute factories (none yet; see the module docstring)."""
-    del register  # nothing to register until the EP factories land
+    """Register the four EP archetype factories with their suggested architectures."""
+    for name, (factory, architectures) in FACTORIES.items():
+        register(name, factory, architectures=architectures)
 
 
 @hookimpl
 def hp_register_router_adapters(register: Callable[..., None]) -> None:
-    """Register the router adapters (none yet; see the module docstring)."""
-    del register  # nothing to register until the router adapters land
+    """Register the router adapters (``hf_topk``, ``softmax_topk``, ``sigmoid_group_topk``)."""
+    for name, adapter in BUILTIN_ROUTERS.items():
+        register(name, adapter)

@@ -1,0 +1,397 @@
+"""Rank-side tasks of the expert-parallel tests (importable by the spawned gloo ranks).
+
+Every comparison is against single-device runs of the unsharded model. With data axes
+(``dp``) each dp slice trains its own batch: its loss, logits and non-expert gradients
+equal the single-device run of that batch, and an expert's gradient is the sum over
+the batches of the slices its expert group spans (reducing over dp is DDP/FSDP's job).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from moe_toys import VOCAB, toy_lm
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import hp_plugin_moe
+from hp_core.injection import Target, local_compute
+from hp_core.planner import plan as make_plan
+from hp_core.planner import step_collectives
+from hp_core.runtime import apply
+from hp_core.testing.compare import full_grads
+from hp_core.testing.models import build_model
+
+RTOL = 1e-5
+MOE = "model.layers.*.mlp"
+FACTORY = {"qwen2moe": "qwen2moe", "mixtral": "mixtral", "deepseekv3": "deepseekv3", "toy": "routed_only"}
+
+#: Computes bound by ``spy`` in this process (cleared by each task that uses it).
+SPIES: list[Any] = []
+
+
+@local_compute
+def spy(module: nn.Module, mesh: Any, tp_mesh: Any, cp_mesh: Any, ep_mesh: Any, archetype: str = "qwen2moe", capacity_factor: float | None = None) -> Any:
+    """A registered archetype whose compute this process keeps, to read its routing statistics."""
+    factory = getattr(hp_plugin_moe, archetype)
+    compute = factory(module=module, mesh=mesh, tp_mesh=tp_mesh, cp_mesh=cp_mesh, ep_mesh=ep_mesh, capacity_factor=capacity_factor)
+    SPIES.append(compute)
+    return compute
+
+
+def deepseek_v3(seed: int = 0, **config: Any) -> nn.Module:
+    """A tiny ``DeepseekV3ForCausalLM`` (8 routed experts in 2 groups, 1 shared expert)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    values = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, n_group=2,
+        topk_group=1, num_experts_per_tok=2, first_k_dense_replace=0, q_lora_rank=32, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=256,
+        tie_word_embeddings=False, dtype="float32", attn_implementation="sdpa",
+    )  # fmt: skip
+    values.update(config)
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**values))
+    with torch.no_grad():  # a router with some spread, and a non-zero correction bias
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.3)
+            layer.mlp.gate.e_score_correction_bias.uniform_(-0.05, 0.05)
+    return model.eval()
+
+
+def build(family: str, **config: Any) -> nn.Module:
+    if family == "deepseekv3":
+        return deepseek_v3(**config)
+    if family == "toy":
+        return toy_lm(**config)
+    return build_model(family, seed=0, **config)
+
+
+def block_experts(model: nn.Module, blocked: Sequence[int]) -> None:
+    """Make the routers never choose ``blocked``: hidden dim 0 is positive for every token
+    (embedding column 0, a few times the other dims' scale after the norm), and only the
+    blocked experts' router rows weigh it, very negatively. The other rows are scaled up so
+    the remaining experts are chosen by clear margins."""
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, 0] = 0.05
+        for layer in model.model.layers:
+            gate = layer.mlp.gate.weight
+            gate.mul_(10.0)
+            gate[:, 0] = 0.0
+            for e in blocked:
+                gate[e, 0] = -100.0
+
+
+def _mesh(shape: Sequence[int], names: Sequence[str]) -> Any:
+    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
+
+
+def _batch(step: int, part: int, batch: int = 2, seq: int = 16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + 17 * step + part)
+    return torch.randint(0, VOCAB, (batch, seq), generator=g)
+
+
+def _excess(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max(|a - b| - rtol * |b|): at most atol when ``torch.allclose(a, b, rtol, atol)``."""
+    return float(((a.float() - b.float()).abs() - RTOL * b.float().abs()).max()) if a.numel() else 0.0
+
+
+def _forward(model: nn.Module, ids: torch.Tensor, family: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if family == "toy":
+        logits = model(ids)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)), logits
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    return out.loss, out.logits
+
+
+def ep_overrides(family: str, factory: Any = None) -> list[dict[str, Any]]:
+    return [{"match": MOE, "when": "ep", "local_compute_fn": factory or FACTORY[family], "region_dispatch": False}]
+
+
+def _expected(ref_grads: list[dict[str, torch.Tensor]], mine: int, group_slices: list[int], plan: Any) -> dict[str, torch.Tensor]:
+    """Per-parameter single-device gradients, keyed by the parallel model's names."""
+    out = dict(ref_grads[mine])
+    for fqn, spec in plan.items():
+        for rel, named in (spec.params or {}).items():
+            if "ep" not in named:
+                continue
+            sources = spec._ep_stack.get(rel) or [rel]
+
+            def grad(s: int, src: str, fqn: str = fqn) -> torch.Tensor:
+                g = ref_grads[s].get(f"{fqn}.{src}")
+                return g if g is not None else torch.zeros(())
+
+            summed = [sum(grad(s, src) for s in group_slices) for src in sources]
+            for src in sources:
+                out.pop(f"{fqn}.{src}", None)
+            if rel in spec._ep_stack:
+                shape = next(g.shape for g in summed if g.dim())
+                out[f"{fqn}.{rel}"] = torch.stack([g.expand(shape) if not g.dim() else g for g in summed])
+            else:
+                out[f"{fqn}.{rel}"] = summed[0]
+    return out
+
+
+def train_compare(
+    family: str,
+    mesh_shape: Sequence[int],
+    mesh_names: Sequence[str],
+    *,
+    ep: int,
+    sp: bool = True,
+    steps: int = 2,
+    factory: Any = None,
+    overrides: Any = None,
+    blocked: Sequence[int] = (),
+    **config: Any,
+) -> dict[str, Any]:
+    """Single device vs production vs validate: loss, logits and every gradient, for ``steps`` steps."""
+    base = build(family, **config)
+    if blocked:
+        block_experts(base, blocked)
+    mesh = _mesh(mesh_shape, mesh_names)
+    names = list(mesh_names)
+    slices = mesh.size(names.index("dp")) if "dp" in names else 1
+    mine = mesh.get_local_rank("dp") if "dp" in names else 0
+    refs = [copy.deepcopy(base) for _ in range(slices)]
+    prod, val = copy.deepcopy(base), copy.deepcopy(base)
+    SPIES.clear()
+    p = None
+    for m, mode in ((prod, "production"), (val, "validate")):
+        p = make_plan(m, mesh, sequence_parallel=sp, ep_size=ep, overrides=overrides if overrides is not None else ep_overrides(family, factory))
+        apply(m, p, mesh, mode=mode)
+    assert p is not None
+    group = prod._hp_applied.expert_meshes[ep]["ep"].mesh.flatten().tolist()
+    per_slice = dist.get_world_size() // slices
+    group_slices = sorted({r // per_slice for r in group})
+    if slices > 1:
+        steps = 1  # the slices' optimizer steps would differ without a dp gradient reduction
+    models = {"prod": prod, "val": val}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6, foreach=False) for k, m in {**models, **{f"ref{s}": r for s, r in enumerate(refs)}}.items()}
+    worst = {f"{a}-{b}:{w}": 0.0 for a, b in (("prod", "ref"), ("val", "ref"), ("prod", "val")) for w in ("loss", "logits", "grad")}
+    losses: list[float] = []
+    for step in range(steps):
+        for opt in opts.values():
+            opt.zero_grad(set_to_none=True)
+        ref_out, ref_grads = [], []
+        for s, r in enumerate(refs):
+            loss, logits = _forward(r, _batch(step, s), family)
+            loss.backward()
+            ref_out.append((loss.detach(), logits.detach()))
+            ref_grads.append({n: q.grad for n, q in r.named_parameters() if q.grad is not None})
+        res: dict[str, Any] = {"ref": (*ref_out[mine], _expected(ref_grads, mine, group_slices, p))}
+        for k, m in models.items():
+            loss, logits = _forward(m, _batch(step, mine), family)
+            loss.backward()
+            res[k] = (loss.detach(), logits.detach(), full_grads(m, mesh))
+        losses.append(float(res["ref"][0]))
+        for a, b in (("prod", "ref"), ("val", "ref"), ("prod", "val")):
+            worst[f"{a}-{b}:loss"] = max(worst[f"{a}-{b}:loss"], _excess(res[a][0], res[b][0]))
+            worst[f"{a}-{b}:logits"] = max(worst[f"{a}-{b}:logits"], _excess(res[a][1], res[b][1]))
+            ga, gb = res[a][2], res[b][2]
+            if set(ga) != set(gb):
+                raise AssertionError(f"gradient sets differ ({a} vs {b}): {sorted(set(ga) ^ set(gb))[:6]}")
+            worst[f"{a}-{b}:grad"] = max(worst[f"{a}-{b}:grad"], max(_excess(ga[n], gb[n]) for n in ga))
+        for opt in opts.values():
+            opt.step()
+    n_expert = sum(1 for n in res["ref"][2] if ".experts." in n)
+    return {
+        **worst,
+        "losses": losses,
+        "n_grads": len(res["ref"][2]),
+        "n_expert_grads": n_expert,
+        "group": group,
+        "received": [list(s.dispatcher.last_received) for s in SPIES],
+        "params": sorted(n for n, _ in prod.named_parameters() if ".layers.0.mlp." in n),
+        "local_expert_shape": tuple(_first_expert(prod).shape),
+        "expert_syncs": len(prod._hp_applied.expert_grad_syncs),
+    }
+
+
+def _first_expert(model: nn.Module) -> torch.Tensor:
+    return next(p for n, p in model.named_parameters() if ".experts." in n)
+
+
+_OP = {
+    "alltoall_base": "all_to_all",
+    "allgather_base": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "allreduce": "all_reduce",
+    "all_to_all_single": "all_to_all",
+}
+
+
+def _counts(cm: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for op, n in cm.get_comm_counts().items():
+        short = str(op).split(".")[-1].strip("_")
+        name = _OP.get(short, short)
+        out[name] = out.get(name, 0) + n
+    return out
+
+
+def count_collectives(family: str, mode: str, mesh_shape: Sequence[int], mesh_names: Sequence[str], *, ep: int, layers: int, sp: bool = True, **config: Any) -> dict[str, Any]:
+    """Measured collectives of one forward and one backward, and the dense plan's prediction."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from hp_core.runtime import finalize_grads
+
+    model = build(family, num_hidden_layers=layers, **config) if family != "toy" else build(family, layers=layers, **config)
+    mesh = _mesh(mesh_shape, mesh_names)
+    p = make_plan(model, mesh, sequence_parallel=sp, ep_size=ep, overrides=ep_overrides(family))
+    apply(model, p, mesh, mode=mode)
+    finalize_grads(model)  # nothing pending yet: a no-op, without collectives
+    assert all(q.grad is None for q in model.parameters())
+    ids = _batch(0, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CommDebugMode's module hooks warn about integer inputs
+        with CommDebugMode() as fwd:
+            loss, _ = _forward(model, ids, family)
+        with CommDebugMode() as bwd:
+            loss.backward()
+    pred = step_collectives(p.modules)
+    state = model._hp_applied
+    return {
+        "forward": _counts(fwd),
+        "backward": _counts(bwd),
+        "pred_forward": {op: n for (ph, op, _), n in pred.items() if ph == "forward"},
+        "pred_backward": {op: n for (ph, op, _), n in pred.items() if ph == "backward"},
+        "sp_sync": state.grad_sync.reductions if state.grad_sync else 0,
+        "expert_sync": sum(s.reductions for s in state.expert_grad_syncs),
+    }
+
+
+# ------------------------------------------------------------------ preflight errors
+
+
+def _snapshot(model: nn.Module) -> list[tuple[str, int, torch.Tensor]]:
+    return [(n, id(p), p.detach().clone()) for n, p in model.named_parameters()]
+
+
+def _same(a: list[Any], b: list[Any]) -> bool:
+    return [(n, i) for n, i, _ in a] == [(n, i) for n, i, _ in b] and all(torch.equal(x, y) for (_, _, x), (_, _, y) in zip(a, b, strict=True))
+
+
+@local_compute
+def wrong_signature(module: nn.Module, mesh: Any, tp_mesh: Any, cp_mesh: Any, ep_mesh: Any) -> Any:
+    def compute(module: nn.Module, x: torch.Tensor) -> torch.Tensor:  # the block's forward takes hidden_states
+        return x
+
+    return compute
+
+
+def not_decorated(module: nn.Module, mesh: Any, tp_mesh: Any, cp_mesh: Any, ep_mesh: Any) -> Any:
+    return None
+
+
+def fails_in_apply(target_module: nn.Module, mesh: Any, tp_mesh: Any, cp_mesh: Any, ep_mesh: Any) -> Any:
+    raise RuntimeError("boom: an inner wrapper failing after the experts were stacked")
+
+
+def apply_error(case: str) -> dict[str, Any]:
+    """Apply a broken EP setup; return the error and whether the model is exactly as it was."""
+    from hp_core.injection import inner_wrapper
+
+    family, mesh_shape, names, ep, sp = "qwen2moe", (2,), ("tp",), 2, True
+    config: dict[str, Any] = {}
+    factory: Any = None
+    plan_model = None
+    extra: list[dict[str, Any]] = []
+    if case == "no_compute":
+        factory = False
+    elif case == "no_compute_toy":
+        family, names, factory = "toy", ("dp",), False
+    elif case == "experts_not_divisible":
+        plan_model, config = build("qwen2moe"), {"num_experts": 3}
+    elif case == "ep_not_dividing_region":
+        ep, config = 4, {"num_experts": 8}
+    elif case == "config_typo":
+        factory = Target("qwen2moe", {"capacity_factr": 1.0})
+    elif case == "bad_config_value":
+        factory = Target("qwen2moe", {"capacity_factor": -1})
+    elif case == "undecorated":
+        factory = not_decorated
+    elif case == "wrong_signature":
+        factory = wrong_signature
+    elif case == "wrong_archetype":
+        factory = "mixtral"
+    elif case == "replicated_tokens":
+        sp = False
+    elif case == "rollback":
+        family, names = "toy", ("dp",)
+        extra = [{"match": "model.layers.0.post_attention_layernorm", "inner_target": "self", "inner_wrapper": inner_wrapper(fails_in_apply), "region_dispatch": False}]
+    else:
+        raise ValueError(case)
+    model = build(family, **config)
+    mesh = _mesh(mesh_shape, names)
+    overrides = [] if factory is False else ep_overrides(family, factory)
+    p = make_plan(plan_model or model, mesh, sequence_parallel=sp, ep_size=ep, overrides=overrides + extra)
+    before = _snapshot(model)
+    modules_before = [(n, type(m).__name__) for n, m in model.named_modules()]
+    try:
+        apply(model, p, mesh)
+    except Exception as e:
+        return {
+            "type": type(e).__name__,
+            "mro": [c.__name__ for c in type(e).__mro__],
+            "message": str(e),
+            "cause": type(e.__cause__).__name__ if e.__cause__ else None,
+            "unchanged": _same(before, _snapshot(model)) and modules_before == [(n, type(m).__name__) for n, m in model.named_modules()],
+            "applied": getattr(model, "_hp_applied", None) is not None,
+        }
+    return {"type": None}
+
+
+def yaml_compare(family: str, text: str, mesh_shape: Sequence[int], mesh_names: Sequence[str], *, ep: int) -> dict[str, Any]:
+    """The overrides of a YAML document (e.g. the one in docs/ep.md) against single device."""
+    from hp_core import load_overrides
+
+    return train_compare(family, mesh_shape, mesh_names, ep=ep, steps=1, overrides=load_overrides(text))
+
+
+def capacity_run(capacity_factor: float) -> dict[str, Any]:
+    """tp=2, ep=2 with a capacity limit bound from a Target's config: production equals validate."""
+    from hp_core import trust_packages
+
+    trust_packages("moe_tasks")
+    base = build("qwen2moe")
+    mesh = _mesh((2,), ("tp",))
+    outs = []
+    SPIES.clear()
+    for mode in ("production", "validate"):
+        m = copy.deepcopy(base)
+        target = Target.from_dict({"_target_": "moe_tasks.spy", "archetype": "qwen2moe", "capacity_factor": capacity_factor})
+        apply(m, make_plan(m, mesh, ep_size=2, overrides=ep_overrides("qwen2moe", target)), mesh, mode=mode)
+        loss, logits = _forward(m, _batch(0, 0), "qwen2moe")
+        loss.backward()
+        outs.append((loss.detach(), logits.detach(), full_grads(m, mesh)))
+    (la, xa, ga), (lb, xb, gb) = outs
+    return {
+        "loss": _excess(la, lb),
+        "logits": _excess(xa, xb),
+        "grad": max(_excess(ga[n], gb[n]) for n in ga),
+        "finite": bool(torch.isfinite(xa).all()),
+        "dropped": [s.dispatcher.last_dropped for s in SPIES],
+    }
+
+
+def meta_apply(mode: str) -> dict[str, Any]:
+    """Apply EP to a meta-device model: experts are stacked and sharded, and stay meta."""
+    from moe_toys import ToyMoELM
+
+    with torch.device("meta"):
+        model = ToyMoELM()
+    mesh = _mesh((2,), ("dp",))
+    apply(model, make_plan(model, mesh, ep_size=2, overrides=ep_overrides("toy")), mesh, mode=mode)
+    w = model.model.layers[0].mlp.experts.gate_proj.weight
+    local = w.to_local() if hasattr(w, "to_local") else w
+    return {"meta": bool(local.is_meta), "local_shape": tuple(local.shape), "type": type(w).__name__}
