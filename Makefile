@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/planning_scale.py
 	$(BIN)/python benchmarks/plugin_discovery.py
 	$(BIN)/python benchmarks/memory.py
+	$(BIN)/python benchmarks/collectives.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .coverage .coverage.json
