@@ -30,7 +30,7 @@ class Journal:
         self.record(lambda: module._parameters.__setitem__(name, old))
 
     def set_attr(self, obj: Any, name: str, value: Any) -> None:
-        old = obj.__dict__.get(name, _MISSING) if hasattr(obj, "__dict__") else _MISSING
+        old = obj.__dict__.get(name, _MISSING)
 
         def undo() -> None:
             if old is _MISSING:
@@ -38,7 +38,9 @@ class Journal:
             else:
                 obj.__dict__[name] = old
 
-        object.__setattr__(obj, name, value) if not isinstance(obj, nn.Module) else obj.__dict__.__setitem__(name, value)
+        # Straight into the instance dict: nn.Module.__setattr__ would register modules and
+        # parameters, which these plain attributes (forwards, head counts, markers) are not.
+        obj.__dict__[name] = value
         self.record(undo)
 
     def rollback(self) -> None:
