@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -90,9 +90,10 @@ class LocalExpertWeights:
         if self.gate_up is not None:
             g, u = F.linear(x, self.gate_up[j]).chunk(2, dim=-1)
         else:
-            assert self.gate is not None and self.up is not None
-            g = F.linear(x, self.gate[j], None if bg is None else bg[j])
-            u = F.linear(x, self.up[j], None if bu is None else bu[j])
+            # Without a fused gate_up, the constructor guarantees separate gate and up.
+            gate, up = cast(torch.Tensor, self.gate), cast(torch.Tensor, self.up)
+            g = F.linear(x, gate[j], None if bg is None else bg[j])
+            u = F.linear(x, up[j], None if bu is None else bu[j])
         return F.linear(self.act(g) * u, self.down[j], None if bd is None else bd[j])
 
 
