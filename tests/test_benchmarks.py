@@ -1,0 +1,37 @@
+"""The benchmark scripts run (tiny settings): they must not rot between `make bench` runs.
+
+Timings are not asserted; the collectives benchmark's counts are, since they are exact.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.distributed
+
+
+def _run(script: str, *args: str, tmp_path: Path) -> dict | list:
+    out = tmp_path / f"{script}.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), *args, "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "|---|" in proc.stdout  # a markdown table was printed
+    return json.loads(out.read_text())
+
+
+def test_planning_scale_runs(tmp_path):
+    rows = _run("planning_scale", "--layers", "2", "4", tmp_path=tmp_path)
+    assert [r["layers"] for r in rows] == [2, 4] and all(r["hp_s"] > 0 and r["torch_s"] > 0 for r in rows)
+
+
+def test_collectives_benchmark_meets_the_minimum(tmp_path):
+    rows = _run("collectives", "--cases", "TP", "TP+SP", tmp_path=tmp_path)
+    for r in rows:
+        assert r["measured"] == r["minimum"], r
+        assert r["bytes_per_rank"] > 0
