@@ -118,7 +118,8 @@ def test_cp_injections_attrs_and_notes():
         {"match": "model.layers.1.self_attn", "inner_out_src": "first_input"},
         {"match": "model.layers.0.mlp", "local_compute_fn": {"_target_": "my_compute", "capacity": 2}, "region_dispatch": True},
         {"match": "model.layers.1.mlp", "local_compute_fn": tiny_compute, "region_dispatch": False, "inner_out_src": {"tp": "replicate"}},
-        {"match": "model.norm", "out_dst": {"y": {"tp": "replicate"}}, "in_src": {"h": {"tp": "shard(1)"}}},
+        {"match": "model.norm", "out_dst": {"y": {"tp": "replicate"}}, "in_src": {"x": {"tp": "shard(1)"}}, "in_dst": "none"},
+        {"match": "model.layers.0.input_layernorm", "in_src": "none"},
     ]
     p = plan(head_attention_lm(), "tp=2,cp=2", overrides=overrides)
     text = p.explain()
@@ -139,11 +140,12 @@ def test_cp_injections_attrs_and_notes():
         "inner_out_src={output: {tp: replicate}}, region_dispatch=false"
     ) in section(text, "model.layers.1.mlp")
     norm = section(text, "model.norm")
-    assert "  in h: {tp: shard(1)} (no in_dst entry: passed on as is)" in norm
-    assert "  in x: → {cp: shard(1), tp: shard(1)} (no in_src entry: arrives as is)" in norm
+    assert "  in x: {tp: shard(1)} (no in_dst entry: passed on as is)" in norm
     assert "  out y: → {tp: replicate} (no out_src entry: arrives as is)" in norm
+    first_norm = section(text, "model.layers.0.input_layernorm")
+    assert "  in x: → {cp: shard(1), tp: shard(1)} (no in_src entry: arrives as is)" in first_norm
     notes = text.split("override notes:\n")[1].splitlines()
-    assert notes == [f"  {n}" for n in p.notes] and len(notes) == 2
+    assert notes == [f"  {n}" for n in p.notes] and len(notes) == 3
 
 
 def test_expert_parallel_stacking_and_non_boundaries():

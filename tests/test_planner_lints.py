@@ -323,3 +323,19 @@ def test_no_template_registered_for_a_kind(monkeypatch):
 def test_every_planner_error_is_a_plan_error():
     for exc in (PlanningError, DivisibilityError, CoverageError, MeshAxisError, FusedProjectionError, UncoveredParameterError, OverrideError):
         assert issubclass(exc, PlanError) and issubclass(exc, ValueError)
+
+
+def test_input_name_that_the_forward_does_not_take(tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hp_core.planner import PlanningError, plan
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    with pytest.raises(PlanningError) as e:
+        plan(model, "tp=2", overrides=[{"match": "model.layers.0.mlp", "in_dst": {"hidden": {"tp": "replicate"}}}])
+    msg = str(e.value)
+    assert msg.startswith("model.layers.0.mlp.in_dst: 'hidden' is not a parameter of LlamaMLP.forward(x)")
+    assert "Name each input as the forward does." in msg

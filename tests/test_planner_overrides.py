@@ -62,10 +62,12 @@ def test_list_form_exact_key_replaces_the_whole_field_and_notes_what_was_dropped
     assert p.notes == []  # same keys: nothing dropped
     p2 = plan(meta(), "tp=2", overrides=[
         {"match": "model.norm", "out_names": ["output"]},
-        {"match": "model.layers.0.mlp", "in_src": {"hidden": {"tp": "shard(1)"}}},
+        {"match": "model.layers.0.self_attn", "in_src": {"attention_mask": {"tp": "replicate"}}},
     ])
     assert p2["model.norm"].out_names == ["output"]
-    assert p2.notes == ["overrides[1]: model.layers.0.mlp.in_src: override replaces the whole field; dropped keys ['x']"]
+    assert p2.notes == [
+        "overrides[1]: model.layers.0.self_attn.in_src: override replaces the whole field; dropped keys ['hidden_states']"
+    ]
 
 
 def test_sentinels_auto_and_none():

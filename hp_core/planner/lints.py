@@ -6,6 +6,7 @@ and the fix.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -309,7 +310,36 @@ def lint_plan(
         _check_axes(fqn, spec, mesh)
         _check_params(model, fqn, spec, mesh)
         _check_heads(model, fqn, spec, mesh)
+        _check_input_names(model, fqn, spec)
     _check_coverage(model, modules, mesh)
+
+
+def _check_input_names(model: nn.Module, fqn: str, spec: ModuleShardingSpec) -> None:
+    """Every declared input must be a parameter of the module's forward.
+
+    A layout declared for a name the forward does not take would never be applied, and
+    the region would silently compute on the wrong layout.
+    """
+    if not spec.is_boundary:
+        return
+    try:
+        sig = inspect.signature(_module(model, fqn).forward)
+    except (TypeError, ValueError):  # pragma: no cover - nn.Module forwards are introspectable
+        return
+    params = sig.parameters
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)]
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    for field in ("in_src", "in_dst"):
+        value = getattr(spec, field)
+        for name in value if isinstance(value, dict) else {}:
+            if name in named or (takes_kwargs and name not in named):
+                continue
+            best = close_matches(name, named, n=1)
+            hint = f" Did you mean {best[0]!r}?" if best else ""
+            raise PlanningError(
+                f"{fqn}.{field}: {name!r} is not a parameter of {type(_module(model, fqn)).__name__}.forward"
+                f"{sig}.{hint} Name each input as the forward does."
+            )
 
 
 def _check_coverage(model: nn.Module, modules: Mapping[str, ModuleShardingSpec], mesh: MeshSpec) -> None:
