@@ -22,8 +22,7 @@ $(STAMP): $(DISTS)
 
 demo: $(STAMP)
 	$(BIN)/hp plugins
-	$(BIN)/hp plan --model llama --mesh tp=2
-	$(BIN)/python examples/tp_train.py --steps 5
+	$(BIN)/hp demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check hp_core hp_plugin_cp hp_plugin_moe plugins tests tools examples benchmarks

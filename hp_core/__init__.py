@@ -23,6 +23,7 @@ from hp_core.plugins import (
     register_inner_wrapper,
     register_router_adapter,
     register_template,
+    register_training_adapter,
 )
 from hp_core.runtime import apply, finalize_grads
 from hp_core.sharding_plan import (
@@ -88,6 +89,7 @@ __all__ = [
     "register_inner_wrapper",
     "register_router_adapter",
     "register_template",
+    "register_training_adapter",
     "require_injection_meta",
     "resolve_placements",
     "trust_packages",

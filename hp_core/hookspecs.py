@@ -31,6 +31,7 @@ __all__ = [
     "hp_register_inner_wrappers",
     "hp_register_router_adapters",
     "hp_register_templates",
+    "hp_register_training_adapters",
 ]
 
 #: pluggy project name; also the entry-point group plugins are discovered in.
@@ -88,4 +89,21 @@ def hp_register_router_adapters(register: Callable[[str, Callable[..., Any]], No
 
     Signature: ``hp_register_router_adapters(register)``.
     Callback: ``register(name, adapter)`` where ``adapter`` is any callable.
+    """
+
+
+@hookspec
+def hp_register_training_adapters(register: Callable[..., None]) -> None:
+    """Register training adapters: what a training loop must do for a parallel axis.
+
+    Signature: ``hp_register_training_adapters(register)``.
+    Callback: ``register(name, adapter, *, axis)`` where ``adapter`` is an object with
+    any of the methods ``prepare_model(model, context)`` (after ``apply``; may return a
+    replacement model), ``shard_batch(batch, context) -> batch`` (before the forward) and
+    ``after_backward(model, context)`` (after ``backward()``, before the optimizer step);
+    ``axis`` is the mesh axis name (``"cp"``, ``"tp"``, ``"ep"``, ...) the adapter serves:
+    it is used only when that axis is active in the plan. ``context`` is a
+    ``hp_core.training.TrainingContext`` (``mesh``, ``tp_mesh``, ``cp_mesh``, ``ep_mesh``,
+    ``plan``). ``hp_core.training.TrainingAdapters.for_plan(plan, mesh)`` selects and
+    calls them, so a generic loop (``hp demo``) needs no plugin imports.
     """

@@ -31,12 +31,13 @@ def _squash(text: str) -> str:
     return re.sub(r"\s+", " ", text)
 
 
-def test_the_hookspecs_are_the_four_register_hooks():
+def test_the_hookspecs_are_the_register_hooks():
     assert HOOKS == [
         "hp_register_compute_factories",
         "hp_register_inner_wrappers",
         "hp_register_router_adapters",
         "hp_register_templates",
+        "hp_register_training_adapters",
     ]
 
 

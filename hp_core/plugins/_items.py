@@ -18,6 +18,7 @@ from hp_core.plugins._errors import InvalidRegistrationError
 
 __all__ = [
     "FORWARD_STYLES",
+    "TRAINING_ADAPTER_METHODS",
     "USER_PROVIDER",
     "PluginInfo",
     "PluginStatus",
@@ -41,12 +42,13 @@ _DOTTED_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*(\.[A-Za-z_][A-Za-z0-9_-]
 
 
 class RegistryKind(StrEnum):
-    """The four registries; values are the names used in messages and ``lookup``."""
+    """The registries; values are the names used in messages and ``lookup``."""
 
     TEMPLATE = "template"
     INNER_WRAPPER = "inner_wrapper"
     COMPUTE_FACTORY = "compute_factory"
     ROUTER_ADAPTER = "router_adapter"
+    TRAINING_ADAPTER = "training_adapter"
 
     @property
     def label(self) -> str:
@@ -248,6 +250,37 @@ def make_router_adapter(name: Any, adapter: Any, provider: Provider) -> Register
     return _item(RegistryKind.ROUTER_ADAPTER, name, adapter, provider, {})
 
 
+#: The optional methods of a training adapter, in the order a training step calls them.
+TRAINING_ADAPTER_METHODS: tuple[str, ...] = ("prepare_model", "shard_batch", "after_backward")
+
+
+def make_training_adapter(name: Any, adapter: Any, provider: Provider, *, axis: Any) -> RegisteredItem:
+    source = f"{provider.describe()}, training adapter {name!r}"
+    check_name(RegistryKind.TRAINING_ADAPTER, name, source=source)
+    if not isinstance(axis, str) or not _NAME_RE.match(axis):
+        raise InvalidRegistrationError(
+            f"{source}: axis={axis!r} is not valid.\n"
+            "axis is the name of the mesh axis the adapter serves, e.g. 'cp', 'tp' or 'ep'.\n"
+            "Fix: pass axis='cp' (or the axis your adapter is for)."
+        )
+    methods = [m for m in TRAINING_ADAPTER_METHODS if getattr(adapter, m, None) is not None]
+    for method in methods:
+        if not callable(getattr(adapter, method)):
+            raise InvalidRegistrationError(
+                f"{source}: attribute {method!r} of {adapter!r} is not callable.\n"
+                f"A training adapter's {', '.join(TRAINING_ADAPTER_METHODS)} are methods.\n"
+                f"Fix: define {method}(...) as a method, or remove the attribute."
+            )
+    if not methods:
+        raise InvalidRegistrationError(
+            f"{source}: {adapter!r} has none of the methods {', '.join(TRAINING_ADAPTER_METHODS)}.\n"
+            "A training adapter does at least one thing in a training step.\n"
+            "Fix: register an object with e.g. a shard_batch(batch, context) method."
+        )
+    meta = {"axis": axis, "methods": tuple(methods)}
+    return _item(RegistryKind.TRAINING_ADAPTER, name, adapter, provider, meta)
+
+
 def _require_injection(fn: Any, kind: str, *, source: str) -> None:
     # Imported here: hp_core.injection imports hp_core.plugins (Target trust, lookups).
     from hp_core.injection import require_injection_meta
@@ -277,6 +310,7 @@ HOOK_KINDS: dict[str, RegistryKind] = {
     "hp_register_inner_wrappers": RegistryKind.INNER_WRAPPER,
     "hp_register_compute_factories": RegistryKind.COMPUTE_FACTORY,
     "hp_register_router_adapters": RegistryKind.ROUTER_ADAPTER,
+    "hp_register_training_adapters": RegistryKind.TRAINING_ADAPTER,
 }
 
 
@@ -320,6 +354,13 @@ def make_register_callback(
             sink(make_compute_factory(name, factory, provider, architectures=architectures))
 
         return register_compute_factory
+
+    if kind is RegistryKind.TRAINING_ADAPTER:
+
+        def register_training_adapter(name: str, adapter: Any, *, axis: str) -> None:
+            sink(make_training_adapter(name, adapter, provider, axis=axis))
+
+        return register_training_adapter
 
     def register_router_adapter(name: str, adapter: Callable[..., Any]) -> None:
         sink(make_router_adapter(name, adapter, provider))

@@ -20,6 +20,7 @@ from hp_core.plugins._items import (
     make_inner_wrapper,
     make_router_adapter,
     make_template,
+    make_training_adapter,
 )
 from hp_core.plugins._manager import _LOCK, check_conflicts, current_state
 
@@ -28,6 +29,7 @@ __all__ = [
     "INNER_WRAPPER_REGISTRY",
     "ROUTER_ADAPTER_REGISTRY",
     "TEMPLATE_REGISTRY",
+    "TRAINING_ADAPTER_REGISTRY",
     "PluginRegistry",
     "ProtectedRegistryItemError",
     "lookup",
@@ -35,6 +37,7 @@ __all__ = [
     "register_inner_wrapper",
     "register_router_adapter",
     "register_template",
+    "register_training_adapter",
     "registered_items",
     "suggest_compute_factory",
     "unregister",
@@ -46,6 +49,7 @@ _REGISTER_FN = {
     RegistryKind.INNER_WRAPPER: "register_inner_wrapper(name, fn)",
     RegistryKind.COMPUTE_FACTORY: "register_compute_factory(name, factory)",
     RegistryKind.ROUTER_ADAPTER: "register_router_adapter(name, adapter)",
+    RegistryKind.TRAINING_ADAPTER: "register_training_adapter(name, adapter, axis=...)",
 }
 
 
@@ -164,6 +168,7 @@ TEMPLATE_REGISTRY = PluginRegistry(RegistryKind.TEMPLATE)
 INNER_WRAPPER_REGISTRY = PluginRegistry(RegistryKind.INNER_WRAPPER)
 COMPUTE_FACTORY_REGISTRY = PluginRegistry(RegistryKind.COMPUTE_FACTORY)
 ROUTER_ADAPTER_REGISTRY = PluginRegistry(RegistryKind.ROUTER_ADAPTER)
+TRAINING_ADAPTER_REGISTRY = PluginRegistry(RegistryKind.TRAINING_ADAPTER)
 
 
 def lookup(kind: RegistryKind | str, name: str) -> RegisteredItem:
@@ -229,6 +234,11 @@ def register_compute_factory(
 def register_router_adapter(name: str, adapter: Callable[..., Any]) -> RegisteredItem:
     """Register a router adapter callable under ``name`` (provider ``"user"``)."""
     return _commit(make_router_adapter(name, adapter, _USER))
+
+
+def register_training_adapter(name: str, adapter: Any, *, axis: str) -> RegisteredItem:
+    """Register a training adapter for mesh axis ``axis`` under ``name`` (provider ``"user"``)."""
+    return _commit(make_training_adapter(name, adapter, _USER, axis=axis))
 
 
 def register_template(item: Any) -> RegisteredItem:

@@ -40,4 +40,5 @@ def test_discovered_and_loaded_with_provenance():
     assert Path(hp_plugin_cp.plugin.__file__) == HERE / "src" / "hp_plugin_cp" / "plugin.py"
     mine = [item for item in registered_items() if item.provider == "cp"]
     assert row.items == len(mine)
-    assert all(item.kind == "inner_wrapper" and item.distribution == "hp-plugin-cp" for item in mine)
+    assert all(item.distribution == "hp-plugin-cp" for item in mine)
+    assert sorted(item.kind.value for item in mine) == ["inner_wrapper"] * 4 + ["training_adapter"]

@@ -41,7 +41,7 @@ def test_wrappers_registered_with_requirements_and_provenance(plugins_env):
         meta = require_injection_meta(fn, "inner_wrapper", source=name)
         assert meta.context == ("target_module", "mesh", "tp_mesh", "cp_mesh", "ep_mesh")
     (row,) = [r for r in plugin_report() if r.name == "cp"]
-    assert (row.status, row.items) == ("loaded", 4)
+    assert (row.status, row.items) == ("loaded", 5)  # 4 wrappers + the cp training adapter
 
 
 def test_hp_plugins_lists_the_wrappers(plugins_env, capsys):
