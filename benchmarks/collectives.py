@@ -28,43 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from hp_core.testing.probe import CollectiveCounter
 
 LAYERS = 2
-_NAMES = {
-    "allgather_base": "all_gather", "all_gather_into_tensor": "all_gather", "allgather": "all_gather",
-    "reduce_scatter_base": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-    "allreduce": "all_reduce", "all_reduce": "all_reduce",
-    "alltoall_base": "all_to_all", "all_to_all_single": "all_to_all",
-}
-
-
-class CollectiveProbe(TorchDispatchMode):
-    """Counts c10d / functional collectives and the bytes of the tensors each rank sends."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: dict[str, int] = {}
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        ns = func.namespace
-        if ns in ("c10d", "_c10d_functional", "c10d_functional"):
-            name = _NAMES.get(func._opname.strip("_"))
-            if name is not None:
-                self.calls[name] = self.calls.get(name, 0) + 1
-                # The input is the last tensor argument of the in-place c10d ops and the
-                # first of the functional ones.
-                tensors = [a for a in args if isinstance(a, torch.Tensor)]
-                flat = [t for a in args if isinstance(a, list | tuple) for t in a if isinstance(t, torch.Tensor)]
-                src = (tensors[1] if ns == "c10d" and len(tensors) > 1 else (tensors or flat or [None])[0])
-                if src is not None:
-                    self.bytes += src.numel() * src.element_size()
-        return func(*args, **(kwargs or {}))
-
-
 def _step(model: Any, batch: dict[str, Any], after_backward: Any = None) -> tuple[dict[str, int], int]:
-    with CollectiveProbe() as probe:
+    with CollectiveCounter() as probe:
         loss = model(**batch, use_cache=False).loss
         loss.backward()
         if after_backward is not None:

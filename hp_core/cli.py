@@ -515,6 +515,8 @@ def cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
     per_rank = ", ".join(str(r["params"]) for r in reports)
     out.print(Text(f"params per rank: {per_rank} (unsharded model: {total})"), soft_wrap=True)
     out.print(Text(f"training adapters: {', '.join(reports[0]['adapters']) or 'none'}"), soft_wrap=True)
+    for line in demo.measured_lines(reports[0]["measured"]):
+        out.print(Text(line), soft_wrap=True)
     rows = [demo.StepRow(i, a, b) for i, (a, b) in enumerate(reports[0]["losses"])]
     table = Table(title="loss per step: sharded vs single device", title_justify="left")
     for column in ("step", "sharded", "single", "|diff|", "ok"):

@@ -194,6 +194,16 @@ def plan_summary(plan: Any) -> list[str]:
     return lines
 
 
+def measured_lines(measured: dict[str, dict[str, int]]) -> list[str]:
+    """Rank 0's collectives in one training step, everything included."""
+    lines = ["measured collectives per step on rank 0 (plan, plugin compute and training adapters):"]
+    for phase in ("forward", "backward"):
+        calls = measured.get(phase, {})
+        text = ", ".join(f"{n} {op}" for op, n in sorted(calls.items())) or "none"
+        lines.append(f"  {phase}: {text}")
+    return lines
+
+
 def verdict(rows: list[StepRow], *, rtol: float = RTOL, atol: float = ATOL) -> int:
     """0 if there are rows and every step matches within ``atol + rtol * |single|``, else 1."""
     return 0 if rows and all(r.ok(rtol, atol) for r in rows) else 1
@@ -214,6 +224,7 @@ def train(rank: int, setup: DemoSetup, *, progress: bool) -> dict[str, Any]:
 
     from hp_core.runtime import apply
     from hp_core.testing.models import build_model
+    from hp_core.testing.probe import CollectiveCounter
     from hp_core.training import TrainingAdapters
 
     names = tuple(axis for axis, _ in setup.mesh)
@@ -230,12 +241,19 @@ def train(rank: int, setup: DemoSetup, *, progress: bool) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6) if reference is not None else None
     losses: list[tuple[float, float]] = []
+    measured: dict[str, dict[str, int]] = {}
     bar = _progress(setup.steps) if progress else None
     for step in range(setup.steps):
         batch = _batch(setup, step)
-        loss = model(**adapters.shard_batch(batch), use_cache=False).loss
-        loss.backward()
-        adapters.after_backward(model)
+        # Step 0 counts every collective this rank issues: the plan's, the plugins' compute
+        # and the training adapters'.
+        with CollectiveCounter() as fwd:
+            loss = model(**adapters.shard_batch(batch), use_cache=False).loss
+        with CollectiveCounter() as bwd:
+            loss.backward()
+            adapters.after_backward(model)
+        if step == 0:
+            measured = {"forward": fwd.calls, "backward": bwd.calls}
         opt.step()
         opt.zero_grad(set_to_none=True)
         if reference is not None and ref_opt is not None:
@@ -248,7 +266,7 @@ def train(rank: int, setup: DemoSetup, *, progress: bool) -> dict[str, Any]:
             bar[0].advance(bar[1])
     if bar is not None:
         bar[0].stop()
-    return {"rank": rank, "params": params, "losses": losses, "adapters": adapters.names}
+    return {"rank": rank, "params": params, "losses": losses, "adapters": adapters.names, "measured": measured}
 
 
 def _progress(total: int) -> tuple[Any, Any]:

@@ -49,3 +49,16 @@ def die_on_rank1() -> None:
     if dist.get_rank() == 1:
         os._exit(3)
     dist.barrier()
+
+
+def count_with_probe() -> tuple[dict, int, int]:
+    from hp_core.testing.probe import CollectiveCounter
+
+    with CollectiveCounter() as c:
+        x = torch.ones(4)
+        dist.all_reduce(x)
+        out = torch.empty(8)
+        dist.all_gather_single(out, torch.ones(4))
+        a2a = torch.empty(4)
+        dist.all_to_all_single(a2a, torch.ones(4))
+    return c.calls, c.bytes, c.total()

@@ -43,6 +43,9 @@ def test_default_demo_trains_cp_tp_ep_and_matches():
     assert "2 x model.layers.*.mlp  [local_compute_fn=qwen2moe]" in out
     assert "forward: 4 all_gather on tp" in out
     assert "training adapters: cp" in out
+    # Everything rank 0 issues in one step: the plan's tp collectives (as predicted above),
+    # one packed K/V all-gather per attention layer, 3 all-to-alls per MoE layer, the CP loss sum.
+    assert "  forward: 6 all_gather, 2 all_reduce, 6 all_to_all, 2 reduce_scatter" in out
     assert "params per rank: " in out
     assert "│    1 │" in out and "ok" in out
     assert "every step matches the single-device run" in out
@@ -105,7 +108,7 @@ def test_verdict():
 
 
 def test_cli_reports_a_mismatch_with_exit_1(monkeypatch, capsys):
-    reports = [{"rank": 0, "params": 10, "losses": [(4.0, 4.0), (4.0, 4.5)], "adapters": ()}]
+    reports = [{"rank": 0, "params": 10, "losses": [(4.0, 4.0), (4.0, 4.5)], "adapters": (), "measured": {}}]
     monkeypatch.setattr(demo, "run_demo", lambda setup: reports)
     assert cli.main(["demo", "--model", "llama", "--mesh", "tp=2", "--steps", "2"]) == 1
     out, err = capsys.readouterr()

@@ -65,3 +65,9 @@ def test_dead_rank_is_reported_and_replaced():
     with pytest.raises(WorldError, match=r"rank\(s\) \[1\] died \(exit codes \{1: 3\}\)"):
         w.run(tasks.die_on_rank1, timeout=60)
     assert get_world(2).run(tasks.all_reduce_rank)[0] == (0, 3.0)
+
+
+def test_collective_counter_counts_ops_and_bytes():
+    calls, sent, total = get_world(2).run(tasks.count_with_probe)[0]
+    assert calls == {"all_reduce": 1, "all_gather": 1, "all_to_all": 1} and total == 3
+    assert sent == 3 * 4 * 4  # three collectives of 4 float32 each
