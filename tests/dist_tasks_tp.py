@@ -12,16 +12,17 @@ from torch.distributed.tensor import Shard
 from hp_core.planner import plan as make_plan
 from hp_core.planner import step_collectives
 from hp_core.runtime import apply
-from hp_core.testing.compare import full_grads, full_tensor, max_abs_diff
+from hp_core.testing.compare import (
+    allclose_excess,
+    full_grads,
+    full_tensor,
+    max_abs_diff,
+    run_excess,
+)
 from hp_core.testing.models import build_model
 
 VOCAB = 128
 RTOL = 1e-5
-
-
-def _excess(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max(|a - b| - rtol * |b|): at most atol when ``torch.allclose(a, b, rtol, atol)``."""
-    return float(((a.float() - b.float()).abs() - RTOL * b.float().abs()).max())
 
 
 def _batch(step: int, batch: int = 2, seq: int = 16) -> torch.Tensor:
@@ -40,7 +41,7 @@ def _logits(out: Any, loss_parallel: bool, mesh: Any) -> torch.Tensor:
 def train_compare(family: str, mesh_shape, mesh_names, *, sp: bool = True, loss_parallel: bool = False, steps: int = 3, **config) -> dict:
     """Reference vs production vs validate: loss, logits and every gradient, for ``steps`` AdamW steps.
 
-    Values are ``allclose`` excesses (see ``_excess``): a case passes when each is <= atol.
+    Values are ``allclose`` excesses (see ``hp_core.testing.compare.allclose_excess``): a case passes when each is <= atol.
     """
     base = build_model(family, seed=0, **config)
     mesh = _mesh(tuple(mesh_shape), tuple(mesh_names))
@@ -65,12 +66,8 @@ def train_compare(family: str, mesh_shape, mesh_names, *, sp: bool = True, loss_
             res[k] = (out.loss.detach(), _logits(out, loss_parallel and k != "ref", mesh).detach(), grads)
         losses.append(float(res["ref"][0]))
         for a, b in (("prod", "ref"), ("val", "ref"), ("prod", "val")):
-            worst[f"{a}-{b}:loss"] = max(worst[f"{a}-{b}:loss"], _excess(res[a][0], res[b][0]))
-            worst[f"{a}-{b}:logits"] = max(worst[f"{a}-{b}:logits"], _excess(res[a][1], res[b][1]))
-            ga, gb = res[a][2], res[b][2]
-            if set(ga) != set(gb):
-                raise AssertionError(f"gradient sets differ: {sorted(set(ga) ^ set(gb))}")
-            worst[f"{a}-{b}:grad"] = max(worst[f"{a}-{b}:grad"], max(_excess(ga[n], gb[n]) for n in ga))
+            for what, value in run_excess(res[a], res[b], rtol=RTOL).items():
+                worst[f"{a}-{b}:{what}"] = max(worst[f"{a}-{b}:{what}"], value)
         for opt in opts.values():
             opt.step()
     worst["losses"] = losses
@@ -194,8 +191,8 @@ def head_attrs_compare() -> dict:
     return {
         "prod_heads": (attn(prod).num_heads, attn(prod).num_key_value_heads),
         "val_heads": (attn(val).num_heads, attn(val).num_key_value_heads),
-        "logits": max(_excess(res[k][0], res["ref"][0]) for k in ("prod", "val")),
-        "grad": max(max(_excess(res[k][1][n], res["ref"][1][n]) for n in res["ref"][1]) for k in ("prod", "val")),
+        "logits": max(allclose_excess(res[k][0], res["ref"][0]) for k in ("prod", "val")),
+        "grad": max(max(allclose_excess(res[k][1][n], res["ref"][1][n]) for n in res["ref"][1]) for k in ("prod", "val")),
     }
 
 

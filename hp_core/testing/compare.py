@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from hp_core.runtime.experts import expert_placements
 from hp_core.runtime.layouts import to_placements
 
-__all__ = ["full_expert_tensor", "full_grads", "full_tensor", "max_abs_diff"]
+__all__ = ["allclose_excess", "full_expert_tensor", "full_grads", "full_tensor", "max_abs_diff", "run_excess"]
 
 
 def full_tensor(t: torch.Tensor, placements_by_axis: dict | None, mesh: Any) -> torch.Tensor:
@@ -66,3 +66,31 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict
     """Per-key max |a - b|; a key in only one of them maps to inf."""
     keys = set(a) | set(b)
     return {k: (float((a[k].float() - b[k].float()).abs().max()) if k in a and k in b else float("inf")) for k in sorted(keys)}
+
+
+def allclose_excess(a: torch.Tensor, b: torch.Tensor, *, rtol: float = 1e-5) -> float:
+    """``max(|a - b| - rtol * |b|)``: at most ``atol`` exactly when ``torch.allclose(a, b, rtol, atol)``."""
+    if not a.numel():
+        return 0.0
+    return float(((a.float() - b.float()).abs() - rtol * b.float().abs()).max())
+
+
+def run_excess(
+    got: tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]],
+    ref: tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]],
+    *,
+    rtol: float = 1e-5,
+) -> dict[str, float]:
+    """Excesses of one run's ``(loss, logits, grads)`` over another's, per quantity.
+
+    ``grad`` is the worst over every gradient; two runs whose gradient names differ are an
+    error, not a pass.
+    """
+    (loss_g, logits_g, grads_g), (loss_r, logits_r, grads_r) = got, ref
+    if set(grads_g) != set(grads_r):
+        raise AssertionError(f"gradient sets differ: {sorted(set(grads_g) ^ set(grads_r))[:8]}")
+    return {
+        "loss": allclose_excess(loss_g, loss_r, rtol=rtol),
+        "logits": allclose_excess(logits_g, logits_r, rtol=rtol),
+        "grad": max((allclose_excess(grads_g[n], grads_r[n], rtol=rtol) for n in grads_r), default=0.0),
+    }

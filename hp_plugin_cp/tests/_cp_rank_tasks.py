@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from hp_core import apply, plan
-from hp_core.testing.compare import full_grads
+from hp_core.testing.compare import allclose_excess, full_grads, run_excess
 from hp_core.testing.models import build_model
 from hp_plugin_cp import (
     enable_cp_loss,
@@ -63,7 +63,7 @@ def doc_training(mesh_shape: tuple[int, ...], mesh_names: tuple[str, ...], steps
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
         losses.append((float(loss), float(ref_loss)))
-    return {"losses": losses, "worst": max(_excess(torch.tensor(a), torch.tensor(b)) for a, b in losses)}
+    return {"losses": losses, "worst": max(allclose_excess(torch.tensor(a), torch.tensor(b)) for a, b in losses)}
 
 
 def doc_yaml(wrapper: str = "sdpa_hf") -> str:
@@ -71,11 +71,6 @@ def doc_yaml(wrapper: str = "sdpa_hf") -> str:
     blocks = re.findall(r"^```yaml\n(.*?)^```", DOC.read_text(), re.MULTILINE | re.DOTALL)
     (block,) = [b for b in blocks if "inner_wrapper: sdpa_hf" in b]
     return block.replace("inner_wrapper: sdpa_hf", f"inner_wrapper: {wrapper}")
-
-
-def _excess(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max(|a - b| - rtol |b|): at most atol when ``allclose(a, b, rtol, atol)``."""
-    return float(((a.float() - b.float()).abs() - RTOL * b.float().abs()).max())
 
 
 def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
@@ -97,13 +92,8 @@ def full_batch(seed: int, *, pad: bool, batch: int = 2, seq: int = 16) -> dict[s
 
 
 def _compare(ref: tuple, got: tuple, key: str, worst: dict[str, float]) -> None:
-    loss_r, logits_r, grads_r = ref
-    loss_g, logits_g, grads_g = got
-    if set(grads_r) != set(grads_g):
-        raise AssertionError(f"{key}: gradient sets differ: {sorted(set(grads_r) ^ set(grads_g))}")
-    worst[f"{key}:loss"] = _excess(loss_g, loss_r)
-    worst[f"{key}:logits"] = _excess(logits_g, logits_r)
-    worst[f"{key}:grad"] = max(_excess(grads_g[n], grads_r[n]) for n in grads_r)
+    for what, value in run_excess(got, ref, rtol=RTOL).items():
+        worst[f"{key}:{what}"] = value
 
 
 def hf_equivalence(family: str, mesh_shape: tuple[int, ...], mesh_names: tuple[str, ...], cases: list[tuple[bool, bool]]) -> dict[str, Any]:
@@ -281,7 +271,7 @@ def flex_checks() -> dict[str, Any]:
         for mode, m in models.items():
             with torch.no_grad():
                 out = m(**sharded, use_cache=False)
-            res[f"hf-pad-lb:{mode}"] = _excess(gather_sequence(out.logits, cp_mesh, load_balanced=True), expected)
+            res[f"hf-pad-lb:{mode}"] = allclose_excess(gather_sequence(out.logits, cp_mesh, load_balanced=True), expected)
         res["hf-backward"] = _try(lambda: models["production"](**sharded, use_cache=False).loss.backward())
         torch.manual_seed(0)
         toy = ToyLM(FlexCore)
@@ -291,7 +281,7 @@ def flex_checks() -> dict[str, Any]:
         sharded = shard_batch_for_cp(full, cp_mesh)
         apply(toy, plan(toy, mesh, overrides=qkv_override("flex_qkv")), mesh, mode="production")
         with torch.no_grad():
-            res["qkv:production"] = _excess(gather_sequence(toy(sharded["input_ids"]), cp_mesh), expected)
+            res["qkv:production"] = allclose_excess(gather_sequence(toy(sharded["input_ids"]), cp_mesh), expected)
         res["qkv-backward"] = _try(lambda: toy(sharded["input_ids"]).sum().backward())
     return res
 
@@ -511,14 +501,14 @@ def direct_wrapper_checks() -> dict[str, Any]:
         expected, _ = attn(x, (cos, sin), None, is_causal=False)
         fwd = sdpa_hf(target_module=attn, **ctx)
         got, _ = fwd(x[:, here], (cos[:, here], sin[:, here]), None, hp_cp=CPLayout(2, rank, 16), is_causal=False)
-    res["hf_noncausal"] = _excess(gather_sequence(got, cp_mesh), expected)
+    res["hf_noncausal"] = allclose_excess(gather_sequence(got, cp_mesh), expected)
     res["hf_unbound_name"] = _try(lambda: fwd(x[:, here], (cos[:, here], sin[:, here]), torch.ones(2, 1, 8, 8, dtype=torch.bool)))
 
     # no is_causal attribute: the call's is_causal decides
     heads = torch.randn(2, 4, 16, 8)
     with torch.no_grad():
         got = sdpa_hf(target_module=NoFlagAttention(), **ctx)(heads[:, :, here])
-    res["hf_call_flag"] = _excess(gather_sequence(got, cp_mesh, seq_dim=2), F.scaled_dot_product_attention(heads, heads, heads, is_causal=True))
+    res["hf_call_flag"] = allclose_excess(gather_sequence(got, cp_mesh, seq_dim=2), F.scaled_dot_product_attention(heads, heads, heads, is_causal=True))
     res["hf_inner_mask"] = _try(lambda: sdpa_hf(target_module=MaskingAttention(), **ctx)(heads[:, :, here]))
     res["hf_sliding_window"] = _try(lambda: sdpa_hf(target_module=SlidingAttention(), **ctx))
     res["hf_flex_block_mask"] = _try(lambda: flex_hf(target_module=FlexMaskAttention(), **ctx)(heads[:, :, here]))
@@ -527,11 +517,11 @@ def direct_wrapper_checks() -> dict[str, Any]:
     core = SDPACore()
     with torch.no_grad():
         got = sdpa_qkv(target_module=core, causal=False, **ctx)(heads[:, :, here], heads[:, :2, here], heads[:, :2, here])
-    res["qkv_noncausal"] = _excess(gather_sequence(got, cp_mesh, seq_dim=2), F.scaled_dot_product_attention(heads, heads[:, :2], heads[:, :2], enable_gqa=True))
+    res["qkv_noncausal"] = allclose_excess(gather_sequence(got, cp_mesh, seq_dim=2), F.scaled_dot_product_attention(heads, heads[:, :2], heads[:, :2], enable_gqa=True))
     additive = torch.zeros(1, 1, 16, 16, dtype=torch.float64).masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf"))
     with torch.no_grad():  # a float64 additive global mask for float32 queries: narrowed and cast
         got = sdpa_qkv(target_module=core, causal=False, **ctx)(heads[:, :, here], heads[:, :, here], heads[:, :, here], attn_mask=additive)
-    res["qkv_additive_mask"] = _excess(gather_sequence(got, cp_mesh, seq_dim=2), F.scaled_dot_product_attention(heads, heads, heads, is_causal=True))
+    res["qkv_additive_mask"] = allclose_excess(gather_sequence(got, cp_mesh, seq_dim=2), F.scaled_dot_product_attention(heads, heads, heads, is_causal=True))
     res["qkv_two_args"] = _try(lambda: sdpa_qkv(target_module=TwoArgCore(), **ctx))
     extra = sdpa_qkv(target_module=ExtraArgCore(), **ctx)
     local = heads[:, :, here]
@@ -563,8 +553,8 @@ def loss_parallel_check() -> dict[str, float]:
     logits = gather_sequence(full_tensor(out.logits, {"tp": Shard(2)}, mesh), mesh["cp"], load_balanced=True)
     grads = full_grads(m, mesh)
     return {
-        "loss": _excess(out.loss.detach(), expected.loss.detach()),
-        "logits": _excess(logits, expected.logits.detach()),
-        "grad": max(_excess(grads[n], p.grad) for n, p in ref.named_parameters()),
+        "loss": allclose_excess(out.loss.detach(), expected.loss.detach()),
+        "logits": allclose_excess(logits, expected.logits.detach()),
+        "grad": max(allclose_excess(grads[n], p.grad) for n, p in ref.named_parameters()),
         "vocab_parallel": float(type(m.loss_function.base).__name__ == "VocabParallelCausalLMLoss"),
     }

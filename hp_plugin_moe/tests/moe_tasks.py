@@ -25,7 +25,7 @@ from hp_core.injection import Target, local_compute
 from hp_core.planner import plan as make_plan
 from hp_core.planner import step_collectives
 from hp_core.runtime import apply
-from hp_core.testing.compare import full_grads
+from hp_core.testing.compare import full_grads, run_excess
 from hp_core.testing.models import build_model
 
 RTOL = 1e-5
@@ -96,11 +96,6 @@ def _mesh(shape: Sequence[int], names: Sequence[str]) -> Any:
 def _batch(step: int, part: int, batch: int = 2, seq: int = 16) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + 17 * step + part)
     return torch.randint(0, VOCAB, (batch, seq), generator=g)
-
-
-def _excess(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max(|a - b| - rtol * |b|): at most atol when ``torch.allclose(a, b, rtol, atol)``."""
-    return float(((a.float() - b.float()).abs() - RTOL * b.float().abs()).max()) if a.numel() else 0.0
 
 
 def _forward(model: nn.Module, ids: torch.Tensor, family: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,12 +188,8 @@ def train_compare(
             res[k] = (loss.detach(), logits.detach(), full_grads(m, mesh))
         losses.append(float(res["ref"][0]))
         for a, b in (("prod", "ref"), ("val", "ref"), ("prod", "val")):
-            worst[f"{a}-{b}:loss"] = max(worst[f"{a}-{b}:loss"], _excess(res[a][0], res[b][0]))
-            worst[f"{a}-{b}:logits"] = max(worst[f"{a}-{b}:logits"], _excess(res[a][1], res[b][1]))
-            ga, gb = res[a][2], res[b][2]
-            if set(ga) != set(gb):
-                raise AssertionError(f"gradient sets differ ({a} vs {b}): {sorted(set(ga) ^ set(gb))[:6]}")
-            worst[f"{a}-{b}:grad"] = max(worst[f"{a}-{b}:grad"], max(_excess(ga[n], gb[n]) for n in ga))
+            for what, value in run_excess(res[a], res[b], rtol=RTOL).items():
+                worst[f"{a}-{b}:{what}"] = max(worst[f"{a}-{b}:{what}"], value)
         for opt in opts.values():
             opt.step()
     n_expert = sum(1 for n in res["ref"][2] if ".experts." in n)
@@ -374,12 +365,9 @@ def capacity_run(capacity_factor: float) -> dict[str, Any]:
         loss, logits = _forward(m, _batch(0, 0), "qwen2moe")
         loss.backward()
         outs.append((loss.detach(), logits.detach(), full_grads(m, mesh)))
-    (la, xa, ga), (lb, xb, gb) = outs
     return {
-        "loss": _excess(la, lb),
-        "logits": _excess(xa, xb),
-        "grad": max(_excess(ga[n], gb[n]) for n in ga),
-        "finite": bool(torch.isfinite(xa).all()),
+        **run_excess(outs[0], outs[1], rtol=RTOL),
+        "finite": bool(torch.isfinite(outs[0][1]).all()),
         "dropped": [s.dispatcher.last_dropped for s in SPIES],
     }
 
