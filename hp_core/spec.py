@@ -475,13 +475,12 @@ class PlacementMismatchError(ValueError):
         self.expected = expected
         self.actual = actual
         self.stage = stage
-        field = base if base != "params" else "params"
         super().__init__(
             f"{module_name}: {stage} placement mismatch.\n"
             f"  expected (plan): {_fmt_layout(expected)}\n"
             f"  actual (DTensor propagation): {_fmt_layout(actual)}\n"
             f"Fix: declare the actual layout in the override for {module_name!r} "
-            f"({field}: ...), or change the computation so it produces the declared one."
+            f"({base}: ...), or change the computation so it produces the declared one."
         )
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -245,19 +245,3 @@ def check_unclaimed(structure: ModelStructure, modules: Mapping[str, ModuleShard
         f"  - match: {mod!r}\n    is_boundary: false\n    params: {{{rel}: {{tp: replicate}}}}\n"
         "or register a RoleRule for your architecture through a plugin (docs/plugins.md)."
     )
-
-
-def _param(model: nn.Module, fqn: str) -> torch.Tensor:
-    mod_path, _, name = fqn.rpartition(".")
-    mod = model.get_submodule(mod_path) if mod_path else model
-    return mod._parameters[name]  # type: ignore[return-value]
-
-
-def leaf_name(rel: str) -> str:
-    """``"self_attn.q_proj.weight"`` → ``"q_proj"`` (the owning leaf module's attribute name)."""
-    parts = rel.split(".")
-    return parts[-2] if len(parts) >= 2 else ""
-
-
-def modules_of(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
-    return [model.get_submodule(n) if n else model for n in names]
