@@ -7,6 +7,7 @@ with the communication its contract implies.
 
 from __future__ import annotations
 
+from hp_core.errors import HpError
 from hp_core.hookspecs import hookimpl
 from hp_core.injection import (
     InjectionMeta,
@@ -50,6 +51,7 @@ from hp_core.spec import (
     resolve_placements,
 )
 from hp_core.templates import BoundaryTemplate, Role, RoleRule
+from hp_core.verifier import VerificationError, VerifyReport, verify
 
 __version__ = "0.1.0"
 
@@ -59,6 +61,7 @@ __all__ = [
     "EP",
     "TP",
     "BoundaryTemplate",
+    "HpError",
     "InjectionMeta",
     "MeshAxisName",
     "MeshSpec",
@@ -70,6 +73,8 @@ __all__ = [
     "RoleRule",
     "ShardingPlan",
     "Target",
+    "VerificationError",
+    "VerifyReport",
     "__version__",
     "apply",
     "dump_overrides",
@@ -93,4 +98,5 @@ __all__ = [
     "require_injection_meta",
     "resolve_placements",
     "trust_packages",
+    "verify",
 ]

@@ -19,6 +19,8 @@ import traceback
 from collections import Counter
 from typing import Any
 
+from hp_core.errors import HpError
+
 __all__ = [
     "DemoSetup",
     "StepRow",
@@ -92,7 +94,7 @@ class StepRow:
         return self.diff <= atol + rtol * abs(self.single)
 
 
-class DemoError(ValueError):
+class DemoError(HpError, ValueError):
     """The demo cannot run as asked (bad mesh, missing plugin); the message says why."""
 
 

@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
+from hp_core.errors import HpError
 from hp_core.spec import close_matches
 
 __all__ = [
@@ -60,15 +61,15 @@ _ROLE = {
 }
 
 
-class InjectionDefinitionError(TypeError):
+class InjectionDefinitionError(HpError, TypeError):
     """An injected function breaks the decorator discipline (raised at decoration time)."""
 
 
-class InjectionBindingError(TypeError):
+class InjectionBindingError(HpError, TypeError):
     """Config keys or forward parameters do not fit an injected function (apply time)."""
 
 
-class TargetError(ValueError):
+class TargetError(HpError, ValueError):
     """A ``Target`` (``{_target_: ...}``) that is malformed or cannot be resolved."""
 
 

@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from hp_core.errors import HpError
 from hp_core.spec import close_matches
 
 __all__ = ["MeshSpec", "MeshSpecError"]
@@ -18,7 +19,7 @@ __all__ = ["MeshSpec", "MeshSpecError"]
 _AXIS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class MeshSpecError(ValueError):
+class MeshSpecError(HpError, ValueError):
     """A mesh description that cannot be understood."""
 
 

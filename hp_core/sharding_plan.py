@@ -30,6 +30,7 @@ from typing import Any, Union
 import yaml
 from torch.distributed.tensor import Placement
 
+from hp_core.errors import HpError
 from hp_core.injection import Target, TargetError
 from hp_core.spec import (
     AUTO,
@@ -82,7 +83,7 @@ WHEN_VALUES = ("tp", "cp", "ep", "sp")
 # ------------------------------------------------------------------------ errors
 
 
-class PlanError(ValueError):
+class PlanError(HpError, ValueError):
     """A malformed plan, plan document or override (base class)."""
 
 

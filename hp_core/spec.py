@@ -15,6 +15,8 @@ from typing import Any, Union
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from hp_core.errors import HpError
+
 __all__ = [
     "AUTO",
     "CANONICAL_AXES",
@@ -107,15 +109,15 @@ PLACEMENT_GRAMMAR = "replicate | partial | shard(N)  (N a non-negative integer; 
 _DSL = re.compile(r"^\s*(?:(replicate)|(partial)|shard\s*\(\s*(\d+)\s*\))\s*$", re.IGNORECASE)
 
 
-class PlacementSyntaxError(ValueError):
+class PlacementSyntaxError(HpError, ValueError):
     """A placement string (or axis mapping) that does not follow the DSL."""
 
 
-class SpecValidationError(ValueError):
+class SpecValidationError(HpError, ValueError):
     """A ModuleShardingSpec field holds a value of the wrong shape."""
 
 
-class IncompleteContractError(ValueError):
+class IncompleteContractError(HpError, ValueError):
     """An inserted boundary (no derived boundary to merge into) lacks part of its contract."""
 
 
@@ -462,7 +464,7 @@ def _fmt_layout(value: Any) -> str:
     return str(value)
 
 
-class PlacementMismatchError(ValueError):
+class PlacementMismatchError(HpError, ValueError):
     """DTensor propagation produced a layout that differs from the declared one (validate mode)."""
 
     STAGES = ("params", "out_src", "out_dst", "inner_out_src")

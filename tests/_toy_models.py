@@ -181,3 +181,61 @@ class FusedMLP(nn.Module):
 
 def fused_mlp_lm(n_layers: int = 1) -> ToyCausalLM:
     return ToyCausalLM([Layer(HeadAttention(), FusedMLP(), "mlp") for _ in range(n_layers)])
+
+
+class DropoutMLP(MLP):
+    """Dropout on the rowwise projection's output *inside* the block: on a partial sum under tp."""
+
+    def __init__(self, p: float = 0.1) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(super().forward(x))
+
+
+def dropout_mlp_lm(p: float = 0.1) -> ToyCausalLM:
+    return ToyCausalLM([Layer(HeadAttention(), DropoutMLP(p), "mlp")])
+
+
+class LocalWidthAttention(HeadAttention):
+    """Reshapes with a width it keeps under its own attribute name, which no plan divides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner_width = HIDDEN
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        b, s, _ = hidden_states.shape
+        v = self.v_proj(hidden_states).repeat_interleave(HEADS // KV_HEADS, dim=-1)
+        return self.o_proj(v.reshape(b, s, self.inner_width))
+
+
+def local_width_lm() -> ToyCausalLM:
+    return ToyCausalLM([Layer(LocalWidthAttention(), MLP(), "mlp")])
+
+
+class PositionEmbeddingLM(ToyCausalLM):
+    """A learned position embedding used by the model's own code, outside every block (GPT-2's wpe)."""
+
+    def __init__(self, n_layers: int = 1) -> None:
+        super().__init__([Layer(HeadAttention(), MLP(), "mlp") for _ in range(n_layers)])
+        self.wpe = nn.Embedding(64, HIDDEN)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids) + self.wpe(torch.arange(input_ids.shape[1], device=input_ids.device))
+        for layer in self.model.layers:
+            h = layer(h)
+        return self.lm_head(self.model.norm(h))
+
+
+class HeadCountReader(ToyCausalLM):
+    """Model code that reads a head count the plan divides in production (it then fails there)."""
+
+    def __init__(self) -> None:
+        super().__init__([Layer(HeadAttention(), MLP(), "mlp")])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.model(input_ids)
+        heads = self.model.layers[0].self_attn.num_heads
+        return self.lm_head(h + torch.zeros(heads * HEAD_DIM, device=h.device))

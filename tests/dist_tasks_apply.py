@@ -9,12 +9,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-import hp_core.runtime as R
+import hp_core.runtime.install as R
 from hp_core.injection import inner_wrapper, local_compute
 from hp_core.mesh import MeshSpec
 from hp_core.planner import plan as make_plan
 from hp_core.runtime import apply
 from hp_core.testing.models import build_model
+from hp_core.verifier import verify
 
 
 def snapshot(model: nn.Module) -> dict[str, Any]:
@@ -161,6 +162,9 @@ def rollback(phase: str, mode: str) -> dict[str, Any]:
 
         overrides = [{"match": "*.self_attn", "inner_target": "self", "inner_wrapper": installs_in_place, "region_dispatch": True}]
     p = make_plan(model, mesh, loss_parallel=phase == "loss", overrides=overrides)
+    # Verified before the failure is injected: the verifier installs the plan on meta copies
+    # with the same functions, and the failure is meant for the real install.
+    report = verify(model, p, mesh)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     loss_before = _loss(model, ids)
     model.zero_grad(set_to_none=True)
@@ -192,8 +196,14 @@ def rollback(phase: str, mode: str) -> dict[str, Any]:
         saved["BoundaryForward"] = R.BoundaryForward
         R.BoundaryForward = third_fails
     elif phase == "grad_sync":
-        saved["ReplicatedGradSync"] = R.ReplicatedGradSync
-        R.ReplicatedGradSync = boom
+        saved["GradReducer"] = R.GradReducer
+
+        class FailingReducer:
+            @staticmethod
+            def build(*_a: Any, **_k: Any) -> None:
+                boom()
+
+        R.GradReducer = FailingReducer
     elif phase == "loss":
         saved["VocabParallelCausalLMLoss"] = R.VocabParallelCausalLMLoss
         original_loss = R.VocabParallelCausalLMLoss
@@ -217,7 +227,7 @@ def rollback(phase: str, mode: str) -> dict[str, Any]:
         saved["Journal.set_attr"] = original_set
         R.Journal.set_attr = fail_on_marker
     try:
-        apply(model, p, mesh, mode=mode)
+        apply(model, p, mesh, mode=mode, verify=report)
         error = None
     except RuntimeError as e:
         error = str(e)

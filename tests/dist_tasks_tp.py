@@ -116,7 +116,7 @@ def count_collectives(family: str, mode: str, *, sp: bool = True, loss_parallel:
         "backward": _counts(bwd),
         "pred_forward": {op: n for (ph, op, _), n in pred.items() if ph == "forward"},
         "pred_backward": {op: n for (ph, op, _), n in pred.items() if ph == "backward"},
-        "sync_reductions": model._hp_applied.grad_sync.reductions if model._hp_applied.grad_sync else 0,
+        "sync_reductions": model._hp_applied.grad_reducer.reductions if model._hp_applied.grad_reducer else 0,
     }
 
 

@@ -39,6 +39,7 @@ from torch import nn
 
 from hp_core.codegen.freeze import FreezeError, freeze, json_value
 from hp_core.codegen.rebuild import MetaError, rebuild
+from hp_core.errors import HpError
 from hp_core.injection import Target
 from hp_core.sharding_plan import OverridesLike, PlanError, ShardingPlan, overrides_to_list
 
@@ -82,7 +83,7 @@ INJECTION_REGISTRIES: Mapping[str, str] = {
 _REFREEZE = "Re-create it with this hp: hp freeze --model ... --mesh ... -o ARTIFACT."
 
 
-class ArtifactError(ValueError):
+class ArtifactError(HpError, ValueError):
     """An artifact that cannot be used (base class)."""
 
 

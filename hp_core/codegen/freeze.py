@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hp_core.codegen.spec_fields import FROZEN_GROUPS, MATCH_KEY, PARAM_PLAN, fields_in_group
+from hp_core.errors import HpError
 from hp_core.injection import InjectionMeta, Target
 from hp_core.sharding_plan import ShardingPlan
 from hp_core.spec import ModuleShardingSpec, PlacementSyntaxError, format_placement, parse_placement
@@ -30,7 +31,7 @@ from hp_core.spec import ModuleShardingSpec, PlacementSyntaxError, format_placem
 __all__ = ["FREEZERS", "FreezeError", "callable_target", "freeze", "json_value"]
 
 
-class FreezeError(ValueError):
+class FreezeError(HpError, ValueError):
     """A plan value that has no frozen form (the message names the module and field)."""
 
 

@@ -28,6 +28,7 @@ from hp_core.codegen.spec_fields import (
     SpecField,
     fields_in_group,
 )
+from hp_core.errors import HpError
 from hp_core.injection import Target, TargetError
 from hp_core.mesh import MeshSpec
 from hp_core.sharding_plan import PlanError, ShardingPlan
@@ -54,11 +55,11 @@ PLAN_KEYS: tuple[str, ...] = ("mesh", "sequence_parallel", "loss_parallel", "ep_
 _MESH_KEYS = ("axis_names", "shape")
 
 
-class MetaError(ValueError):
+class MetaError(HpError, ValueError):
     """A meta that rebuild cannot turn into a plan, or that is not canonical."""
 
 
-class ModelMismatchError(ValueError):
+class ModelMismatchError(HpError, ValueError):
     """A plan names a module the model does not have."""
 
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
@@ -33,6 +34,7 @@ __all__ = [
     "boundary_collectives",
     "boundary_transitions",
     "grad_is_partial",
+    "reduction_axes",
     "sp_grad_params",
     "step_collectives",
     "transition",
@@ -158,11 +160,37 @@ def sp_grad_params(modules: Mapping[str, ModuleShardingSpec]) -> list[str]:
     return out
 
 
-def step_collectives(modules: Mapping[str, ModuleShardingSpec], *, loss_parallel: bool = False) -> Counter[tuple[str, str, str]]:
+def reduction_axes(modules: Mapping[str, ModuleShardingSpec], reductions: Iterable[Any] | None = None) -> list[str]:
+    """The axes over which hp sums partial gradients once per step.
+
+    With ``reductions`` (a verifier report's, ``VerifyReport.reductions``) this is exact.
+    Without, it is the contract's prediction: an axis along which some boundary's data is
+    sharded while one of its parameters is replicated (which misses gradients that are
+    partial only because of what happens inside a region — the verifier finds those).
+    """
+    if reductions is not None:
+        return list(dict.fromkeys(a for r in reductions for a in r.axes))
+    axes: list[str] = ["tp"] if sp_grad_params(modules) else []
+    for spec in modules.values():
+        if not spec.is_boundary or not isinstance(spec.params, dict) or not spec.params:
+            continue
+        in_dst = spec.in_dst if isinstance(spec.in_dst, dict) else {}
+        for layout in in_dst.values():
+            for axis, p in layout.items():
+                replicated = any(isinstance(named.get(axis, Replicate()), Replicate) and "ep" not in named for named in spec.params.values())
+                if isinstance(p, Shard) and replicated and axis not in axes and not str(axis).startswith("dp"):
+                    axes.append(str(axis))
+    return axes
+
+
+def step_collectives(
+    modules: Mapping[str, ModuleShardingSpec], *, loss_parallel: bool = False, reductions: Iterable[Any] | None = None
+) -> Counter[tuple[str, str, str]]:
     """``{(phase, op, axis): count}`` for one forward + backward of the whole plan.
 
     ``loss_parallel`` adds the vocab-parallel cross-entropy's two forward all-reduces
-    (the max, then the sum of exponentials packed with the target logit).
+    (the max, then the sum of exponentials packed with the target logit). The gradient
+    reductions count one all-reduce per axis (:func:`reduction_axes`).
     """
     counts: Counter[tuple[str, str, str]] = Counter()
     if loss_parallel:
@@ -170,6 +198,6 @@ def step_collectives(modules: Mapping[str, ModuleShardingSpec], *, loss_parallel
     for fqn, spec in modules.items():
         for c in boundary_collectives(fqn, spec):
             counts[(c.phase, c.op, c.axis)] += 1
-    if sp_grad_params(modules):
-        counts[("backward", "all_reduce", "tp")] += 1  # one bucketed reduction per step
+    for axis in reduction_axes(modules, reductions):
+        counts[("backward", "all_reduce", axis)] += 1  # one bucketed reduction per step
     return counts

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from hp_core.errors import HpError
+
 if TYPE_CHECKING:
     from hp_core.plugins._items import PluginInfo
 
@@ -16,15 +18,15 @@ __all__ = [
 ]
 
 
-class InvalidRegistrationError(ValueError):
+class InvalidRegistrationError(HpError, ValueError):
     """A registered item is malformed: a bad name, option value or non-callable."""
 
 
-class DuplicateRegistrationError(ValueError):
+class DuplicateRegistrationError(HpError, ValueError):
     """A name is already registered; the message names both providers."""
 
 
-class UnknownRegistryItemError(LookupError, ValueError):
+class UnknownRegistryItemError(HpError, LookupError, ValueError):
     """A registry lookup for a name nobody registered.
 
     ``str(err)`` is the readable message (known names with their providers and the
@@ -45,7 +47,7 @@ class _UnknownRegistryKeyError(UnknownRegistryItemError, KeyError):
     """Raised by ``registry[name]`` so the ``Mapping`` protocol (``except KeyError``) holds."""
 
 
-class PluginLoadError(RuntimeError):
+class PluginLoadError(HpError, RuntimeError):
     """Strict mode: at least one plugin failed to load (``failures`` lists them)."""
 
     def __init__(self, message: str, failures: Sequence[PluginInfo] = ()) -> None:

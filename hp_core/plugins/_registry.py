@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, overload
 
+from hp_core.errors import HpError
 from hp_core.plugins._errors import (
     UnknownRegistryItemError,
     _UnknownRegistryKeyError,
@@ -53,7 +54,7 @@ _REGISTER_FN = {
 }
 
 
-class ProtectedRegistryItemError(ValueError):
+class ProtectedRegistryItemError(HpError, ValueError):
     """``unregister`` was asked to remove an item a plugin registered."""
 
 

@@ -24,15 +24,52 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor._utils import ExplicitRedistributionContext
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from hp_core.errors import HpError
 from hp_core.planner.comms import grad_is_partial
+from hp_core.runtime.fixes import keep_whole_yaml
 from hp_core.runtime.layouts import Transition, same_placement, to_placements
+from hp_core.runtime.partial import contract_partial_axes
 from hp_core.spec import ModuleShardingSpec, PlacementMismatchError
 
-__all__ = ["BoundaryForward", "InnerOutputCheck"]
+__all__ = ["BoundaryForward", "InnerOutputCheck", "UndeclaredCommunicationError"]
+
+
+class _LegacyEmptyCat(TorchDispatchMode):
+    """``torch.cat`` skips 1-D empty tensors (a legacy rule that old KV-cache code relies on);
+    DTensor does not, and would re-lay out the empty piece. Drop them before DTensor sees them."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        if func is torch.ops.aten.cat.default and args and isinstance(args[0], list | tuple):
+            pieces = [t for t in args[0] if not (t.dim() == 1 and t.numel() == 0)]
+            if pieces and len(pieces) < len(args[0]):
+                return func(pieces, *args[1:], **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+class UndeclaredCommunicationError(HpError, ValueError):
+    """Inside a region, DTensor had to redistribute a tensor the contract does not mention."""
+
+    def __init__(self, fqn: str, module_type: str, detail: str, phase: str = "forward", fix: str = "") -> None:
+        self.fqn, self.module_type, self.detail, self.phase, self.fix = fqn, module_type, detail, phase, fix
+        op = detail.replace("Implicit redistribution occurred for ", "").replace(" while ExplicitRedistributionContext was active", "")
+        super().__init__(
+            f"{fqn} ({module_type}): in its {phase}, DTensor had to redistribute a tensor inside the region: "
+            f"{op}.\nThe contract declares no communication there, and production (local shards, no "
+            "DTensor) would compute something else. Usually a parameter's layout does not fit the "
+            "activation it meets (a full-width norm on a sharded projection, a tensor kept whole while "
+            "heads are split, a projection left replicated next to a sharded one). Declare that "
+            "parameter's layout, or keep the boundary whole on tp (correct, at the cost of replicated "
+            f"compute):\n{fix}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.fqn, self.module_type, self.detail, self.phase, self.fix))
 
 
 def _positions(fn: Callable[..., Any]) -> dict[str, int]:
@@ -61,6 +98,7 @@ class BoundaryForward:
         *,
         compute: Callable[..., Any] | None = None,
         dispatch: bool,
+        strict: bool = False,
     ) -> None:
         self.fqn = fqn
         self.module = module
@@ -70,6 +108,7 @@ class BoundaryForward:
         self.original = module.forward
         self.compute = compute if compute is not None else self.original
         self.dispatch = dispatch and mode == "validate"
+        self.strict = strict
         self.__signature__ = inspect.signature(self.original)
         self._pos = _positions(self.original)
         in_src, in_dst = spec.in_src or {}, spec.in_dst or {}
@@ -87,6 +126,21 @@ class BoundaryForward:
         self.expected_out = {name: to_placements(layout, mesh) for name, layout in out_src.items()}
         self.deferred = [_owner(module, rel) for rel in spec._deferred_bias_params]
         self.own_params = [_owner(module, rel) for rel in (spec.params or {}) if rel not in spec._ep_stack]
+        # Validate: local code hides from DTensor whether a replicated parameter's gradient is
+        # partial, so the contract says it when the parameter is unwrapped for local code.
+        names = list(mesh.mesh_dim_names)
+        self.local_grad_placements = {}
+        if mode == "validate":
+            for rel in [*spec._deferred_bias_params, *(r for r in (spec.params or {}) if r not in spec._ep_stack)]:
+                named = (spec.params or {}).get(rel, {})
+                if "ep" in named and spec._ep_size > 1:
+                    continue
+                partial = contract_partial_axes(fqn, spec, rel, names) if (not self.dispatch or rel in spec._deferred_bias_params) else ()
+                base = to_placements(named, mesh)
+                self.local_grad_placements[rel] = tuple(Partial() if a in partial else p for a, p in zip(names, base, strict=True))
+        self._rel_of = {(id(o), n): rel for rel, (o, n) in zip(
+            [*spec._deferred_bias_params, *(r for r in (spec.params or {}) if r not in spec._ep_stack)],
+            [*self.deferred, *self.own_params], strict=True)}
         if not (spec.params or self.inputs or self.outputs):
             # An empty contract (e.g. a plan over a dp-only mesh) has nothing to check, and its
             # parameters are plain tensors that a DTensor backward could not mix with.
@@ -141,7 +195,9 @@ class BoundaryForward:
         if self.deferred and items and isinstance(items[0], torch.Tensor):
             for owner, name in self.deferred:
                 bias = owner._parameters[name]
-                items[0] = items[0] + (bias.to_local() if isinstance(bias, DTensor) else bias)
+                if isinstance(bias, DTensor):
+                    bias = bias.to_local(grad_placements=self.local_grad_placements.get(self._rel_of[(id(owner), name)]))
+                items[0] = items[0] + bias
         return self._join(items, was_tuple)
 
     def _check(self, name: str, x: Any) -> DTensor:
@@ -176,12 +232,34 @@ class BoundaryForward:
             p = owner._parameters.get(name)
             if isinstance(p, DTensor):
                 saved.append((owner, name, p))
-                owner._parameters[name] = p.to_local()
+                rel = self._rel_of[(id(owner), name)]
+                owner._parameters[name] = p.to_local(grad_placements=self.local_grad_placements.get(rel))
         try:
             yield
         finally:
             for owner, name, p in saved:
                 owner._parameters[name] = p
+
+    @contextlib.contextmanager
+    def _declared_only(self) -> Iterator[None]:
+        """Validate: inside a region, DTensor may not redistribute anything on its own.
+
+        An implicit redistribution is communication (or a silent re-slicing) that the
+        contract does not declare, and production — which runs the same code on local
+        shards — would not do it: the two modes would differ.
+        """
+        if not self.strict:
+            yield
+            return
+        try:
+            with ExplicitRedistributionContext(strict=True):
+                yield
+        except RuntimeError as e:
+            if "Implicit redistribution" not in str(e):
+                raise
+            raise UndeclaredCommunicationError(
+                self.fqn, type(self.module).__name__, str(e), fix=keep_whole_yaml(self.fqn, self.spec)
+            ) from None
 
     def _replicate_rest(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Validate: undeclared tensor inputs (rotary tables, masks) join as replicated DTensors.
@@ -208,7 +286,7 @@ class BoundaryForward:
             return self._exit(out, "local")
         if self.dispatch:
             args, kwargs = self._replicate_rest(*self._convert_inputs(args, kwargs, "dtensor"))
-            with self._detached_biases(), implicit_replication(), sdpa_kernel([SDPBackend.MATH]):
+            with self._detached_biases(), implicit_replication(), sdpa_kernel([SDPBackend.MATH]), self._declared_only(), _LegacyEmptyCat():
                 out = self.compute(*args, **kwargs)
             return self._exit(out, "check")
         args, kwargs = self._convert_inputs(args, kwargs, "via")

@@ -3,6 +3,9 @@
 Each transition of SPEC §5 that changes one mesh axis is one autograd function whose
 backward is the adjoint collective (see ``hp_core.planner.comms`` for the table). No
 DTensor is involved: these are plain ``torch.distributed`` calls on the axis's group.
+
+Meta tensors carry no values, so on them every collective only computes its output
+shape (the verifier runs production's code this way, before any real collective).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out, x, group=group)
+    if not x.is_meta:
+        dist.all_gather_single(out, x, group=group)
     if dim == 0:
         return out
     return torch.cat(out.chunk(n, dim=0), dim=dim)
@@ -44,7 +48,8 @@ def _scatter_sum(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     shape = list(src.shape)
     shape[0] //= n
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, src, group=group)
+    if not x.is_meta:
+        dist.reduce_scatter_single(out, src, group=group)
     return out
 
 
@@ -52,7 +57,8 @@ def _sum(x: torch.Tensor, group: Any) -> torch.Tensor:
     if _world(group) == 1:
         return x
     x = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(x, group=group)
+    if not x.is_meta:
+        dist.all_reduce(x, group=group)
     return x
 
 

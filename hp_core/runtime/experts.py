@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from hp_core.mesh import MeshSpec
-from hp_core.runtime.grads import ReplicatedGradSync
+from hp_core.runtime.grads import GradReduction
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.preflight import PreflightError
 from hp_core.sharding_plan import ShardingPlan
@@ -51,7 +51,7 @@ __all__ = [
     "build_expert_groups",
     "check_expert_boundary",
     "every_layer",
-    "expert_grad_syncs",
+    "expert_grad_reductions",
     "expert_layout",
     "expert_matches",
     "expert_placements",
@@ -405,14 +405,19 @@ def _install_stacked(module: nn.Module, spec: ModuleShardingSpec, stacked: dict[
         journal.record(lambda parent=parent, attr=attr, old=old: parent._modules.__setitem__(attr, old))
 
 
-def expert_grad_syncs(model: nn.Module, plan: ShardingPlan, experts: Mapping[int, ExpertGroups]) -> list[ReplicatedGradSync]:
-    """One bucketed sum per step over each replica group of expert parameters (none if singletons)."""
-    by_ep: dict[int, list[nn.Parameter]] = {}
-    for _fqn, spec, module in _expert_boundaries(model, plan):
-        if experts[spec._ep_size].replica_group is None:
+def expert_grad_reductions(plan: ShardingPlan, experts: Mapping[int, ExpertGroups] | None) -> list[GradReduction]:
+    """The sum of expert gradients over each replica group (none where the groups are singletons).
+
+    Derived from the expert layout: replicas that differ only on axes along which the
+    block's tokens are sharded each saw part of the tokens (see the module docstring).
+    """
+    out: list[GradReduction] = []
+    for fqn, spec in plan.items():
+        if spec._ep_size <= 1 or not experts or experts[spec._ep_size].replica_group is None:
             continue
+        group = experts[spec._ep_size].replica_group
         for rel, named in (spec.params or {}).items():
-            p = _param(module, rel) if _is_expert_param(spec, named) else None
-            if p is not None:
-                by_ep.setdefault(spec._ep_size, []).append(p)
-    return [ReplicatedGradSync(params, experts[ep].replica_group) for ep, params in sorted(by_ep.items())]
+            if _is_expert_param(spec, named):
+                name = f"{fqn}.{rel}" if fqn else rel
+                out.append(GradReduction(name, (f"experts(ep={spec._ep_size})",), "experts", group))
+    return out

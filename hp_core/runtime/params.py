@@ -13,14 +13,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from hp_core.errors import HpError
 from hp_core.runtime.experts import ExpertGroups, shard_expert_parameters
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.layouts import to_placements
 from hp_core.sharding_plan import ShardingPlan
 
-__all__ = ["declared_params", "shard_parameters"]
+__all__ = ["ParameterPlacementError", "declared_params", "outside_boundaries", "shard_parameters"]
 
 
 def _owner(module: nn.Module, rel: str) -> tuple[nn.Module, str]:
@@ -41,6 +42,19 @@ def declared_params(model: nn.Module, plan: ShardingPlan) -> Iterator[tuple[str,
                 continue
             owner, name = _owner(module, rel)
             yield fqn, rel, owner, name, named
+
+
+class ParameterPlacementError(HpError, ValueError):
+    """A parameter placement that cannot be carried out where the parameter is used."""
+
+
+def outside_boundaries(plan: ShardingPlan) -> set[str]:
+    """FQNs of non-boundary specs that no boundary encloses (their module runs in model code)."""
+    bounds = [f for f, s in plan.items() if s.is_boundary]
+    return {
+        f for f, s in plan.items()
+        if not s.is_boundary and not any(b == "" or f.startswith(b + ".") for b in bounds)
+    }
 
 
 def _distribute(t: torch.Tensor, mesh: Any, placements: tuple, mode: str) -> torch.Tensor:
@@ -67,15 +81,25 @@ def shard_parameters(
     done: dict[int, nn.Parameter] = {}
     if experts:
         done.update(shard_expert_parameters(model, plan, mode, journal, experts))
+    outside = outside_boundaries(plan)
     for fqn, _rel, owner, name, named in declared_params(model, plan):
         if "ep" in named and plan[fqn]._ep_size > 1:
             continue  # on the expert mesh, above
         old = owner._parameters[name]
         if old is None or isinstance(old, DTensor):
             continue
+        if fqn in outside:
+            # Used by the model's own code between boundaries, where only local tensors flow:
+            # it stays a plain (replicated) tensor in both modes.
+            if any(not isinstance(p, Replicate) for p in named.values()):
+                raise ParameterPlacementError(
+                    f"{fqn}.{_rel}: its module is not inside any boundary, so it runs on local tensors in "
+                    f"the model's own code and cannot be sharded ({named}). Make {fqn!r} a boundary "
+                    "(is_boundary: true, with in/out layouts), or keep the parameter replicated."
+                )
         new = done.get(id(old))
         if new is None:
-            sharded = _distribute(old, mesh, to_placements(named, mesh), mode)
+            sharded = _distribute(old, mesh, to_placements(named, mesh), "production" if fqn in outside else mode)
             new = nn.Parameter(sharded, requires_grad=old.requires_grad)
             done[id(old)] = new
         journal.set_param(owner, name, new)

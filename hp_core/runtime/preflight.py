@@ -17,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from hp_core.errors import HpError
 from hp_core.injection import (
     InjectionBindingError,
     ResolvedInjection,
@@ -34,6 +35,7 @@ __all__ = [
     "PlanMismatchError",
     "PreflightError",
     "PreflightResult",
+    "check_locally",
     "context_meshes",
     "preflight",
 ]
@@ -41,7 +43,7 @@ __all__ = [
 MODES = ("production", "validate")
 
 
-class PreflightError(ValueError):
+class PreflightError(HpError, ValueError):
     """``apply`` refused before touching the model; the message says what to fix."""
 
 
@@ -69,6 +71,8 @@ class PreflightResult:
     meshes: dict[str, Any]
     #: ep size → ``hp_core.runtime.experts.ExpertGroups`` (expert mesh, replica group).
     experts: dict[int, Any] = dataclasses.field(default_factory=dict)
+    #: What the verifier proved (``hp_core.VerifyReport``), when it ran.
+    report: Any = None
 
 
 def _yaml_cp_fix(fqn: str) -> str:
@@ -249,12 +253,13 @@ def _check_attrs(model: nn.Module, plan: ShardingPlan) -> None:
                 )
 
 
-def _exchange(plan: ShardingPlan, error: BaseException | None) -> None:
+def _exchange(plan: ShardingPlan, error: BaseException | None, mode: str = "production") -> None:
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
             raise error
         return
     fingerprint = plan.fingerprint() if isinstance(plan, ShardingPlan) else f"<{type(plan).__name__}>"
+    fingerprint = f"{fingerprint}:{mode}"  # ranks in different modes would issue different collectives
     mine = (fingerprint, None if error is None else f"{type(error).__name__}: {error}")
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -264,6 +269,13 @@ def _exchange(plan: ShardingPlan, error: BaseException | None) -> None:
     if failed:
         rank, msg = next(iter(failed.items()))
         raise PlanMismatchError(f"apply() failed its preflight on rank(s) {sorted(failed)} (rank {rank}: {msg}); no rank touched its model.")
+    modes = {fp.rpartition(":")[2] for fp, _ in gathered}
+    if len(modes) > 1:
+        by_rank = {r: fp.rpartition(":")[2] for r, (fp, _) in enumerate(gathered)}
+        raise PlanMismatchError(
+            f"ranks called apply() with different modes (by rank: {by_rank}); production and validate "
+            "issue different collectives. Pass the same mode on every rank."
+        )
     prints = {fp for fp, _ in gathered}
     if len(prints) > 1:
         by_rank = {r: fp[:12] for r, (fp, _) in enumerate(gathered)}
@@ -323,48 +335,69 @@ def _bind_experts(model: nn.Module, plan: ShardingPlan, mesh: Any, result: Prefl
             raise PreflightError(f"{fqn}: the @local_compute factory {inj.local_compute.name!r} refused this module: {e}") from e
 
 
-def preflight(model: nn.Module, plan: ShardingPlan, mesh: Any, mode: str) -> PreflightResult:
-    """Check everything; raise before any mutation. Collective: every rank must call it."""
+def check_locally(model: nn.Module, plan: ShardingPlan, mesh: Any, mode: str) -> PreflightResult:
+    """Every check that needs no other rank; raises the first failure. Mutates nothing."""
+    result = PreflightResult({}, {})
+    if mode not in MODES:
+        raise PreflightError(f"apply(mode={mode!r}): mode must be one of {MODES}.")
+    if not isinstance(plan, ShardingPlan):
+        raise PreflightError(f"apply() expects a ShardingPlan (from hp_core.plan(...)), got {type(plan).__name__}.")
+    if getattr(model, "_hp_applied", None) is not None:
+        raise PreflightError(
+            f"this {type(model).__name__} was already parallelized by hp; apply a plan to an unsharded model."
+        )
+    if plan.loss_parallel and not hasattr(type(model), "loss_function"):
+        raise PreflightError(
+            "loss_parallel needs a model that computes its loss through 'loss_function' (Hugging "
+            f"Face causal LMs do); {type(model).__name__} has none. Plan with loss_parallel=False."
+        )
+    _check_mesh(plan, mesh)
+    modules = _check_modules(model, plan)
+    try:
+        lint_plan(model, plan.modules, MeshSpec.from_any(mesh))
+    except PlanningError as e:
+        raise PreflightError(f"the plan does not fit this model: {e}") from e
+    _check_attrs(model, plan)
+    meshes = context_meshes(mesh, plan)
+    result.meshes = meshes
+    from hp_core.planner.structure import model_architectures
+
+    archs = model_architectures(model)
+    for fqn, spec in plan.items():
+        if spec.is_boundary:
+            result.injections[fqn] = _resolve(fqn, spec, modules[fqn], plan, meshes, archs)
+    return result
+
+
+def preflight(
+    model: nn.Module,
+    plan: ShardingPlan,
+    mesh: Any,
+    mode: str,
+    *,
+    verify: Callable[[PreflightResult], Any] | None = None,
+) -> PreflightResult:
+    """Check everything; raise before any mutation. Collective: every rank must call it.
+
+    ``verify(result)`` runs after the local checks and before the ranks exchange their
+    verdicts, so a plan the verifier refuses fails on every rank before any other
+    collective; its return value is kept as ``result.report``.
+    """
     error: BaseException | None = None
     result = PreflightResult({}, {})
     layouts: dict[int, Any] = {}
     try:
-        if mode not in MODES:
-            raise PreflightError(f"apply(mode={mode!r}): mode must be one of {MODES}.")
-        if not isinstance(plan, ShardingPlan):
-            raise PreflightError(f"apply() expects a ShardingPlan (from hp_core.plan(...)), got {type(plan).__name__}.")
-        if getattr(model, "_hp_applied", None) is not None:
-            raise PreflightError(
-                f"this {type(model).__name__} was already parallelized by hp; apply a plan to an unsharded model."
-            )
-        if plan.loss_parallel and not hasattr(type(model), "loss_function"):
-            raise PreflightError(
-                "loss_parallel needs a model that computes its loss through 'loss_function' (Hugging "
-                f"Face causal LMs do); {type(model).__name__} has none. Plan with loss_parallel=False."
-            )
-        _check_mesh(plan, mesh)
-        modules = _check_modules(model, plan)
-        try:
-            lint_plan(model, plan.modules, MeshSpec.from_any(mesh))
-        except PlanningError as e:
-            raise PreflightError(f"the plan does not fit this model: {e}") from e
-        _check_attrs(model, plan)
-        meshes = context_meshes(mesh, plan)
-        result.meshes = meshes
-        from hp_core.planner.structure import model_architectures
-
-        archs = model_architectures(model)
-        for fqn, spec in plan.items():
-            if spec.is_boundary:
-                result.injections[fqn] = _resolve(fqn, spec, modules[fqn], plan, meshes, archs)
+        result = check_locally(model, plan, mesh, mode)
         layouts = _expert_layouts(model, plan, mesh)
+        if verify is not None:
+            result.report = verify(result)
     except Exception as e:  # every rank must reach the exchange
         error = e
-    _exchange(plan, error)
+    _exchange(plan, error, mode)
     if layouts:
         try:
             _bind_experts(model, plan, mesh, result, layouts)
         except Exception as e:
             error = e
-        _exchange(plan, error)
+        _exchange(plan, error, mode)
     return result

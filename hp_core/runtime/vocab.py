@@ -2,37 +2,143 @@
 
 With the vocabulary sharded over tp, each rank holds rows ``[start, end)`` of the
 embedding / lm_head weight. The lookup zeroes ids outside the shard (the exit
-all-reduce sums the partial rows); the loss works on the local logit slice with three
+all-reduce sums the partial rows); it replaces only the module's call to
+``F.embedding``, never its forward. The loss works on the local logit slice with three
 small all-reduces (max, sum of exponentials, target logit) and no gathered logits.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.overrides import TorchFunctionMode
 
-__all__ = ["VocabParallelCausalLMLoss", "vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
+from hp_core.errors import HpError
+
+__all__ = ["VocabLookupError", "VocabParallelCausalLMLoss", "VocabParallelLookup", "vocab_parallel_cross_entropy"]
 
 
-def vocab_parallel_embedding(module: nn.Embedding, group: Any) -> Any:
-    """Production forward of an ``nn.Embedding`` whose weight is this rank's vocabulary rows."""
-    rank = dist.get_rank(group)
+class VocabLookupError(HpError, ValueError):
+    """A vocab-parallel embedding whose forward hp cannot make vocab-parallel."""
 
-    def forward(input: torch.Tensor) -> torch.Tensor:
-        rows = module.weight.shape[0]
-        start = rank * rows
-        outside = (input < start) | (input >= start + rows)
-        local_ids = (input - start).masked_fill(outside, 0)
-        pad = module.padding_idx
-        local_pad = pad - start if pad is not None and start <= pad < start + rows else None
-        out = F.embedding(local_ids, module.weight, local_pad, module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse)
-        return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
-    return forward
+def _masked_lookup(ids: torch.Tensor, rows: torch.Tensor, start: int, padding_idx: int | None) -> torch.Tensor:
+    """This rank's share of ``embedding(ids, full_weight)``: rows ``[start, start + len(rows))``.
+
+    Ids outside the shard look up row 0 and are zeroed, so the sum over the vocabulary
+    shards is the full lookup (the boundary's exit all-reduce takes it).
+    """
+    n = rows.shape[0]
+    outside = (ids < start) | (ids >= start + n)
+    local_ids = (ids - start).masked_fill(outside, 0)
+    local_pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + n else None
+    out = F.embedding(local_ids, rows, local_pad)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class _Intercept(TorchFunctionMode):
+    """Routes ``F.embedding(ids, weight)`` calls on one parameter to a vocab-parallel lookup."""
+
+    def __init__(self, is_target: Callable[[Any], bool], lookup: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.is_target = is_target
+        self.lookup = lookup
+        self.fired = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.embedding:
+            bound = _EMBEDDING_SIGNATURE.bind(*args, **kwargs)
+            if self.is_target(bound.arguments["weight"]):
+                self.fired += 1
+                return self.lookup(**bound.arguments)
+        return func(*args, **kwargs)
+
+
+_EMBEDDING_SIGNATURE = inspect.signature(F.embedding)
+
+
+class VocabParallelLookup:
+    """The compute of a vocab-parallel embedding boundary.
+
+    It runs the module's *own* forward (so a subclass keeps what it does around the lookup,
+    e.g. Gemma's scaled embedding) and replaces only the lookup of its weight by the
+    masked, vocab-parallel one. What the subclass does to the partial lookup must be linear
+    for the exit sum to be right; the verifier proves it (DTensor keeps the result partial)
+    before anything runs. Production works on local tensors; validate on DTensors.
+    """
+
+    def __init__(self, fqn: str, module: nn.Embedding, forward: Callable[..., Any], mesh: Any, axis: str, mode: str) -> None:
+        self.fqn = fqn
+        self.module = module
+        self.forward = forward
+        self.mesh = mesh
+        self.axis = axis
+        self.mode = mode
+        self.axis_index = list(mesh.mesh_dim_names).index(axis)
+        self.__signature__ = inspect.signature(forward)
+
+    def _check_options(self, max_norm: Any, scale_grad_by_freq: bool) -> None:
+        if max_norm is not None or scale_grad_by_freq:
+            raise VocabLookupError(
+                f"{self.fqn}: {type(self.module).__name__} looks up with max_norm={max_norm} / "
+                f"scale_grad_by_freq={scale_grad_by_freq}, which act on the whole vocabulary and cannot "
+                f"run on a vocabulary shard. Keep the embedding whole on {self.axis}:\n"
+                f"  - match: {self.fqn!r}\n    params: {{weight: {{{self.axis}: replicate}}}}\n"
+                f"    out_src: {{output: {{{self.axis}: replicate}}}}"
+            )
+
+    def _local_lookup(self, input: torch.Tensor, weight: torch.Tensor, padding_idx: Any = None, max_norm: Any = None,
+                      norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False) -> torch.Tensor:
+        self._check_options(max_norm, scale_grad_by_freq)
+        start = self.mesh.get_local_rank(self.axis) * weight.shape[0]
+        return _masked_lookup(input, weight, start, padding_idx)
+
+    def _dtensor_lookup(self, input: Any, weight: DTensor, padding_idx: Any = None, max_norm: Any = None,
+                        norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False) -> DTensor:
+        """Validate: the same masked lookup on the local shards, re-wrapped as a partial sum.
+
+        The weight's gradient is partial on every axis along which the ids are sharded
+        (each rank looks up only its tokens); DTensor cannot see that through local code,
+        so the lookup says it.
+        """
+        self._check_options(max_norm, scale_grad_by_freq)
+        ids_placements = tuple(input.placements) if isinstance(input, DTensor) else (Replicate(),) * weight.device_mesh.ndim
+        ids = input.to_local() if isinstance(input, DTensor) else input
+        grad_placements = [
+            Partial() if isinstance(i, Shard) and isinstance(w, Replicate) else w
+            for w, i in zip(weight.placements, ids_placements, strict=True)
+        ]
+        rows = weight.to_local(grad_placements=grad_placements)
+        start = self.mesh.get_local_rank(self.axis) * rows.shape[0]
+        out = _masked_lookup(ids, rows, start, padding_idx)
+        placements = [
+            Partial() if i == self.axis_index else p for i, p in enumerate(ids_placements)
+        ]
+        return DTensor.from_local(out, weight.device_mesh, placements, run_check=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        weight = self.module._parameters["weight"]
+        lookup = self._dtensor_lookup if isinstance(weight, DTensor) else self._local_lookup
+        mode = _Intercept(lambda w: w is self.module._parameters["weight"], lookup)
+        with mode:
+            out = self.forward(*args, **kwargs)
+        if not mode.fired:
+            raise VocabLookupError(
+                f"{self.fqn}: the forward of {type(self.module).__name__} never called "
+                "torch.nn.functional.embedding on its weight, so hp cannot make its lookup vocab-parallel "
+                f"(its weight is sharded by vocabulary rows on {self.axis}). Keep the embedding whole:\n"
+                f"  - match: {self.fqn!r}\n    params: {{weight: {{{self.axis}: replicate}}}}\n"
+                f"    out_src: {{output: {{{self.axis}: replicate}}}}"
+            )
+        return out
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -42,7 +148,8 @@ class _VocabParallelCE(torch.autograd.Function):
         start = dist.get_rank(group) * vocab_local
         logits = logits.float()
         gmax = logits.max(dim=-1).values
-        dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+        if not logits.is_meta:  # the verifier runs this on meta tensors: shapes only
+            dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - gmax.unsqueeze(-1)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
@@ -51,7 +158,8 @@ class _VocabParallelCE(torch.autograd.Function):
         local_t = (target - start).masked_fill(~in_shard, 0)
         picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_shard, 0.0)
         both = torch.stack([sum_exp, picked])
-        dist.all_reduce(both, group=group)
+        if not both.is_meta:
+            dist.all_reduce(both, group=group)
         sum_exp, picked = both[0], both[1]
         loss = (sum_exp.log() - picked).masked_fill(~valid, 0.0)
         ctx.save_for_backward(exp, sum_exp, local_t, in_shard, valid)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hp_core.errors import HpError
 from hp_core.spec import close_matches
 
 __all__ = [
@@ -116,7 +117,7 @@ SEVEN_B: dict[str, tuple[str, dict[str, Any]]] = {
 PRESETS: tuple[str, ...] = (*FAMILIES, *SEVEN_B)
 
 
-class UnknownModelPresetError(ValueError):
+class UnknownModelPresetError(HpError, ValueError):
     """A model family or preset name that hp does not know."""
 
 

@@ -320,12 +320,15 @@ def count_collectives(mesh_shape: tuple[int, ...], mesh_names: tuple[str, ...], 
             out = model(**batch, use_cache=False)
         with CommDebugMode() as bwd:
             out.loss.backward()
-    pred = step_collectives(p.modules)
+    pred = step_collectives(p.modules, reductions=model._hp_applied.report.reductions)
+    by_phase: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+    for (phase, op, _axis), n in pred.items():  # summed over axes, as _counts does
+        by_phase[phase][op] = by_phase[phase].get(op, 0) + n
     return {
         "forward": _counts(fwd),
         "backward": _counts(bwd),
-        "pred_forward": {op: n for (ph, op, _), n in pred.items() if ph == "forward"},
-        "pred_backward": {op: n for (ph, op, _), n in pred.items() if ph == "backward"},
+        "pred_forward": by_phase["forward"],
+        "pred_backward": by_phase["backward"],
     }
 
 

@@ -202,7 +202,7 @@ def train_compare(
         "received": [list(s.dispatcher.last_received) for s in SPIES],
         "params": sorted(n for n, _ in prod.named_parameters() if ".layers.0.mlp." in n),
         "local_expert_shape": tuple(_first_expert(prod).shape),
-        "expert_syncs": len(prod._hp_applied.expert_grad_syncs),
+        "expert_syncs": sum(1 for g in (prod._hp_applied.grad_reducer.groups() if prod._hp_applied.grad_reducer else []) if g.startswith("experts(")),
     }
 
 
@@ -256,8 +256,8 @@ def count_collectives(family: str, mode: str, mesh_shape: Sequence[int], mesh_na
         "backward": _counts(bwd),
         "pred_forward": {op: n for (ph, op, _), n in pred.items() if ph == "forward"},
         "pred_backward": {op: n for (ph, op, _), n in pred.items() if ph == "backward"},
-        "sp_sync": state.grad_sync.reductions if state.grad_sync else 0,
-        "expert_sync": sum(s.reductions for s in state.expert_grad_syncs),
+        "sp_sync": state.grad_reducer.by_group.get("tp", 0) if state.grad_reducer else 0,
+        "expert_sync": sum(n for g, n in (state.grad_reducer.by_group.items() if state.grad_reducer else []) if g.startswith("experts(")),
     }
 
 

@@ -5,9 +5,9 @@
   global token count. :func:`enable_cp_loss` makes ``.loss`` the global loss on every rank
   (one all-reduce of a scalar per step, identity backward).
 * Gradients. CP never shards parameters, and every rank's gradient is the contribution of
-  its tokens: the single-device gradient is their sum over cp. Let FSDP/DDP reduce over a
-  mesh that includes cp (and sum, not average, over cp), or call
-  :func:`reduce_cp_gradients` after ``backward()`` (one bucketed all-reduce).
+  its tokens: the single-device gradient is their sum over cp. ``hp_core.apply`` derives
+  that and sums them over cp itself after every backward (one bucketed all-reduce per
+  step); :func:`reduce_cp_gradients` is a no-op kept for old training loops.
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from hp_plugin_cp.collectives import all_reduce_sum
 from hp_plugin_cp.errors import CPBatchError
@@ -89,32 +87,11 @@ def enable_cp_loss(model: nn.Module, cp_mesh: Any) -> nn.Module:
 
 
 def reduce_cp_gradients(model: nn.Module, cp_mesh: Any) -> int:
-    """Sum every parameter gradient over cp in one bucketed all-reduce; returns how many.
+    """A no-op, kept so that existing training loops keep working; returns 0.
 
-    Call it once per optimizer step, after the last ``backward()`` (with gradient
-    accumulation, after the last micro-batch: calling it twice sums twice), and only when
-    no FSDP/DDP reduces over cp for you. Every cp rank must hold gradients for the same
-    parameters (they run the same model, so they do). In
-    validate mode a gradient DTensor may say ``Partial`` on cp (DTensor propagation knows
-    it is a share) or ``Replicate`` (a local region cannot tell); both are shares, and
-    both come out summed and ``Replicate`` on cp.
+    ``hp_core.apply`` derives which gradients are partial over cp (every parameter sees only
+    this rank's tokens) and sums them itself at the end of every backward, after FSDP/DDP.
+    Calling this as well used to sum them twice; now it does nothing.
     """
-    cp_name = (cp_mesh.mesh_dim_names or ("cp",))[0]
-    params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
-        return 0
-    with torch.no_grad():  # DTensor.to_local() then returns the local tensor itself
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=cp_mesh.get_group())
-        offset = 0
-        for p, g in zip(params, grads, strict=True):
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-            if isinstance(p.grad, DTensor):
-                names = list(p.grad.device_mesh.mesh_dim_names or ())
-                placements = list(p.grad.placements)
-                if cp_name in names and isinstance(placements[names.index(cp_name)], Partial):
-                    placements[names.index(cp_name)] = Replicate()
-                    p.grad = DTensor.from_local(g, p.grad.device_mesh, placements, run_check=False)
-    return len(params)
+    del model, cp_mesh
+    return 0

@@ -12,7 +12,7 @@ from typing import Any
 
 from hp_core.hookspecs import hookimpl
 from hp_plugin_cp.batch import shard_batch_for_cp
-from hp_plugin_cp.loss import enable_cp_loss, reduce_cp_gradients
+from hp_plugin_cp.loss import enable_cp_loss
 from hp_plugin_cp.wrappers import flex_hf, flex_qkv, sdpa_hf, sdpa_qkv
 
 #: name → (wrapper, forward style), in registration order.
@@ -36,7 +36,7 @@ class CPTrainingAdapter:
 
     ``prepare_model``: ``enable_cp_loss`` (``.loss`` becomes the global loss);
     ``shard_batch``: ``shard_batch_for_cp`` (this rank's chunk of every sequence);
-    ``after_backward``: ``reduce_cp_gradients`` (sum the gradients over cp).
+    ``after_backward``: nothing (hp sums the cp-partial gradients itself).
     """
 
     def __init__(self, *, load_balanced: bool = False) -> None:
@@ -49,7 +49,7 @@ class CPTrainingAdapter:
         return shard_batch_for_cp(batch, context.cp_mesh, load_balanced=self.load_balanced)
 
     def after_backward(self, model: Any, context: Any) -> None:
-        reduce_cp_gradients(model, context.cp_mesh)
+        del model, context  # hp's derived reductions already summed the gradients over cp
 
 
 @hookimpl

@@ -1,0 +1,91 @@
+"""``apply(model, plan, mesh, mode=...)``: check everything on every rank, then install.
+
+Order: preflight's local checks and the verifier (meta-device copies, no collective) on
+every rank → one exchange of verdicts and plan fingerprints (a failure anywhere is an
+error everywhere) → the install, journaled, rolled back if any phase fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from hp_core.errors import HpError
+from hp_core.runtime.install import install
+from hp_core.runtime.journal import Journal
+from hp_core.runtime.preflight import PreflightError, PreflightResult, preflight
+from hp_core.sharding_plan import ShardingPlan
+
+__all__ = ["VerificationRequiredError", "apply", "finalize_grads"]
+
+
+class VerificationRequiredError(PreflightError, HpError):
+    """``apply(verify=False)`` without a report: hp cannot know which gradients to sum."""
+
+
+def _verifier(model: nn.Module, plan: ShardingPlan, mesh: Any, verify: Any) -> Any:
+    from hp_core.verifier import VerifyReport
+    from hp_core.verifier import verify as run_verifier
+
+    if verify is True:
+        return lambda pre: run_verifier(model, plan, mesh, preflight=pre)
+    if isinstance(verify, VerifyReport):
+
+        def check(_pre: PreflightResult) -> VerifyReport:
+            if verify.fingerprint != plan.fingerprint():
+                raise PreflightError(
+                    "apply(verify=report): the report was made for another plan (fingerprints differ); verify this "
+                    "plan, or pass verify=True."
+                )
+            return verify
+
+        return check
+    if verify is False:
+
+        def refuse(_pre: PreflightResult) -> None:
+            raise VerificationRequiredError(
+                "apply(verify=False): the verifier is what derives which gradients are partial sums, so hp "
+                "cannot skip it without its result. Verify once and pass the report: "
+                "report = hp_core.verify(model, plan, mesh); apply(model, plan, mesh, verify=report)."
+            )
+
+        return refuse
+    def wrong(_pre: PreflightResult) -> None:
+        raise PreflightError(f"apply(verify={verify!r}): expected True, or a hp_core.VerifyReport.")
+
+    return wrong
+
+
+def apply(model: nn.Module, plan: ShardingPlan, mesh: Any, *, mode: str = "production", verify: Any = True) -> nn.Module:
+    """Parallelize ``model`` in place by ``plan`` on ``mesh``; returns the model.
+
+    ``mode="production"``: parameters become local shards for good and single-axis
+    transitions run as explicit collectives. ``mode="validate"``: parameters stay
+    DTensors and every boundary checks that DTensor propagation produces the declared
+    layouts. Both give the same outputs and gradients.
+
+    ``verify=True`` (default) proves the plan on meta-device copies first (see
+    :func:`hp_core.verify`); pass a ``VerifyReport`` from an earlier
+    ``hp_core.verify(model, plan, mesh)`` of this plan to skip the work.
+    """
+    pre = preflight(model, plan, mesh, mode, verify=_verifier(model, plan, mesh, verify))
+    journal = Journal()
+    try:
+        state = install(model, plan, mesh, mode, pre, journal, reductions=pre.report.reductions)
+        state.report = pre.report
+    except BaseException:
+        journal.rollback()
+        raise
+    return model
+
+
+def finalize_grads(model: nn.Module) -> None:
+    """Run the pending gradient reductions now.
+
+    hp runs them automatically at the end of every backward; calling this afterwards
+    changes nothing. It is there for code that reads gradients before backward returns.
+    """
+    state = getattr(model, "_hp_applied", None)
+    if state is not None and state.grad_reducer is not None:
+        state.grad_reducer.flush()

@@ -1,0 +1,171 @@
+"""Install a checked plan on a model: every mutation ``apply`` makes, journaled.
+
+In order: parameters → boundaries (with their inner wraps) → tp-local attributes →
+derived gradient reductions → loss. ``install`` assumes preflight (and the verifier)
+passed; it is also what the verifier runs on its meta-device copies, with no
+gradient reductions and the injected compute replaced by the module's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from hp_core.injection import InjectionBindingError, check_forward_compatible
+from hp_core.runtime.boundary import BoundaryForward, InnerOutputCheck
+from hp_core.runtime.experts import expert_grad_reductions
+from hp_core.runtime.grads import GradReducer, GradReduction
+from hp_core.runtime.journal import Journal, set_forward
+from hp_core.runtime.params import shard_parameters
+from hp_core.runtime.preflight import PreflightResult
+from hp_core.runtime.vocab import VocabParallelCausalLMLoss, VocabParallelLookup
+from hp_core.sharding_plan import ShardingPlan
+
+__all__ = ["AppliedModel", "install", "vocab_axis"]
+
+
+@dataclasses.dataclass
+class AppliedModel:
+    """What ``apply`` left on the model (``model._hp_applied``), for introspection."""
+
+    plan: ShardingPlan
+    mode: str
+    mesh: Any
+    forwards: dict[str, BoundaryForward]
+    #: The derived gradient reductions (None when no gradient is partial anywhere).
+    grad_reducer: GradReducer | None
+    #: ep size → the derived ``(edp, ep)`` expert mesh its experts live on.
+    expert_meshes: dict[int, Any] = dataclasses.field(default_factory=dict)
+    #: What the verifier proved (``hp_core.VerifyReport``), or None if skipped.
+    report: Any = None
+
+
+def _tp_group(mesh: Any) -> Any:
+    return mesh.get_group("tp") if "tp" in (mesh.mesh_dim_names or ()) else None
+
+
+def vocab_axis(module: nn.Module, spec: Any, mesh: Any) -> str | None:
+    """The mesh axis an ``nn.Embedding`` boundary's vocabulary rows are sharded on, if any."""
+    if not isinstance(module, nn.Embedding):
+        return None
+    named = (spec.params or {}).get("weight") or {}
+    for axis, placement in named.items():
+        if isinstance(placement, Shard) and placement.dim == 0 and axis in (mesh.mesh_dim_names or ()):
+            return str(axis)
+    return None
+
+
+def _compute_for(fqn: str, module: nn.Module, plan: ShardingPlan, mesh: Any, mode: str, pre: PreflightResult) -> tuple[Any, bool]:
+    """The region's compute and whether validate dispatches DTensors through it."""
+    spec = plan[fqn]
+    inj = pre.injections.get(fqn)
+    if inj is not None and inj.compute_fn is not None:
+        fn = inj.compute_fn
+        return (lambda *a, **k: fn(module, *a, **k)), spec.region_dispatch is True
+    if inj is not None and inj.inner_wrapper is not None and inj.inner_target == "self":
+        return None, spec.region_dispatch is True  # the inner wrap supplies the compute
+    axis = vocab_axis(module, spec, mesh)
+    if axis is not None:
+        return VocabParallelLookup(fqn, module, module.forward, mesh, axis, mode), spec.region_dispatch is not False
+    return None, spec.region_dispatch is not False
+
+
+def _inner_wrap(fqn: str, module: nn.Module, plan: ShardingPlan, mesh: Any, mode: str, pre: PreflightResult, journal: Journal) -> Any:
+    """Install an inner wrapper's replacement forward; returns it for a ``self`` target."""
+    inj = pre.injections.get(fqn)
+    if inj is None or inj.inner_wrapper is None:
+        return None
+    spec = plan[fqn]
+    target = module if inj.inner_target == "self" else getattr(module, str(inj.inner_target))
+    before = target.__dict__.get("forward")
+    original = target.forward
+    source = f"plan[{fqn!r}].inner_wrapper"
+    # The target's FQN, for the wrapper's error messages (it only receives the module).
+    journal.set_attr(target, "_hp_fqn", fqn if inj.inner_target == "self" else f"{fqn}.{inj.inner_target}")
+    replacement = inj.inner_wrapper.bind({**pre.meshes, "target_module": target}, source=source)
+    if replacement is None:  # the wrapper installed it in place
+        replacement = target.__dict__.get("forward")
+        if replacement is None or replacement is before:
+            raise InjectionBindingError(
+                f"{source}: {inj.inner_wrapper.name!r} returned None but did not replace "
+                f"{type(target).__name__}.forward; return the replacement forward instead."
+            )
+        # Undo the wrapper's own assignment if a later phase fails.
+        journal.record(lambda: target.__dict__.pop("forward", None) if before is None else target.__dict__.__setitem__("forward", before))
+    check_forward_compatible(replacement, original, source=source)
+    journal.set_attr(spec, "_resolved_inner_wrapper", inj.inner_wrapper.name)
+    journal.set_attr(spec, "_resolved_inner_target", fqn if inj.inner_target == "self" else f"{fqn}.{inj.inner_target}")
+    if inj.inner_target == "self":
+        return replacement
+    if mode == "validate" and spec.region_dispatch is True:
+        replacement = InnerOutputCheck(f"{fqn}.{inj.inner_target}", replacement, spec.inner_out_src, mesh)
+    set_forward(journal, target, replacement)
+    return None
+
+
+def install(
+    model: nn.Module,
+    plan: ShardingPlan,
+    mesh: Any,
+    mode: str,
+    pre: PreflightResult,
+    journal: Journal,
+    *,
+    reductions: Sequence[GradReduction] = (),
+    strict_regions: bool | None = None,
+    reduce: bool = True,
+) -> AppliedModel:
+    """Shard, wrap and hook ``model`` by ``plan``; every mutation goes through ``journal``.
+
+    ``reductions`` are the gradient reductions the verifier derived (parameters named by
+    FQN); ``reduce=False`` installs none (the verifier's copies). ``strict_regions`` (default: on in validate mode) makes every dispatching region
+    refuse an implicit DTensor redistribution: communication the contract does not declare.
+    """
+    shard_parameters(model, plan, mesh, mode, journal, experts=pre.experts)
+    strict = (mode == "validate") if strict_regions is None else strict_regions
+    forwards: dict[str, BoundaryForward] = {}
+    for fqn, spec in plan.items():
+        if not spec.is_boundary:
+            continue
+        module = model.get_submodule(fqn) if fqn else model
+        replacement = _inner_wrap(fqn, module, plan, mesh, mode, pre, journal)
+        compute, dispatch = _compute_for(fqn, module, plan, mesh, mode, pre)
+        bf = BoundaryForward(fqn, module, spec, mesh, mode, compute=compute or replacement, dispatch=dispatch, strict=strict)
+        set_forward(journal, module, bf)
+        forwards[fqn] = bf
+    if mode == "production":
+        for fqn, spec in plan.items():
+            module = model.get_submodule(fqn) if fqn else model
+            for attr, (_glob, local) in (spec._tp_local_attr_plan or {}).items():
+                journal.set_attr(module, attr, local)
+    entries = [*reductions, *expert_grad_reductions(plan, pre.experts)]
+    reducer = GradReducer.build(model, entries, mesh, mode) if reduce and (entries or mode == "validate") else None
+    if reducer is not None:
+        reducer.attach(model, journal)
+    if plan.loss_parallel:
+        _install_loss(model, mesh, journal)
+    meshes = {ep: groups.mesh for ep, groups in pre.experts.items()}
+    state = AppliedModel(plan, mode, mesh, forwards, reducer, meshes)
+    journal.set_attr(model, "_hp_applied", state)
+    return state
+
+
+def _install_loss(model: nn.Module, mesh: Any, journal: Journal) -> None:
+    group = _tp_group(mesh)
+    if group is None:
+        return
+    had = "_loss_function" in model.__dict__
+    old = model.__dict__.get("_loss_function")
+    model.loss_function = VocabParallelCausalLMLoss(group)
+
+    def undo() -> None:
+        if had:
+            model.__dict__["_loss_function"] = old
+        else:
+            model.__dict__.pop("_loss_function", None)
+
+    journal.record(undo)

@@ -1,0 +1,83 @@
+"""Which parameter gradients a region's contract makes partial, where propagation cannot look.
+
+Inside a dispatching region DTensor propagation decides (the verifier asks it). Code that
+runs on local tensors — a region with ``region_dispatch=False``, injected compute, a
+rowwise bias added after the exit reduction — is opaque to DTensor, so there the answer
+comes from the declared layouts alone:
+
+* a parameter sharded on an axis has a sharded gradient: nothing to sum;
+* a parameter replicated on an axis along which the region's data is sharded (an input
+  ``in_dst`` layout says ``shard`` there) meets only this rank's part of the data, so its
+  gradient is this rank's share of the sum: partial;
+* a parameter replicated on an axis on which some *other* parameter of the region is
+  sharded may meet sharded intermediate values (heads, features) that the layouts do not
+  show: hp cannot tell, and refuses (:class:`AmbiguousGradientError`);
+* otherwise every rank computes the same thing: the gradient is whole.
+
+A deferred rowwise bias is added to the region's *output* after the exit transition, so
+the data it meets is the ``out_dst`` layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from hp_core.errors import HpError
+from hp_core.spec import ModuleShardingSpec
+
+__all__ = ["AmbiguousGradientError", "contract_partial_axes", "data_axes", "is_data_axis"]
+
+
+class AmbiguousGradientError(HpError, ValueError):
+    """A replicated parameter of an opaque region whose gradient may or may not be partial."""
+
+
+def _sharded_axes(layouts: Mapping[str, Mapping[str, Placement]] | None) -> set[str]:
+    return {str(a) for named in (layouts or {}).values() for a, p in named.items() if isinstance(p, Shard)}
+
+
+def data_axes(spec: ModuleShardingSpec) -> set[str]:
+    """Axes along which the region's input data is sharded (its ``in_dst`` layouts)."""
+    return _sharded_axes(spec.in_dst if isinstance(spec.in_dst, dict) else None)
+
+
+def is_data_axis(axis: str) -> bool:
+    """Data-parallel axes belong to FSDP/DDP, not to hp."""
+    return axis.startswith("dp")
+
+
+def contract_partial_axes(
+    fqn: str,
+    spec: ModuleShardingSpec,
+    rel: str,
+    axes: Iterable[str],
+    *,
+    region_params: Mapping[str, Mapping[str, Placement]] | None = None,
+) -> tuple[str, ...]:
+    """The axes of ``axes`` on which parameter ``rel`` of boundary ``fqn`` has a partial gradient.
+
+    ``region_params`` are all parameters the region computes with (default: the spec's own).
+    """
+    params = spec.params if isinstance(spec.params, dict) else {}
+    named = params.get(rel, {})
+    others = region_params if region_params is not None else params
+    deferred = rel in spec._deferred_bias_params
+    data = _sharded_axes(spec.out_dst if isinstance(spec.out_dst, dict) else None) if deferred else data_axes(spec)
+    out: list[str] = []
+    for axis in axes:
+        if is_data_axis(axis) or not isinstance(named.get(axis, Replicate()), Replicate):
+            continue
+        if not deferred and any(isinstance(o.get(axis), Shard) for r, o in others.items() if r != rel):
+            sharded = sorted(r for r, o in others.items() if isinstance(o.get(axis), Shard))
+            raise AmbiguousGradientError(
+                f"{fqn}.{rel}: replicated on {axis!r} in a region that runs on local tensors "
+                f"(region_dispatch=False or injected compute) next to {sharded[:3]} sharded on {axis!r}. "
+                "Whether it meets sharded values there cannot be read off the contract, and DTensor "
+                f"cannot look inside the region. Shard it on {axis!r} like its neighbours, or move it into "
+                "a boundary whose computation DTensor can check (region_dispatch unset)."
+            )
+        if axis in data:
+            out.append(axis)
+    return tuple(out)

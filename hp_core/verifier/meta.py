@@ -1,0 +1,110 @@
+"""Running a model on the meta device: a weightless copy, and answers to data-dependent questions.
+
+Meta tensors have shapes but no values, which is all the verifier needs — except where
+model code asks a question about values (``if mask.all():``, ``nonzero()``, ``.item()``).
+:class:`MetaValues` answers those with the neutral case: ``all()`` is true, every other
+boolean false, every number 0, and ``nonzero`` finds every element (so code that gathers
+the selected tokens sees all of them). The verifier checks layouts and shapes, which do
+not depend on those answers, for the common path.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["MetaValues", "adapt_for_meta", "meta_clone", "to_meta"]
+
+aten = torch.ops.aten
+
+
+def _meta_local(t: Any) -> bool:
+    if isinstance(t, DTensor):
+        return t._local_tensor.is_meta
+    return isinstance(t, torch.Tensor) and t.is_meta
+
+
+class MetaValues(TorchDispatchMode):
+    """Neutral answers to value queries on meta tensors (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._truthy: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is aten._local_scalar_dense.default and _meta_local(args[0]):
+            t = args[0]
+            if id(t) in self._truthy:
+                return True
+            return False if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
+        if func in (aten.nonzero.default, aten.argwhere.default) and _meta_local(args[0]):
+            x = args[0]
+            return torch.empty((x.numel(), x.dim()), dtype=torch.long, device="meta")
+        if func is aten.equal.default and _meta_local(args[0]):
+            return True
+        out = func(*args, **kwargs)
+        if func in (aten.all.default, aten.all.dim, aten.all.dims) and isinstance(out, torch.Tensor) and out.is_meta:
+            self._truthy.add(id(out))
+        return out
+
+
+def to_meta(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with ``t``'s shape, dtype and strides (a Parameter stays a Parameter)."""
+    m = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(m, requires_grad=t.requires_grad)
+    return m
+
+
+def meta_clone(model: nn.Module, shared: Mapping[str, str] | None = None) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors (tied ones stay tied).
+
+    ``shared`` maps a submodule FQN to another one it repeats exactly (see
+    ``hp_core.verifier.repeats``): the copy holds the representative's copy in both places,
+    so copying a 1,000-layer model costs what its distinct layers cost.
+    """
+    shared = dict(shared or {})
+    skip = {id(model.get_submodule(f)) for f in shared}
+    memo: dict[int, Any] = {}
+
+    def add(module: nn.Module) -> None:
+        if id(module) in skip:
+            return
+        plain = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]  # unregistered tensors
+        for t in (*module._parameters.values(), *module._buffers.values(), *plain):
+            if t is not None and id(t) not in memo:
+                memo[id(t)] = to_meta(t)
+        for child in module._modules.values():
+            if child is not None:
+                add(child)
+
+    add(model)
+    # Deepest first: a representative that contains repeats of its own (experts inside a
+    # layer) must find their copies in the memo when it is copied.
+    for rep in sorted(dict.fromkeys(shared.values()), key=lambda f: -f.count(".")):
+        original = model.get_submodule(rep)
+        memo[id(original)] = copy.deepcopy(original, memo)
+        for fqn, r in shared.items():
+            if r == rep:
+                memo[id(model.get_submodule(fqn))] = memo[id(original)]
+    return copy.deepcopy(model, memo)
+
+
+def adapt_for_meta(model: nn.Module) -> None:
+    """Switch a (copied) model to kernels that have meta implementations.
+
+    Hugging Face MoE experts default to ``torch._grouped_mm``, whose meta kernel accepts only
+    bfloat16 although the CPU kernel computes in float32; the batched implementation is the
+    same math with plain matmuls. Only the verifier's copy is changed.
+    """
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "_experts_implementation", "eager") not in (None, "eager", "batched_mm"):
+            config._experts_implementation = "batched_mm"

@@ -1,0 +1,309 @@
+"""The instruments the verifier puts around each boundary of its meta-device copies.
+
+* :class:`ValidateProbe` (validate copy): after the boundary's forward on DTensors, runs
+  the boundary's own backward in isolation (from its outputs to its inputs and
+  parameters) with implicit redistribution forbidden, and records the placements of the
+  parameters' and inputs' gradients. Around the region's compute it refuses random ops
+  on partial values.
+* :class:`ProductionProbe` (production copy): names the boundary in which production's
+  code fails on local shards.
+* :class:`Repeater`: an element of a layer stack that repeats one already checked with
+  the same inputs returns its input (see ``hp_core.verifier.repeats``).
+
+All of them record, per boundary and call, the local shapes of the outputs, which the
+verifier compares between the two modes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor._utils import ExplicitRedistributionContext
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hp_core.errors import HpError
+from hp_core.runtime.boundary import BoundaryForward, UndeclaredCommunicationError
+from hp_core.runtime.fixes import keep_whole_yaml
+from hp_core.spec import PlacementMismatchError
+from hp_core.verifier.errors import ProductionDiffersError, RandomOnPartialError, VerificationError
+
+__all__ = ["BoundaryRecord", "ProductionProbe", "Repeater", "ValidateProbe", "call_key", "opaque_fallback", "tensors_in"]
+
+
+def tensors_in(x: Any) -> list[torch.Tensor]:
+    """Every tensor in nested tuples/lists/dicts (and HF ``ModelOutput``s), in order."""
+    found: list[torch.Tensor] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, dict):
+            for item in v.values():
+                walk(item)
+        elif isinstance(v, list | tuple):
+            for item in v:
+                walk(item)
+        elif hasattr(v, "to_tuple"):
+            walk(v.to_tuple())
+
+    walk(x)
+    return found
+
+
+def call_key(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """What a module's behaviour can depend on in a call: tensor shapes, dtypes, layouts, plain values."""
+
+    def key(v: Any) -> Any:
+        if isinstance(v, DTensor):
+            return ("D", tuple(v.shape), str(v.dtype), tuple(v.placements), v.requires_grad)
+        if isinstance(v, torch.Tensor):
+            return ("T", tuple(v.shape), str(v.dtype), v.requires_grad)
+        if isinstance(v, list | tuple):
+            return tuple(key(i) for i in v)
+        if isinstance(v, dict):
+            return tuple(sorted((str(k), key(i)) for k, i in v.items()))
+        if isinstance(v, int | float | bool | str | type(None)):
+            return repr(v)
+        return type(v).__qualname__
+
+    return (tuple(key(a) for a in args), key(kwargs))
+
+
+def _leaves(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+        return x.detach().requires_grad_(True) if x.requires_grad else x
+    if isinstance(x, dict):
+        return {k: _leaves(v) for k, v in x.items()}
+    if isinstance(x, list | tuple) and type(x) in (list, tuple):
+        return type(x)(_leaves(v) for v in x)
+    return x
+
+
+def _local_shapes(out: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple((t._local_tensor if isinstance(t, DTensor) else t).shape) for t in tensors_in(out))
+
+
+@dataclasses.dataclass
+class BoundaryRecord:
+    """What one boundary did in one verification pass."""
+
+    fqn: str
+    dispatching: bool
+    #: local output shapes, per distinct call
+    shapes: list[tuple[tuple[int, ...], ...]] = dataclasses.field(default_factory=list)
+    #: parameter FQN → the placements of each gradient contribution seen
+    grads: dict[str, list[tuple[Any, ...]]] = dataclasses.field(default_factory=dict)
+    #: declared input name → the placements of its DTensor gradient
+    input_grads: dict[str, list[tuple[Any, ...]]] = dataclasses.field(default_factory=dict)
+    calls: int = 0
+    #: why the region's own code could not run on meta (a local region only)
+    skipped: str | None = None
+
+
+def opaque_fallback(bf: BoundaryForward, record: BoundaryRecord) -> None:
+    """A local region whose code cannot run on meta tensors passes its first input through.
+
+    Such code is opaque to DTensor anyway (its gradients follow the contract); what the
+    verifier still needs from it is an output of the right shape for what comes after.
+    """
+    compute = bf.compute
+    n_out = max(1, len(bf.out_names))
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return compute(*args, **kwargs)
+        except (HpError, PlacementMismatchError):
+            raise  # a finding inside (a nested boundary's), not a meta limitation
+        except Exception as e:
+            x = next((t for t in tensors_in((args, kwargs)) if t.is_floating_point()), None)
+            if x is None:
+                raise
+            record.skipped = f"its code does not run on meta tensors ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+            return x if n_out == 1 else (x, *([None] * (n_out - 1)))
+
+    bf.compute = run
+
+
+class _RandomOnPartial(TorchDispatchMode):
+    """Refuses a random op whose input is a partial sum (the mask would differ per rank)."""
+
+    def __init__(self, fqn: str, module_type: str) -> None:
+        super().__init__()
+        self.fqn = fqn
+        self.module_type = module_type
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            for t in tensors_in((args, kwargs)):
+                if isinstance(t, DTensor) and any(isinstance(p, Partial) for p in t.placements):
+                    raise RandomOnPartialError(
+                        f"{self.fqn} ({self.module_type}): the random op {func} runs on a partial sum "
+                        f"(placements {tuple(t.placements)}), before the reduction that makes it whole: each "
+                        "rank would draw its own mask for a value that exists only after the sum. Move the "
+                        "dropout after the boundary's exit (it then acts on the reduced value), set its "
+                        "probability to 0, or keep the boundary whole on tp."
+                    )
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _strict(fqn: str, module_type: str, fix: str, phase: str) -> Iterator[None]:
+    try:
+        with ExplicitRedistributionContext(strict=True):
+            yield
+    except RuntimeError as e:
+        if "Implicit redistribution" not in str(e):
+            raise
+        raise UndeclaredCommunicationError(fqn, module_type, str(e), phase=phase, fix=fix) from None
+
+
+class ValidateProbe:
+    """Wraps one boundary of the validate copy (see the module docstring)."""
+
+    def __init__(self, bf: BoundaryForward, record: BoundaryRecord, params: dict[str, Any]) -> None:
+        self.bf = bf
+        self.record = record
+        self.params = params  # FQN → DTensor parameter of this region
+        self.seen: set[tuple[Any, ...]] = set()
+        self.module_type = type(bf.module).__name__
+        self._input_grads: dict[str, list[tuple[Any, ...]]] = {}
+        if bf.dispatch:
+            bf.compute = self._compute(bf.compute)
+        self.__signature__ = bf.__signature__
+
+    def _compute(self, compute: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self._hook_inputs(args, kwargs)
+            with _RandomOnPartial(self.bf.fqn, self.module_type):
+                return compute(*args, **kwargs)
+
+        return run
+
+    def _hook_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        pos = self.bf._pos
+        for name in self.bf.inputs:
+            x = kwargs.get(name)
+            if x is None and name in pos and pos[name] < len(args):
+                x = args[pos[name]]
+            if isinstance(x, DTensor) and x.requires_grad:
+                x.register_hook(lambda g, name=name: self._input_grads.setdefault(name, []).append(tuple(g.placements)))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = call_key(args, kwargs)
+        if self.bf.dispatch and key not in self.seen:
+            # The region's own backward, in isolation: its inputs become leaves, so that the
+            # gradient of a parameter also used elsewhere (a tied weight) holds only this use.
+            args, kwargs = _leaves(args), _leaves(kwargs)
+        try:
+            out = self.bf(*args, **kwargs)
+        except (HpError, PlacementMismatchError):
+            raise
+        except Exception as e:
+            if not self.bf.dispatch:
+                raise
+            raise VerificationError(
+                f"{self.bf.fqn} ({self.module_type}): DTensor propagation fails inside the region with the plan's "
+                f"layouts: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\nThe module's code does "
+                "not fit the declared layouts (production would crash or compute something else on local "
+                "shards). Keep the boundary whole on tp:\n" + keep_whole_yaml(self.bf.fqn, self.bf.spec)
+            ) from e
+        if key in self.seen:
+            return out
+        self.seen.add(key)
+        self.record.calls += 1
+        self.record.shapes.append(_local_shapes(out))
+        if self.bf.dispatch and torch.is_grad_enabled():
+            self._backward(out)
+        return out
+
+    def _backward(self, out: Any) -> None:
+        outs = [t for t in tensors_in(out) if t.requires_grad and t.is_floating_point()]
+        names = [n for n, p in self.params.items() if p.requires_grad]
+        if not outs:
+            return
+        fix = keep_whole_yaml(self.bf.fqn, self.bf.spec)
+        self._input_grads = {}
+        with _strict(self.bf.fqn, self.module_type, fix, "backward"):
+            grads = torch.autograd.grad(
+                outs,
+                [self.params[n] for n in names],
+                grad_outputs=[torch.zeros_like(t) for t in outs],
+                retain_graph=True,
+                allow_unused=True,
+            )
+        for n, g in zip(names, grads, strict=True):
+            if g is not None:
+                self.record.grads.setdefault(n, []).append(tuple(g.placements) if isinstance(g, DTensor) else ())
+        for name, placements in self._input_grads.items():
+            self.record.input_grads.setdefault(name, []).extend(placements)
+
+
+class ProductionProbe:
+    """Wraps one boundary of the production copy: names it when production's code fails."""
+
+    def __init__(self, bf: Any, record: BoundaryRecord, fqn: str, spec: Any) -> None:
+        self.bf = bf
+        self.record = record
+        self.fqn = fqn
+        self.spec = spec
+        self.seen: set[tuple[Any, ...]] = set()
+        self.__signature__ = getattr(bf, "__signature__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = call_key(args, kwargs)
+        if self.bf.dispatch and key not in self.seen:
+            # The region's own backward, in isolation: its inputs become leaves, so that the
+            # gradient of a parameter also used elsewhere (a tied weight) holds only this use.
+            args, kwargs = _leaves(args), _leaves(kwargs)
+        try:
+            out = self.bf(*args, **kwargs)
+        except (HpError, PlacementMismatchError):
+            raise
+        except Exception as e:
+            module = type(self.bf.module).__name__ if hasattr(self.bf, "module") else "module"
+            raise ProductionDiffersError(
+                f"{self.fqn} ({module}): production mode fails on this rank's local shards: "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
+                "Validate mode's DTensors would hide it (they re-layout on their own), so the plan does not "
+                "fit this module: a head count or size the module reads from its attributes, or a "
+                "parameter whose layout does not match the activation it meets. Declare the attribute in "
+                "tp_divide_attrs, fix the parameter's layout, or keep the boundary whole on tp:\n"
+                + keep_whole_yaml(self.fqn, self.spec)
+            ) from e
+        if key not in self.seen:
+            self.seen.add(key)
+            self.record.calls += 1
+            self.record.shapes.append(_local_shapes(out))
+        return out
+
+
+class Repeater:
+    """The forward of a layer-stack element shared by its repeats: each distinct call runs once.
+
+    A call with the inputs of one already run returns its first tensor input, provided the
+    first run returned a single tensor of exactly that shape and dtype (the residual stream).
+    """
+
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        self.forward = forward
+        self.passthrough: dict[tuple[Any, ...], bool] = {}
+        self.skipped = 0
+        self.__signature__ = getattr(forward, "__signature__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = call_key(args, kwargs)
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if self.passthrough.get(key) and first is not None:
+            self.skipped += 1
+            return first
+        out = self.forward(*args, **kwargs)
+        if key not in self.passthrough:
+            same = isinstance(out, torch.Tensor) and first is not None and out.shape == first.shape and out.dtype == first.dtype
+            self.passthrough[key] = bool(same)
+        return out

@@ -1,0 +1,49 @@
+"""Rank-side tasks for apply's verification (importable by the spawned ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from hp_core import apply, plan, verify
+from hp_core.testing.families import build_family
+
+
+def _mesh() -> Any:
+    return init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+
+
+def apply_keeps_report() -> dict[str, Any]:
+    m = build_family("llama", num_hidden_layers=1)
+    mesh = _mesh()
+    p = plan(m, mesh)
+    apply(m, p, mesh)
+    report = m._hp_applied.report
+    other = build_family("llama", num_hidden_layers=1)
+    apply(other, plan(other, mesh), mesh, verify=verify(other, plan(other, mesh), mesh))
+    return {
+        "partial": {k: list(v) for k, v in report.partial().items()},
+        "same_report": other._hp_applied.report.partial() == report.partial(),
+    }
+
+
+def apply_verify_error(case: str) -> dict[str, Any]:
+    family = "olmo2" if case == "refused" else "llama"
+    m = build_family(family, num_hidden_layers=1)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    mesh = _mesh()
+    p = plan(m, mesh)
+    arg: Any = {"false": False, "nonsense": "yes", "refused": True}.get(case)
+    if case == "other_plan":
+        arg = verify(m, plan(m, mesh, sequence_parallel=False), mesh)
+    try:
+        apply(m, p, mesh, verify=arg)
+        out = {"type": None, "message": ""}
+    except Exception as e:
+        out = {"type": type(e).__name__, "message": str(e)}
+    out["untouched"] = getattr(m, "_hp_applied", None) is None and all(
+        torch.equal(before[n], q) and not hasattr(q, "to_local") for n, q in m.named_parameters()
+    )
+    return out
