@@ -27,6 +27,7 @@ from hp_core.plugins import (
     register_training_adapter,
 )
 from hp_core.runtime import apply, finalize_grads
+from hp_core.runtime.clip import clip_grad_norm_
 from hp_core.sharding_plan import (
     OverrideEntry,
     ShardingPlan,
@@ -77,6 +78,7 @@ __all__ = [
     "VerifyReport",
     "__version__",
     "apply",
+    "clip_grad_norm_",
     "dump_overrides",
     "dump_plan",
     "finalize_grads",

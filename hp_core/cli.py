@@ -160,11 +160,22 @@ def add_plan_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         description=(
             "Build the model on the meta device (no weights, no processes, no process group), "
             "plan it for the mesh and print every boundary with the collectives it costs, then "
-            "the collectives of one training step. Nothing is downloaded."
+            "the collectives of one training step. Nothing is downloaded. With --verify, also "
+            "run the plan verifier on meta copies of the model (an in-process fake process "
+            "group of the mesh's size, so any mesh works on a laptop): exit 1 with its message "
+            "if it refuses the plan."
         ),
     )
     _add_planning_args(parser)
     parser.add_argument("--yaml", action="store_true", help="print the plan as YAML instead of the explanation")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help=(
+            "verify the plan on meta copies (hp_core.verify) and print its report; the collectives "
+            "per step then count the gradient reductions it derived (exit 1 if it refuses)"
+        ),
+    )
     parser.set_defaults(handler=cmd_plan)
 
 
@@ -306,16 +317,95 @@ def _plan_from_args(args: argparse.Namespace, err: Console) -> tuple[Any, Any]:
     return result, model
 
 
+def _verify_plan(model: Any, plan: Any, mesh: Any, err: Console) -> Any:
+    """``hp_core.verify(model, plan, mesh)`` on the meta-device model; returns the report.
+
+    Raises :class:`_Failed` (exit 1) with the refusal's message; prints hp's own warnings.
+    """
+    import warnings
+
+    from hp_core import verify
+    from hp_core.errors import HpError
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            report = verify(model, plan, mesh)
+        except (HpError, ValueError) as e:  # VerificationError, preflight, placement errors
+            raise _Failed(1, f"{type(e).__name__}: {e}") from None
+    for w in caught:
+        if w.category.__module__.startswith("hp_core"):
+            err.print(Text(f"warning: {w.message}"), soft_wrap=True)
+    return report
+
+
+_COLLECTIVES_HEADER = "collectives per training step ("
+_INDENT = "  "
+
+
+def _verified_collectives(plan: Any, reductions: Sequence[Any]) -> list[str]:
+    """The "collectives per training step" section, with the verifier's gradient reductions."""
+    from hp_core.planner import step_collectives
+
+    counts = step_collectives(plan.modules, loss_parallel=plan.loss_parallel, reductions=reductions)
+    lines = ["collectives per training step (verified gradient reductions, one forward + one backward):"]
+    if not counts:
+        lines.append(f"{_INDENT}none")
+    for phase in ("forward", "backward"):
+        rows = sorted((op, axis, n) for (ph, op, axis), n in counts.items() if ph == phase)
+        if rows:
+            lines.append(f"{_INDENT}{phase}: {sum(n for _, _, n in rows)}")
+            lines += [f"{_INDENT * 2}{op} on {axis}: {n}" for op, axis, n in rows]
+    if plan.loss_parallel:
+        lines.append(
+            f"{_INDENT}(forward all_reduce on tp includes the vocab-parallel cross-entropy's 2: "
+            "the max, then the sum of exponentials with the target logit)"
+        )
+    per_axis: dict[str, int] = {}
+    for r in reductions:
+        for axis in r.axes:
+            per_axis[axis] = per_axis.get(axis, 0) + 1
+    for axis, n in per_axis.items():
+        lines.append(
+            f"{_INDENT}(backward all_reduce on {axis} includes one bucketed reduction of {n} partial "
+            "gradient(s), as the verifier derived them)"
+        )
+    return lines
+
+
+def _explain_verified(plan: Any, report: Any) -> str:
+    """``plan.explain()`` with its collectives section recounted from ``report.reductions``."""
+    lines = plan.explain().rstrip("\n").split("\n")
+    start = next((i for i, line in enumerate(lines) if line.startswith(_COLLECTIVES_HEADER)), len(lines))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i] == ""), len(lines))
+    if start == len(lines):  # no such section: add one
+        lines.append("")
+    lines[start:end] = _verified_collectives(plan, report.reductions)
+    return "\n".join(lines)
+
+
 def cmd_plan(args: argparse.Namespace, out: Console, err: Console) -> int:
-    """Plan ``--model`` for ``--mesh`` on the meta device; print ``explain()`` or the YAML plan."""
+    """Plan ``--model`` for ``--mesh`` on the meta device; print ``explain()`` or the YAML plan.
+
+    With ``--verify``, verify it first (a refusal prints only the error and exits 1), print
+    the collectives with the verified gradient reductions, then the verifier's summary.
+    """
     from hp_core.sharding_plan import dump_plan
 
     try:
-        result, _ = _plan_from_args(args, err)
+        result, model = _plan_from_args(args, err)
+        report = _verify_plan(model, result, args.mesh, err) if args.verify else None
     except _Failed as e:
-        err.print(Text(f"hp plan: error: {e.message}"))
+        err.print(Text(f"hp plan: error: {e.message}"), soft_wrap=True)
         return e.code
-    text = dump_plan(result) if args.yaml else result.explain()
+    if args.yaml:
+        text = dump_plan(result).rstrip("\n")
+        if report is not None:  # as YAML comments, so the output still loads as a plan
+            text += "\n" + "\n".join(f"# {line}" for line in report.summary().split("\n"))
+    elif report is not None:
+        text = _explain_verified(result, report) + "\n\n" + report.summary()
+    else:
+        text = result.explain()
     out.print(Text(text.rstrip("\n")), soft_wrap=True)
     return 0
 
@@ -387,20 +477,27 @@ def add_check_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
             "plan and that every injected registry item is installed. With --model, also check "
             "that it was frozen for that model, that every planned module exists in it and that "
             "the planner's lints pass (every trainable parameter covered by exactly one boundary, "
-            "shapes divisible). Exit 0: ok; 1: a problem; 2: usage."
+            "shapes divisible), then run the plan verifier (hp_core.verify) on meta copies of the "
+            "model for the artifact's mesh. The artifact records only the model's digest, so "
+            "without --model the model checks and the verifier are skipped. "
+            "Exit 0: ok; 1: a problem or a refused plan; 2: usage."
         ),
     )
     parser.add_argument("artifact", metavar="ARTIFACT", help="an artifact written by hp freeze")
     parser.add_argument(
         "--model",
         metavar="NAME_OR_CONFIG",
-        help="the model to check against: a preset or a path to an HF config.json (or its folder)",
+        help=(
+            "the model to check and verify against: a preset or a path to an HF config.json "
+            "(or its folder)"
+        ),
     )
     parser.set_defaults(handler=cmd_check)
 
 
 def cmd_check(args: argparse.Namespace, out: Console, err: Console) -> int:
-    """Verify the artifact, then (with ``--model``) that it applies to that model."""
+    """Verify the artifact, then (with ``--model``) that it applies to that model and that the
+    verifier proves its plan for it."""
     from pathlib import Path
 
     from hp_core.codegen import ArtifactError, check_against_model, read_artifact, version_drift
@@ -435,11 +532,19 @@ def cmd_check(args: argparse.Namespace, out: Console, err: Console) -> int:
         )
     if model is None:
         out.print(Text("model: not checked (pass --model NAME_OR_CONFIG to check module names and coverage)"))
+        out.print(
+            Text(
+                "verify: skipped (the artifact records only the model's digest, so hp cannot build the "
+                "model; pass --model NAME_OR_CONFIG to verify the plan)"
+            ),
+            soft_wrap=True,
+        )
         return 0
     problems = check_against_model(artifact, model)
     for problem in problems:
         err.print(Text(f"hp check: problem: {problem}"), soft_wrap=True)
     if problems:
+        out.print(Text("verify: skipped (the model checks failed)"))
         return 1
     out.print(
         Text(
@@ -448,6 +553,12 @@ def cmd_check(args: argparse.Namespace, out: Console, err: Console) -> int:
         ),
         soft_wrap=True,
     )
+    try:
+        report = _verify_plan(model, artifact.plan(model=model), artifact.inputs["mesh"], err)
+    except _Failed as e:
+        err.print(Text(f"hp check: problem: {e.message}"), soft_wrap=True)
+        return e.code
+    out.print(Text(report.summary()), soft_wrap=True)
     return 0
 
 

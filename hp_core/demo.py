@@ -170,7 +170,7 @@ def plan_for(setup: DemoSetup, model: Any, mesh: Any) -> Any:
 
 def plan_summary(plan: Any) -> list[str]:
     """A few lines: boundaries per kind (FQN with layer numbers as ``*``), injections, collectives."""
-    from hp_core.planner import step_collectives
+    from hp_core.planner import input_check_axes, step_collectives
 
     kinds: Counter[str] = Counter()
     extras: dict[str, set[str]] = {}
@@ -187,7 +187,7 @@ def plan_summary(plan: Any) -> list[str]:
     for kind, n in kinds.items():
         extra = f"  [{', '.join(sorted(extras[kind]))}]" if kind in extras else ""
         lines.append(f"  {n} x {kind}{extra}")
-    counts = step_collectives(plan.modules, loss_parallel=plan.loss_parallel)
+    counts = step_collectives(plan.modules, loss_parallel=plan.loss_parallel, check_axes=input_check_axes(plan.mesh_axis_names, plan.mesh_shape or ()))
     lines.append("predicted collectives per step (the plan's boundaries; plugin compute adds its own):")
     for phase in ("forward", "backward"):
         rows = sorted((op, axis, n) for (ph, op, axis), n in counts.items() if ph == phase)

@@ -638,12 +638,13 @@ class ShardingPlan:
         )
         return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
-    def explain(self) -> str:
+    def explain(self, report: Any = None) -> str:
         """Plain text: per boundary its params, entry/exit collectives, injections and
-        attribute changes, then the predicted collectives per training step."""
+        attribute changes, then the predicted collectives per training step (exact for the
+        gradient reductions when given the verifier's ``report``)."""
         from hp_core.planner.explain import explain  # local: the planner imports this module
 
-        return explain(self)
+        return explain(self, report)
 
     def copy(self) -> ShardingPlan:
         """A copy whose specs can be mutated without touching this plan."""

@@ -239,3 +239,19 @@ class HeadCountReader(ToyCausalLM):
         h = self.model(input_ids)
         heads = self.model.layers[0].self_attn.num_heads
         return self.lm_head(h + torch.zeros(heads * HEAD_DIM, device=h.device))
+
+
+class DrawingAttention(HeadAttention):
+    """Records one ``torch.rand`` draw per call, from inside its (tp-sharded) region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draws: list[torch.Tensor] = []
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        self.draws.append(torch.rand(4))
+        return super().forward(hidden_states)
+
+
+def drawing_lm() -> ToyCausalLM:
+    return ToyCausalLM([Layer(DrawingAttention(), MLP(), "mlp")])

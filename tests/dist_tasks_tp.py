@@ -9,8 +9,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
+from hp_core.planner import input_check_axes, step_collectives
 from hp_core.planner import plan as make_plan
-from hp_core.planner import step_collectives
 from hp_core.runtime import apply
 from hp_core.testing.compare import (
     allclose_excess,
@@ -110,7 +110,7 @@ def count_collectives(family: str, mode: str, *, sp: bool = True, loss_parallel:
             out = model(input_ids=ids, labels=ids, use_cache=False)
         with CommDebugMode() as bwd:
             out.loss.backward()
-    pred = step_collectives(p.modules, loss_parallel=loss_parallel)
+    pred = step_collectives(p.modules, loss_parallel=loss_parallel, reductions=model._hp_applied.report.reductions, check_axes=input_check_axes(mesh.mesh_dim_names, mesh.shape))
     return {
         "forward": _counts(fwd),
         "backward": _counts(bwd),

@@ -44,8 +44,9 @@ def test_default_demo_trains_cp_tp_ep_and_matches():
     assert "forward: 4 all_gather on tp" in out
     assert "training adapters: cp" in out
     # Everything rank 0 issues in one step: the plan's tp collectives (as predicted above),
-    # one packed K/V all-gather per attention layer, 3 all-to-alls per MoE layer, the CP loss sum.
-    assert "  forward: 6 all_gather, 2 all_reduce, 6 all_to_all, 2 reduce_scatter" in out
+    # one packed K/V all-gather per attention layer, 3 all-to-alls per MoE layer, the CP loss sum,
+    # and the input check on cp and on tp.
+    assert "  forward: 6 all_gather, 4 all_reduce, 6 all_to_all, 2 reduce_scatter" in out
     assert "params per rank: " in out
     assert "│    1 │" in out and "ok" in out
     assert "every step matches the single-device run" in out

@@ -84,23 +84,35 @@ def test_sequence_parallel_llama():
     ]
     tail = text.split("collectives per training step (predicted, one forward + one backward):\n")[1]
     assert tail.splitlines() == [
-        "  forward: 11",
+        "  forward: 12",
         "    all_gather on tp: 6",
-        "    all_reduce on tp: 1",
+        "    all_reduce on tp: 2",
         "    reduce_scatter on tp: 4",
         "  backward: 11",
         "    all_gather on tp: 5",
         "    all_reduce on tp: 1",
         "    reduce_scatter on tp: 5",
-        "  (backward all_reduce on tp includes one bucketed reduction of 9 gradient(s) of "
-        "tp-replicated parameters that see only this rank's sequence shard)",
+        "  (forward all_reduce on tp includes 1 input check: the ranks compare their input shapes "
+        "before the first collective; apply(check_inputs=False) drops it)",
+        "  (backward all_reduce on tp includes one bucketed reduction of the 9 gradient(s) of "
+        "tp-replicated parameters that see only this rank's sequence shard (hp plan --verify finds any others))",
     ]
+
+
+def test_with_the_verifier_report_the_reductions_are_exact():
+    from hp_core import verify
+
+    m = meta()
+    p = plan(m, "tp=2", sequence_parallel=False)
+    assert "includes one bucketed reduction" not in p.explain()  # no SP: the contract predicts none
+    text = plan(m, "tp=2").explain(verify(m, plan(m, "tp=2")))
+    assert "  (backward all_reduce on tp includes one bucketed reduction of the 5 gradient(s) the verifier found partial over tp)" in text
 
 
 def test_loss_parallel_counts_the_parallel_cross_entropy():
     text = plan(meta(), "tp=2", loss_parallel=True).explain()
     tail = text.split("collectives per training step (predicted, one forward + one backward):\n")[1].splitlines()
-    assert tail[:4] == ["  forward: 12", "    all_gather on tp: 5", "    all_reduce on tp: 3", "    reduce_scatter on tp: 4"]
+    assert tail[:4] == ["  forward: 13", "    all_gather on tp: 5", "    all_reduce on tp: 4", "    reduce_scatter on tp: 4"]
     assert "  (forward all_reduce on tp includes the vocab-parallel cross-entropy's 2: the max, then the sum of exponentials with the target logit)" in tail
 
 

@@ -87,7 +87,7 @@ def test_collectives_loss_parallel_and_biases_match_prediction():
     w = get_world(2)
     lp = w.run(tasks.count_collectives, "llama", "production", loss_parallel=True)[0]
     assert lp["forward"] == lp["pred_forward"] and lp["backward"] == lp["pred_backward"]
-    assert lp["forward"]["all_reduce"] == 3  # embedding + the loss's max and sums
+    assert lp["forward"]["all_reduce"] == 4  # input check + embedding + the loss's max and sums
     biased = w.run(tasks.count_collectives, "llama", "validate", attention_bias=True, mlp_bias=True)[0]
     assert biased["forward"] == biased["pred_forward"] and biased["backward"] == biased["pred_backward"]
 

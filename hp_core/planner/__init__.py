@@ -12,7 +12,14 @@ from typing import Any
 from torch import nn
 
 from hp_core.mesh import MeshSpec
-from hp_core.planner.comms import Collective, boundary_collectives, sp_grad_params, step_collectives
+from hp_core.planner.comms import (
+    Collective,
+    boundary_collectives,
+    input_check_axes,
+    reduction_axes,
+    sp_grad_params,
+    step_collectives,
+)
 from hp_core.planner.context import TemplateContext
 from hp_core.planner.lints import (
     CoverageError,
@@ -48,7 +55,9 @@ __all__ = [
     "UncoveredParameterError",
     "active_axes",
     "boundary_collectives",
+    "input_check_axes",
     "plan",
+    "reduction_axes",
     "sp_grad_params",
     "step_collectives",
 ]

@@ -34,6 +34,7 @@ __all__ = [
     "boundary_collectives",
     "boundary_transitions",
     "grad_is_partial",
+    "input_check_axes",
     "reduction_axes",
     "sp_grad_params",
     "step_collectives",
@@ -183,16 +184,28 @@ def reduction_axes(modules: Mapping[str, ModuleShardingSpec], reductions: Iterab
     return axes
 
 
+def input_check_axes(axis_names: Iterable[str], sizes: Iterable[int]) -> list[str]:
+    """The axes the input guard compares a forward's inputs over (non-dp axes of size > 1)."""
+    return [str(a) for a, n in zip(axis_names, sizes, strict=True) if int(n) > 1 and not str(a).startswith("dp")]
+
+
 def step_collectives(
-    modules: Mapping[str, ModuleShardingSpec], *, loss_parallel: bool = False, reductions: Iterable[Any] | None = None
+    modules: Mapping[str, ModuleShardingSpec],
+    *,
+    loss_parallel: bool = False,
+    reductions: Iterable[Any] | None = None,
+    check_axes: Iterable[str] = (),
 ) -> Counter[tuple[str, str, str]]:
     """``{(phase, op, axis): count}`` for one forward + backward of the whole plan.
 
     ``loss_parallel`` adds the vocab-parallel cross-entropy's two forward all-reduces
     (the max, then the sum of exponentials packed with the target logit). The gradient
-    reductions count one all-reduce per axis (:func:`reduction_axes`).
+    reductions count one all-reduce per axis (:func:`reduction_axes`); the input guard one
+    small forward all-reduce per axis of ``check_axes`` (:func:`input_check_axes`).
     """
     counts: Counter[tuple[str, str, str]] = Counter()
+    for axis in check_axes:
+        counts[("forward", "all_reduce", axis)] += 1
     if loss_parallel:
         counts[("forward", "all_reduce", "tp")] += 2
     for fqn, spec in modules.items():

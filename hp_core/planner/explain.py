@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.tensor import Placement
 
-from hp_core.planner.comms import Transition, boundary_transitions, sp_grad_params, step_collectives
+from hp_core.planner.comms import (
+    Transition,
+    boundary_transitions,
+    input_check_axes,
+    reduction_axes,
+    sp_grad_params,
+    step_collectives,
+)
 from hp_core.spec import ModuleShardingSpec, PlacementSyntaxError, format_placement
 
 if TYPE_CHECKING:
@@ -147,7 +154,7 @@ def _on_off(flag: bool) -> str:
     return "on" if flag else "off"
 
 
-def explain(plan: ShardingPlan) -> str:
+def explain(plan: ShardingPlan, report: Any = None) -> str:
     """The plan as plain text: per boundary its params, transitions, injections, attrs; then
     the predicted collectives of one training step (forward + backward)."""
     from hp_core.sharding_plan import PlanError, ShardingPlan
@@ -171,7 +178,9 @@ def explain(plan: ShardingPlan) -> str:
 
     out.append("")
     out.append("collectives per training step (predicted, one forward + one backward):")
-    counts = step_collectives(plan.modules, loss_parallel=plan.loss_parallel)
+    reductions = report.reductions if report is not None else None
+    checks = input_check_axes(plan.mesh_axis_names, plan.mesh_shape) if plan.mesh_shape else []
+    counts = step_collectives(plan.modules, loss_parallel=plan.loss_parallel, reductions=reductions, check_axes=checks)
     if not counts:
         out.append(f"{_INDENT}none")
     for phase in ("forward", "backward"):
@@ -179,17 +188,28 @@ def explain(plan: ShardingPlan) -> str:
         if rows:
             out.append(f"{_INDENT}{phase}: {sum(n for _, _, n in rows)}")
             out += [f"{_INDENT * 2}{op} on {axis}: {n}" for op, axis, n in rows]
+    for axis in checks:
+        out.append(
+            f"{_INDENT}(forward all_reduce on {axis} includes 1 input check: the ranks compare their "
+            "input shapes before the first collective; apply(check_inputs=False) drops it)"
+        )
     if plan.loss_parallel:
         out.append(
             f"{_INDENT}(forward all_reduce on tp includes the vocab-parallel cross-entropy's 2: "
             "the max, then the sum of exponentials with the target logit)"
         )
-    grads = sp_grad_params(plan.modules)
-    if grads:
-        out.append(
-            f"{_INDENT}(backward all_reduce on tp includes one bucketed reduction of {len(grads)} "
-            "gradient(s) of tp-replicated parameters that see only this rank's sequence shard)"
-        )
+    for axis in reduction_axes(plan.modules, reductions):
+        if reductions is not None:
+            n = sum(1 for r in reductions if axis in r.axes)
+            what = f"the {n} gradient(s) the verifier found partial over {axis}"
+        elif axis == "tp":
+            what = (
+                f"the {len(sp_grad_params(plan.modules))} gradient(s) of tp-replicated parameters that see "
+                "only this rank's sequence shard (hp plan --verify finds any others)"
+            )
+        else:
+            what = f"the gradients of parameters replicated on {axis} that see only this rank's share of the data"
+        out.append(f"{_INDENT}(backward all_reduce on {axis} includes one bucketed reduction of {what})")
     if plan.notes:
         out.append("")
         out.append("override notes:")

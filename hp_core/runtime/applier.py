@@ -57,7 +57,15 @@ def _verifier(model: nn.Module, plan: ShardingPlan, mesh: Any, verify: Any) -> A
     return wrong
 
 
-def apply(model: nn.Module, plan: ShardingPlan, mesh: Any, *, mode: str = "production", verify: Any = True) -> nn.Module:
+def apply(
+    model: nn.Module,
+    plan: ShardingPlan,
+    mesh: Any,
+    *,
+    mode: str = "production",
+    verify: Any = True,
+    check_inputs: bool = True,
+) -> nn.Module:
     """Parallelize ``model`` in place by ``plan`` on ``mesh``; returns the model.
 
     ``mode="production"``: parameters become local shards for good and single-axis
@@ -68,11 +76,15 @@ def apply(model: nn.Module, plan: ShardingPlan, mesh: Any, *, mode: str = "produ
     ``verify=True`` (default) proves the plan on meta-device copies first (see
     :func:`hp_core.verify`); pass a ``VerifyReport`` from an earlier
     ``hp_core.verify(model, plan, mesh)`` of this plan to skip the work.
+
+    ``check_inputs=True`` (default) compares every forward's input shapes across the ranks
+    of each tp/cp group before the first collective (one small all-reduce per axis), so a
+    batch that differs between them is an error on every rank rather than an abort.
     """
     pre = preflight(model, plan, mesh, mode, verify=_verifier(model, plan, mesh, verify))
     journal = Journal()
     try:
-        state = install(model, plan, mesh, mode, pre, journal, reductions=pre.report.reductions)
+        state = install(model, plan, mesh, mode, pre, journal, reductions=pre.report.reductions, check_inputs=check_inputs)
         state.report = pre.report
     except BaseException:
         journal.rollback()

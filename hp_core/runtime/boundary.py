@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -99,6 +99,7 @@ class BoundaryForward:
         compute: Callable[..., Any] | None = None,
         dispatch: bool,
         strict: bool = False,
+        rng: Any = None,
     ) -> None:
         self.fqn = fqn
         self.module = module
@@ -109,18 +110,27 @@ class BoundaryForward:
         self.compute = compute if compute is not None else self.original
         self.dispatch = dispatch and mode == "validate"
         self.strict = strict
+        # Randomness inside a region whose computation is sharded on tp draws per rank (rng.py).
+        sharded = [n for n in (*(spec.params or {}).values(), *(spec.in_dst or {}).values()) if isinstance(n.get("tp"), Shard)]
+        self.rng = rng if sharded and rng is not None and rng.active else None
         self.__signature__ = inspect.signature(self.original)
         self._pos = _positions(self.original)
         in_src, in_dst = spec.in_src or {}, spec.in_dst or {}
         partial_axes = [a for a in mesh.mesh_dim_names if grad_is_partial(spec, a)]
         self.inputs = {
-            name: Transition(in_src.get(name, in_dst.get(name)), in_dst.get(name, in_src.get(name)), mesh, grad_partial_axes=partial_axes)
+            name: Transition(
+                in_src.get(name, in_dst.get(name)), in_dst.get(name, in_src.get(name)), mesh,
+                grad_partial_axes=partial_axes, where=f"{fqn} ({type(module).__name__}) input {name!r}",
+            )
             for name in dict.fromkeys([*in_src, *in_dst])
         }
         out_src, out_dst = spec.out_src or {}, spec.out_dst or {}
         self.out_names = spec.output_names() or list(out_dst)
         self.outputs = {
-            name: Transition(out_src.get(name, out_dst.get(name)), out_dst.get(name, out_src.get(name)), mesh)
+            name: Transition(
+                out_src.get(name, out_dst.get(name)), out_dst.get(name, out_src.get(name)), mesh,
+                where=f"{fqn} ({type(module).__name__}) output {name!r}",
+            )
             for name in dict.fromkeys([*out_src, *out_dst])
         }
         self.expected_out = {name: to_placements(layout, mesh) for name, layout in out_src.items()}
@@ -278,19 +288,29 @@ class BoundaryForward:
 
         return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
 
+    def _random(self) -> Any:
+        return self.rng.sharded_region(self.fqn) if self.rng is not None else contextlib.nullcontext()
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.mode == "production":
             args, kwargs = self._convert_inputs(args, kwargs, "local")
-            with self._detached_biases():
+            with self._detached_biases(), self._random():
                 out = self.compute(*args, **kwargs)
             return self._exit(out, "local")
         if self.dispatch:
             args, kwargs = self._replicate_rest(*self._convert_inputs(args, kwargs, "dtensor"))
-            with self._detached_biases(), implicit_replication(), sdpa_kernel([SDPBackend.MATH]), self._declared_only(), _LegacyEmptyCat():
+            with (
+                self._detached_biases(),
+                implicit_replication(),
+                sdpa_kernel([SDPBackend.MATH]),
+                self._declared_only(),
+                _LegacyEmptyCat(),
+                self._random(),
+            ):
                 out = self.compute(*args, **kwargs)
             return self._exit(out, "check")
         args, kwargs = self._convert_inputs(args, kwargs, "via")
-        with self._detached_biases(), self._local_params():
+        with self._detached_biases(), self._local_params(), self._random():
             out = self.compute(*args, **kwargs)
         return self._exit(out, "rewrap")
 

@@ -19,9 +19,11 @@ from hp_core.injection import InjectionBindingError, check_forward_compatible
 from hp_core.runtime.boundary import BoundaryForward, InnerOutputCheck
 from hp_core.runtime.experts import expert_grad_reductions
 from hp_core.runtime.grads import GradReducer, GradReduction
+from hp_core.runtime.guard import InputGuard
 from hp_core.runtime.journal import Journal, set_forward
 from hp_core.runtime.params import shard_parameters
 from hp_core.runtime.preflight import PreflightResult
+from hp_core.runtime.rng import RngStreams
 from hp_core.runtime.vocab import VocabParallelCausalLMLoss, VocabParallelLookup
 from hp_core.sharding_plan import ShardingPlan
 
@@ -42,6 +44,10 @@ class AppliedModel:
     expert_meshes: dict[int, Any] = dataclasses.field(default_factory=dict)
     #: What the verifier proved (``hp_core.VerifyReport``), or None if skipped.
     report: Any = None
+    #: The input guard (None when apply(check_inputs=False)).
+    guard: Any = None
+    #: The tp-shared / tp-local random streams (``hp_core.runtime.rng``).
+    rng: Any = None
 
 
 def _tp_group(mesh: Any) -> Any:
@@ -118,13 +124,22 @@ def install(
     reductions: Sequence[GradReduction] = (),
     strict_regions: bool | None = None,
     reduce: bool = True,
+    check_inputs: bool = True,
+    streams: bool = True,
 ) -> AppliedModel:
     """Shard, wrap and hook ``model`` by ``plan``; every mutation goes through ``journal``.
 
     ``reductions`` are the gradient reductions the verifier derived (parameters named by
-    FQN); ``reduce=False`` installs none (the verifier's copies). ``strict_regions`` (default: on in validate mode) makes every dispatching region
+    FQN); ``reduce=False`` installs none, ``check_inputs=False`` no input guard and
+    ``streams=False`` no random streams (the verifier's copies: nothing that communicates). ``strict_regions`` (default: on in validate mode) makes every dispatching region
     refuse an implicit DTensor redistribution: communication the contract does not declare.
     """
+    guard = InputGuard(type(model).__name__, mesh, plan.modules) if check_inputs else None
+    if guard is not None:
+        guard.attach(model, journal)  # first hook of the root: before any collective of a forward
+    rng = RngStreams(mesh) if streams else None
+    if rng is not None:
+        rng.attach(model, journal)
     shard_parameters(model, plan, mesh, mode, journal, experts=pre.experts)
     strict = (mode == "validate") if strict_regions is None else strict_regions
     forwards: dict[str, BoundaryForward] = {}
@@ -134,7 +149,7 @@ def install(
         module = model.get_submodule(fqn) if fqn else model
         replacement = _inner_wrap(fqn, module, plan, mesh, mode, pre, journal)
         compute, dispatch = _compute_for(fqn, module, plan, mesh, mode, pre)
-        bf = BoundaryForward(fqn, module, spec, mesh, mode, compute=compute or replacement, dispatch=dispatch, strict=strict)
+        bf = BoundaryForward(fqn, module, spec, mesh, mode, compute=compute or replacement, dispatch=dispatch, strict=strict, rng=rng)
         set_forward(journal, module, bf)
         forwards[fqn] = bf
     if mode == "production":
@@ -149,7 +164,7 @@ def install(
     if plan.loss_parallel:
         _install_loss(model, mesh, journal)
     meshes = {ep: groups.mesh for ep, groups in pre.experts.items()}
-    state = AppliedModel(plan, mode, mesh, forwards, reducer, meshes)
+    state = AppliedModel(plan, mode, mesh, forwards, reducer, meshes, guard=guard, rng=rng)
     journal.set_attr(model, "_hp_applied", state)
     return state
 

@@ -15,10 +15,15 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from hp_core.errors import HpError
 from hp_core.runtime import collectives as C
 from hp_core.spec import resolve_placements
 
-__all__ = ["Transition", "same_placement", "to_placements"]
+__all__ = ["InputLayoutError", "Transition", "same_placement", "to_placements"]
+
+
+class InputLayoutError(HpError, ValueError):
+    """An input that the plan's layouts cannot split (an uneven shard), refused before any collective."""
 
 
 def to_placements(named: Mapping[str, Placement] | None, mesh: Any) -> tuple[Placement, ...]:
@@ -42,8 +47,10 @@ class Transition:
         mesh: Any,
         *,
         grad_partial_axes: Sequence[str] = (),
+        where: str = "",
     ) -> None:
         self.mesh = mesh
+        self.where = where
         self.names = list(mesh.mesh_dim_names)
         self.src = to_placements(src, mesh)
         self.dst = to_placements(dst if dst is not None else src, mesh)
@@ -53,6 +60,12 @@ class Transition:
         )
         self.identity = self.src == self.dst and self.grad == self.dst
         self._local = None if self.identity else self._lower()
+        # (tensor dim, axis name, axis size) of every split this transition makes
+        self._splits = [
+            (d.dim, name, int(size))
+            for name, size, s, d in zip(self.names, mesh.shape, self.src, self.dst, strict=True)
+            if isinstance(d, Shard) and not isinstance(s, Shard) and int(size) > 1
+        ]
 
     # --------------------------------------------------------------- lowering
     def _lower(self) -> Any:
@@ -81,11 +94,37 @@ class Transition:
             return lambda x: C.copy_to_region(x, group)
         return None
 
+    # --------------------------------------------------------------- checks
+    def check_split(self, x: torch.Tensor) -> None:
+        """Refuse, before any collective, a tensor that a split cannot divide evenly.
+
+        Every rank of the group holds the same shape (the input guard made sure), so every
+        rank refuses together instead of aborting in a mismatched collective later.
+        """
+        for dim, axis, size in self._splits:
+            if dim >= x.dim():
+                continue
+            n = x.shape[dim]
+            if n % size:
+                decode = not torch.is_grad_enabled() and n < size
+                raise InputLayoutError(
+                    f"{self.where}: this tensor has {n} positions along dim {dim}, which {axis}={size} cannot "
+                    f"split evenly (shape {tuple(x.shape)}). "
+                    + (
+                        "Decoding one token at a time (generate() with a KV cache) cannot be split by sequence "
+                        "parallelism: apply a plan with sequence_parallel=False for generation."
+                        if decode
+                        else f"Pad it to a multiple of {size} (mask the padding: attention_mask 0, labels -100)."
+                    )
+                )
+
     # --------------------------------------------------------------- calls
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """Production: local tensor in ``src`` → local tensor in ``dst``."""
         if self.identity or not isinstance(x, torch.Tensor):
             return x
+        if self._splits:
+            self.check_split(x)
         if self._local is not None:
             return self._local(x)
         dt = DTensor.from_local(x, self.mesh, self.src, run_check=False)
@@ -93,6 +132,8 @@ class Transition:
 
     def to_dtensor(self, x: torch.Tensor) -> DTensor:
         """Validate, dispatching region: local ``src`` → DTensor in ``dst``."""
+        if self._splits:
+            self.check_split(x)
         dt = DTensor.from_local(x, self.mesh, self.src, run_check=False)
         return dt.redistribute(self.mesh, self.dst) if self.src != self.dst else dt
 

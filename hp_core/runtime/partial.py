@@ -27,7 +27,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from hp_core.errors import HpError
 from hp_core.spec import ModuleShardingSpec
 
-__all__ = ["AmbiguousGradientError", "contract_partial_axes", "data_axes", "is_data_axis"]
+__all__ = ["AmbiguousGradientError", "activations_on", "contract_partial_axes", "data_axes", "is_data_axis"]
 
 
 class AmbiguousGradientError(HpError, ValueError):
@@ -41,6 +41,26 @@ def _sharded_axes(layouts: Mapping[str, Mapping[str, Placement]] | None) -> set[
 def data_axes(spec: ModuleShardingSpec) -> set[str]:
     """Axes along which the region's input data is sharded (its ``in_dst`` layouts)."""
     return _sharded_axes(spec.in_dst if isinstance(spec.in_dst, dict) else None)
+
+
+def activations_on(modules: Mapping[str, ModuleShardingSpec], axis: str) -> str:
+    """How activations between boundaries are laid out on ``axis``: 'sharded', 'whole' or 'mixed'.
+
+    Read off every boundary's ``in_src`` and ``out_dst`` (what flows between them): under
+    context parallelism the sequence is sharded everywhere; under sequence parallelism some
+    activations are sharded and some (the embedding's output) whole.
+    """
+    seen: set[bool] = set()
+    for spec in modules.values():
+        if not spec.is_boundary:
+            continue
+        for field in (spec.in_src, spec.out_dst):
+            for named in (field or {}).values():
+                if axis in named:
+                    seen.add(isinstance(named[axis], Shard))
+    if not seen or seen == {False}:
+        return "whole"
+    return "sharded" if seen == {True} else "mixed"
 
 
 def is_data_axis(axis: str) -> bool:

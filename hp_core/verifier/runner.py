@@ -38,14 +38,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate
 
 from hp_core.mesh import MeshSpec
 from hp_core.planner.comms import grad_is_partial
 from hp_core.runtime.grads import GradReduction
 from hp_core.runtime.install import install
 from hp_core.runtime.journal import Journal
-from hp_core.runtime.partial import AmbiguousGradientError, contract_partial_axes, is_data_axis
+from hp_core.runtime.partial import (
+    AmbiguousGradientError,
+    activations_on,
+    contract_partial_axes,
+    is_data_axis,
+)
 from hp_core.runtime.preflight import InjectionPlan, PreflightResult, check_locally
 from hp_core.sharding_plan import ShardingPlan
 from hp_core.verifier.errors import (
@@ -247,7 +252,7 @@ def _install_copy(model: nn.Module, plan: ShardingPlan, mesh: Any, mode: str, pr
     adapt_for_meta(clone)
     clone.train()  # dropouts active: a random op on a partial sum must be seen
     reduced = _reduced_plan(plan, repeats)
-    state = install(clone, reduced, mesh, mode, pre, Journal(), reduce=False)
+    state = install(clone, reduced, mesh, mode, pre, Journal(), reduce=False, check_inputs=False, streams=False)
     return clone, reduced, state
 
 
@@ -326,21 +331,6 @@ def _check_inputs(records: Mapping[str, BoundaryRecord], plan: ShardingPlan, nam
                         )
 
 
-def _outside_rule(plan: ShardingPlan, axis: str) -> str:
-    """How data outside every region is laid out on ``axis``: 'sharded', 'whole' or 'mixed'."""
-    seen: set[bool] = set()
-    for spec in plan.modules.values():
-        if not spec.is_boundary:
-            continue
-        for field in (spec.in_src, spec.out_dst):
-            for named in (field or {}).values():
-                if axis in named:
-                    seen.add(isinstance(named[axis], Shard))
-    if not seen or seen == {False}:
-        return "whole"
-    return "sharded" if seen == {True} else "mixed"
-
-
 def _enclosing_boundary(plan: ShardingPlan, fqn: str) -> str | None:
     best = None
     for f, s in plan.items():
@@ -355,7 +345,7 @@ def _outside(plan: ShardingPlan, fqn: str, name: str, named: Mapping[str, Any], 
     for axis in names:
         if is_data_axis(axis) or not isinstance(named.get(axis, Replicate()), Replicate):
             continue
-        how = _outside_rule(plan, axis)
+        how = activations_on(plan.modules, axis)
         if how == "mixed":
             raise AmbiguousGradientError(
                 f"{name}: its module runs outside every boundary, where activations are sharded on "

@@ -307,7 +307,7 @@ def count_collectives(mesh_shape: tuple[int, ...], mesh_names: tuple[str, ...], 
     """Collectives of one forward and one backward of a Llama with ``layers`` layers."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from hp_core.planner import step_collectives
+    from hp_core.planner import input_check_axes, step_collectives
 
     mesh = _mesh(mesh_shape, mesh_names)
     model = build_model("llama", seed=0, num_hidden_layers=layers)
@@ -320,7 +320,7 @@ def count_collectives(mesh_shape: tuple[int, ...], mesh_names: tuple[str, ...], 
             out = model(**batch, use_cache=False)
         with CommDebugMode() as bwd:
             out.loss.backward()
-    pred = step_collectives(p.modules, reductions=model._hp_applied.report.reductions)
+    pred = step_collectives(p.modules, reductions=model._hp_applied.report.reductions, check_axes=input_check_axes(mesh.mesh_dim_names, mesh.shape))
     by_phase: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
     for (phase, op, _axis), n in pred.items():  # summed over axes, as _counts does
         by_phase[phase][op] = by_phase[phase].get(op, 0) + n

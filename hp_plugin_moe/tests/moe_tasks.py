@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import hp_plugin_moe
 from hp_core.injection import Target, local_compute
+from hp_core.planner import input_check_axes, step_collectives
 from hp_core.planner import plan as make_plan
-from hp_core.planner import step_collectives
 from hp_core.runtime import apply
 from hp_core.testing.compare import full_grads, run_excess
 from hp_core.testing.models import build_model
@@ -249,7 +249,7 @@ def count_collectives(family: str, mode: str, mesh_shape: Sequence[int], mesh_na
             loss, _ = _forward(model, ids, family)
         with CommDebugMode() as bwd:
             loss.backward()
-    pred = step_collectives(p.modules)
+    pred = step_collectives(p.modules, reductions=model._hp_applied.report.reductions, check_axes=input_check_axes(mesh.mesh_dim_names, mesh.shape))
     state = model._hp_applied
     return {
         "forward": _counts(fwd),
