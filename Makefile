@@ -35,6 +35,7 @@ test: $(STAMP) lint
 bench: $(STAMP)
 	$(BIN)/python benchmarks/step_overhead.py
 	$(BIN)/python benchmarks/planning_scale.py
+	$(BIN)/python benchmarks/verify_scale.py
 	$(BIN)/python benchmarks/plugin_discovery.py
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/collectives.py

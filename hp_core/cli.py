@@ -339,56 +339,12 @@ def _verify_plan(model: Any, plan: Any, mesh: Any, err: Console) -> Any:
     return report
 
 
-_COLLECTIVES_HEADER = "collectives per training step ("
-_INDENT = "  "
-
-
-def _verified_collectives(plan: Any, reductions: Sequence[Any]) -> list[str]:
-    """The "collectives per training step" section, with the verifier's gradient reductions."""
-    from hp_core.planner import step_collectives
-
-    counts = step_collectives(plan.modules, loss_parallel=plan.loss_parallel, reductions=reductions)
-    lines = ["collectives per training step (verified gradient reductions, one forward + one backward):"]
-    if not counts:
-        lines.append(f"{_INDENT}none")
-    for phase in ("forward", "backward"):
-        rows = sorted((op, axis, n) for (ph, op, axis), n in counts.items() if ph == phase)
-        if rows:
-            lines.append(f"{_INDENT}{phase}: {sum(n for _, _, n in rows)}")
-            lines += [f"{_INDENT * 2}{op} on {axis}: {n}" for op, axis, n in rows]
-    if plan.loss_parallel:
-        lines.append(
-            f"{_INDENT}(forward all_reduce on tp includes the vocab-parallel cross-entropy's 2: "
-            "the max, then the sum of exponentials with the target logit)"
-        )
-    per_axis: dict[str, int] = {}
-    for r in reductions:
-        for axis in r.axes:
-            per_axis[axis] = per_axis.get(axis, 0) + 1
-    for axis, n in per_axis.items():
-        lines.append(
-            f"{_INDENT}(backward all_reduce on {axis} includes one bucketed reduction of {n} partial "
-            "gradient(s), as the verifier derived them)"
-        )
-    return lines
-
-
-def _explain_verified(plan: Any, report: Any) -> str:
-    """``plan.explain()`` with its collectives section recounted from ``report.reductions``."""
-    lines = plan.explain().rstrip("\n").split("\n")
-    start = next((i for i, line in enumerate(lines) if line.startswith(_COLLECTIVES_HEADER)), len(lines))
-    end = next((i for i in range(start + 1, len(lines)) if lines[i] == ""), len(lines))
-    if start == len(lines):  # no such section: add one
-        lines.append("")
-    lines[start:end] = _verified_collectives(plan, report.reductions)
-    return "\n".join(lines)
-
-
 def cmd_plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Plan ``--model`` for ``--mesh`` on the meta device; print ``explain()`` or the YAML plan.
 
-    With ``--verify``, verify it first (a refusal prints only the error and exits 1), print
-    the collectives with the verified gradient reductions, then the verifier's summary.
+    With ``--verify``, verify it first (a refusal prints only the error and exits 1); the
+    collectives per step then count the verified gradient reductions
+    (``explain(report)``), and the verifier's summary follows the plan.
     """
     from hp_core.sharding_plan import dump_plan
 
@@ -402,10 +358,10 @@ def cmd_plan(args: argparse.Namespace, out: Console, err: Console) -> int:
         text = dump_plan(result).rstrip("\n")
         if report is not None:  # as YAML comments, so the output still loads as a plan
             text += "\n" + "\n".join(f"# {line}" for line in report.summary().split("\n"))
-    elif report is not None:
-        text = _explain_verified(result, report) + "\n\n" + report.summary()
     else:
-        text = result.explain()
+        text = result.explain(report)
+        if report is not None:
+            text = text.rstrip("\n") + "\n\n" + report.summary()
     out.print(Text(text.rstrip("\n")), soft_wrap=True)
     return 0
 
@@ -534,8 +490,8 @@ def cmd_check(args: argparse.Namespace, out: Console, err: Console) -> int:
         out.print(Text("model: not checked (pass --model NAME_OR_CONFIG to check module names and coverage)"))
         out.print(
             Text(
-                "verify: skipped (the artifact records only the model's digest, so hp cannot build the "
-                "model; pass --model NAME_OR_CONFIG to verify the plan)"
+                "verify: skipped (the artifact records only the model's digest, so hp cannot "
+                "build the model; pass --model NAME_OR_CONFIG to verify the plan)"
             ),
             soft_wrap=True,
         )

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import hp_core
+from hp_core.runtime import clip
 from hp_core.testing.compare import allclose_excess, gather_full_grads, nan_safe_max
 from hp_core.testing.families import build_family, family_batch
 
@@ -71,7 +72,8 @@ def _local(g: torch.Tensor) -> torch.Tensor:
 
 def _naive_norm(par: nn.Module, group: Any) -> float:
     """The usual mistake: every rank's local norm², summed over ``group``, square root."""
-    local = sum(float(_local(p.grad).double().pow(2).sum()) for p in par.parameters() if p.grad is not None)
+    grads = [_local(p.grad) for p in par.parameters() if p.grad is not None]
+    local = sum(float(g.double().pow(2).sum()) for g in grads)
     t = torch.tensor(local, dtype=torch.float64)
     dist.all_reduce(t, group=group)
     return math.sqrt(float(t))
@@ -115,13 +117,18 @@ def _run(
             "post": post,
             "naive_rel": None if naive is None else abs(naive - float(got_ref)) / float(got_ref),
         }
+    grads = [q.grad for q in par.parameters() if q.grad is not None]
+    out["n_grads"] = len(grads)
+    out["n_dtensor_grads"] = sum(isinstance(g, DTensor) for g in grads)
+    # How many ranks hold each layout's chunk (what the clip counted), for the report.
+    out["replicas"] = sorted({r for rs in clip._REPLICAS.get(par, {}).values() for r in rs})
     return out
 
 
-def tp(mode: str, sp: bool) -> dict[str, Any]:
-    """tp=2, sequence parallelism on or off, one mode."""
+def tp(mode: str, sp: bool, **config: Any) -> dict[str, Any]:
+    """tp=2, sequence parallelism on or off, one mode (``config``: the llama's overrides)."""
     mesh = _mesh((2,), ("tp",))
-    base = build_family("llama", seed=0)
+    base = build_family("llama", seed=0, **config)
     ref, par = copy.deepcopy(base), copy.deepcopy(base)
     hp_core.apply(par, hp_core.plan(par, mesh, sequence_parallel=sp), mesh, mode=mode)
     batch = _batch("llama", 2)
@@ -169,7 +176,7 @@ def dp_tp(wrap: str) -> dict[str, Any]:
         return _run(
             ref, par, full, lambda: wrapped(**mine, use_cache=False).loss,
             lambda: gather_full_grads(par, ref, mesh), clip_target=wrapped,
-            naive_group=None,
+            naive_group=dist.group.WORLD,
         )
     from torch.distributed.fsdp import fully_shard
 
@@ -192,10 +199,13 @@ def ep() -> dict[str, Any]:
         ref, par = copy.deepcopy(base), copy.deepcopy(base)
         hp_core.apply(par, hp_core.plan(par, mesh, ep_size=2, overrides=EP_YAML), mesh, mode=mode)
         experts = par._hp_applied.expert_meshes
+
+        def gather(par: nn.Module = par, ref: nn.Module = ref, experts: Any = experts) -> Any:
+            return gather_full_grads(par, ref, mesh, expert_groups=experts)
+
         out[mode] = _run(
-            ref, par, batch, lambda par=par: par(**batch, use_cache=False).loss,
-            lambda par=par, ref=ref: gather_full_grads(par, ref, mesh, expert_groups=experts),
-            norm_types=(2.0, math.inf),
+            ref, par, batch, lambda par=par: par(**batch, use_cache=False).loss, gather,
+            naive_group=mesh.get_group("tp"), norm_types=(2.0, math.inf),
         )
     return out
 
@@ -216,3 +226,29 @@ def cp() -> dict[str, Any]:
         lambda: gather_full_grads(par, ref, mesh), naive_group=mesh.get_group("cp"),
         norm_types=(2.0, 1.0),
     )
+
+
+def nonfinite() -> dict[str, Any]:
+    """One rank's gradient holds an inf: ``error_if_nonfinite`` raises on every rank, before
+    scaling; without it the norm is inf everywhere and the gradients are scaled by it."""
+    mesh = _mesh((2,), ("tp",))
+    par = build_family("llama", seed=0)
+    hp_core.apply(par, hp_core.plan(par, mesh), mesh, mode="production")
+    batch = _batch("llama", 2)
+    par(**batch, use_cache=False).loss.backward()
+    grad = par.get_parameter("model.layers.0.self_attn.q_proj.weight").grad
+    if dist.get_rank() == 0:
+        grad[0, 0] = math.inf
+    before = grad.clone()
+    out: dict[str, Any] = {}
+    try:
+        hp_core.clip_grad_norm_(par, 1.0, error_if_nonfinite=True)
+        out["raised"] = None
+    except RuntimeError as e:
+        out["raised"] = type(e).__name__
+        out["is_hp_error"] = isinstance(e, hp_core.HpError)
+        out["message"] = str(e)
+    out["untouched"] = bool(torch.equal(grad, before))
+    total = hp_core.clip_grad_norm_(par, 1.0)
+    out["total"] = float(total)
+    return out

@@ -47,3 +47,23 @@ def apply_verify_error(case: str) -> dict[str, Any]:
         torch.equal(before[n], q) and not hasattr(q, "to_local") for n, q in m.named_parameters()
     )
     return out
+
+
+def validate_catches_what_a_wrong_report_lets_through(case: str) -> dict[str, Any]:
+    """Validate mode checks by itself: given a report that skips the verifier's findings, it
+    still refuses undeclared communication (forward) and a partial gradient nothing sums."""
+    import dataclasses
+
+    family = {"undeclared": "olmo2", "unreduced": "qwen3"}[case]
+    m = build_family(family, num_hidden_layers=1)
+    mesh = _mesh()
+    p = plan(m, mesh)
+    clean = verify(build_family("llama", num_hidden_layers=1), plan(build_family("llama", num_hidden_layers=1), mesh), mesh)
+    lying = dataclasses.replace(clean, fingerprint=p.fingerprint(), reductions=())
+    apply(m, p, mesh, mode="validate", verify=lying)
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    try:
+        m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    except Exception as e:
+        return {"type": type(e).__name__, "message": str(e)}
+    return {"type": None, "message": ""}

@@ -30,3 +30,15 @@ def test_apply_refuses_on_every_rank_before_touching_the_model(case, error, text
         assert r["type"] == error, r
         assert text in r["message"]
         assert r["untouched"]
+
+
+@pytest.mark.parametrize(
+    "case,error,text",
+    [
+        ("undeclared", "UndeclaredCommunicationError", "model.layers.0.self_attn (Olmo2Attention): in its forward"),
+        ("unreduced", "UnreducedGradientError", "a partial sum that no reduction of the plan sums"),
+    ],
+)
+def test_validate_mode_is_an_oracle_of_its_own(case, error, text):
+    for r in get_world(2).run(tasks.validate_catches_what_a_wrong_report_lets_through, case):
+        assert r["type"] == error and text in r["message"], r

@@ -35,3 +35,11 @@ def test_collectives_benchmark_meets_the_minimum(tmp_path):
     for r in rows:
         assert r["measured"] == r["minimum"], r
         assert r["bytes_per_rank"] > 0
+
+
+def test_verify_scale_runs(tmp_path):
+    out = _run("verify_scale", "--quick", tmp_path=tmp_path)
+    rows = out["rows"]
+    assert [(r["layers"], r["sequence_parallel"]) for r in rows if r["model"] == "llama-7b"] == [(32, True), (64, True)]
+    assert all(r["plan"]["median_s"] > 0 and r["verify"]["median_s"] > 0 and r["repeated"] > 0 for r in rows)
+    assert rows[0]["exhaustive"]["repeated"] == 0 and out["first_call"]["verify_s"] > 0

@@ -1,4 +1,4 @@
-"""``hp freeze`` and ``hp check``: artifacts from the command line, exit codes 0 / 1 / 2."""
+"""``hp freeze`` and ``hp check`` (with the verifier): artifacts from the command line."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import hp_core.codegen
 from hp_core import cli
 from hp_core.codegen import canonical_json, content_signature, freeze, read_artifact, same_plan
 from hp_core.planner import plan
+from hp_core.testing.families import tiny_family_config
 from hp_core.testing.models import build_model
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 
@@ -122,13 +123,27 @@ def test_check_without_a_model(capsys, frozen):
     assert out == (
         f"hp check: {frozen}: signature ok ({signature}), format 1, 13 modules, mesh tp=2, injected registry items installed\n"
         "model: not checked (pass --model NAME_OR_CONFIG to check module names and coverage)\n"
+        "verify: skipped (the artifact records only the model's digest, so hp cannot build "
+        "the model; pass --model NAME_OR_CONFIG to verify the plan)\n"
     )
 
 
 def test_check_with_the_right_model(capsys, frozen, tmp_path):
     code, out, err = run(capsys, "check", str(frozen), "--model", "llama")
     assert (code, err) == (0, "")
-    assert out.endswith("model llama: frozen for this model, every planned module exists, lints pass (every trainable parameter covered)\n")
+    assert (
+        "\nmodel llama: frozen for this model, every planned module exists, lints pass "
+        "(every trainable parameter covered)\nverified on mesh {'tp': 2} in "
+    ) in out
+    verified = out[out.index("\nverified on mesh {'tp': 2} in ") + 1 :]
+    assert verified.endswith("\n")
+    assert (
+        "11 boundaries checked by propagation, 0 run on local tensors, "
+        "0 repeated layers skipped\n"
+    ) in verified
+    assert "  partial gradients summed over tp: 5 (model.layers.0.input_layernorm.weight," in (
+        verified
+    )
     build_model("llama", device="meta").config.to_json_file(tmp_path / "config.json")
     assert run(capsys, "check", str(frozen), "--model", str(tmp_path))[0] == 0  # the same config from a file
 
@@ -137,6 +152,7 @@ def test_check_with_another_model(capsys, frozen):
     code, out, err = run(capsys, "check", str(frozen), "--model", "qwen2")
     assert code == 1 and "signature ok" in out
     assert err.startswith("hp check: problem: model: the artifact was frozen for another model (digest sha256:")
+    assert out.endswith("verify: skipped (the model checks failed)\n")
 
 
 def test_check_reports_lint_problems(capsys, tmp_path):
@@ -150,6 +166,23 @@ def test_check_reports_lint_problems(capsys, tmp_path):
     code, _, err = run(capsys, "check", str(path), "--model", "llama")
     assert code == 1
     assert err.startswith("hp check: problem: CoverageError: trainable parameter(s) model.norm.weight are not declared by any boundary")
+
+
+def test_check_refuses_a_plan_the_verifier_refuses(capsys, tmp_path):
+    config = tmp_path / "olmo2"
+    tiny_family_config("olmo2").save_pretrained(config)  # q/k norms span all heads: tp=2 is wrong
+    path = tmp_path / "olmo2.hp.json"
+    assert run(capsys, "freeze", "--model", str(config), "--mesh", "tp=2", "-o", str(path))[0] == 0
+    code, out, err = run(capsys, "check", str(path))
+    assert (code, err) == (0, "") and "verify: skipped (" in out  # nothing to verify against
+    code, out, err = run(capsys, "check", str(path), "--model", str(config))
+    assert code == 1
+    assert "signature ok" in out and "lints pass" in out and "verified on mesh" not in out
+    assert err.startswith(
+        "hp check: problem: UndeclaredCommunicationError: "
+        "model.layers.0.self_attn (Olmo2Attention): "
+    )
+    assert "\noverrides:\n- match: model.layers.*.self_attn\n" in err and "Traceback" not in err
 
 
 def test_check_refuses_a_tampered_artifact(capsys, frozen):

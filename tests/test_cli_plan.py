@@ -1,4 +1,4 @@
-"""``hp plan``: presets, HF config files (offline), flags, overrides, --yaml, --verify, exit codes."""
+"""``hp plan``: presets, HF configs (offline), flags, overrides, --yaml, --verify, exit codes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,12 @@ from hp_core import cli
 from hp_core.planner import plan, step_collectives
 from hp_core.sharding_plan import load_plan
 from hp_core.testing.families import tiny_family_config
-from hp_core.testing.models import build_model, model_from_config, preset_config, tiny_config
+from hp_core.testing.models import (
+    build_model,
+    model_from_config,
+    preset_config,
+    tiny_config,
+)
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("builtin_only")
@@ -156,11 +161,15 @@ def test_console_script():
     exe = Path(sys.executable).with_name("hp")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
-        [str(exe), "plan", "--model", "llama", "--mesh", "tp=2"], capture_output=True, text=True, env=env, timeout=120
+        [str(exe), "plan", "--model", "llama", "--mesh", "tp=2", "--verify"],
+        capture_output=True, text=True, env=env, timeout=120,
     )
-    assert done.returncode == 0, done.stderr
+    assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout.startswith("hp plan: mesh tp=2 (2 devices); sequence parallel on;")
     assert "collectives per training step" in done.stdout
+    assert "reduction of the 5 gradient(s) the verifier found partial over tp)\n" in done.stdout
+    assert "\n\nverified on mesh {'tp': 2} in " in done.stdout
+    assert "  partial gradients summed over tp: 5 (" in done.stdout
 
 
 # ------------------------------------------------------------------------ --verify
@@ -188,9 +197,14 @@ def collectives_section(out: str) -> str:
     return out[start : out.index("\n\n", start)]
 
 
+def summary_of(out: str, mesh: str) -> str:
+    """The verifier's summary printed after the plan (``VerifyReport.summary()``)."""
+    return out[out.index(f"\n\nverified on mesh {mesh} in ") + 2 :]
+
+
 @pytest.fixture
 def olmo2_config(tmp_path) -> Path:
-    """A tiny OLMo-2 config.json folder: its q/k norms span all heads, so tp=2 attention is refused."""
+    """A tiny OLMo-2 config folder: q/k norms span all heads, so tp=2 attention is refused."""
     folder = tmp_path / "olmo2"
     tiny_family_config("olmo2").save_pretrained(folder)
     return folder
@@ -201,25 +215,29 @@ def test_verify_prints_the_report_and_the_verified_collectives(capsys, no_networ
     assert (code, err) == (0, "")
     model = build_model("llama", device="meta")
     planned = plan(model, "tp=2")
-    explained = planned.explain()
-    head = explained[: explained.index("collectives per training step (")]
-    assert out.startswith(head)  # the plan as without --verify, up to the collectives
     report = hp_core.verify(model, planned, "tp=2")
+    # the plan with the verified reductions, then the verifier's summary
+    assert out.startswith(planned.explain(report) + "\nverified on mesh {'tp': 2} in ")
     counts = step_collectives(planned.modules, reductions=report.reductions)
-    assert counts[("backward", "all_reduce", "tp")] == 1  # the bucketed reduction of the partial grads
-    assert collectives_section(out) == (
-        "collectives per training step (verified gradient reductions, one forward + one backward):\n"
-        f"  forward: {sum(n for (ph, _, _), n in counts.items() if ph == 'forward')}\n"
-        "    all_gather on tp: 6\n    all_reduce on tp: 1\n    reduce_scatter on tp: 4\n"
-        f"  backward: {sum(n for (ph, _, _), n in counts.items() if ph == 'backward')}\n"
-        "    all_gather on tp: 5\n    all_reduce on tp: 1\n    reduce_scatter on tp: 5\n"
-        "  (backward all_reduce on tp includes one bucketed reduction of 5 partial gradient(s), as the "
-        "verifier derived them)"
+    assert counts[("backward", "all_reduce", "tp")] == 1  # the bucketed reduction
+    section = collectives_section(out)
+    assert (
+        "  backward: 11\n    all_gather on tp: 5\n    all_reduce on tp: 1\n"
+        "    reduce_scatter on tp: 5\n"
+    ) in section
+    assert section.endswith(
+        "  (backward all_reduce on tp includes one bucketed reduction of the 5 gradient(s) "
+        "the verifier found partial over tp)"
     )
-    summary = out[out.index("\n\nverified on mesh {'tp': 2} in ") + 2 :]
+    summary = summary_of(out, "{'tp': 2}")
     assert summary.endswith("\n") and summary.count("\n") == 2
-    assert "11 boundaries checked by propagation, 0 run on local tensors, 0 repeated layers skipped\n" in summary
-    assert "  partial gradients summed over tp: 5 (model.layers.0.input_layernorm.weight," in summary
+    assert (
+        "11 boundaries checked by propagation, 0 run on local tensors, "
+        "0 repeated layers skipped\n"
+    ) in summary
+    assert "  partial gradients summed over tp: 5 (model.layers.0.input_layernorm.weight," in (
+        summary
+    )
 
 
 def test_verify_counts_the_reports_reductions_not_the_prediction(capsys, monkeypatch):
@@ -237,8 +255,8 @@ def test_verify_counts_the_reports_reductions_not_the_prediction(capsys, monkeyp
     assert code == 0
     assert seen == [("LlamaForCausalLM", "meta", "tp=2")]
     section = collectives_section(out)
-    assert "  backward: 10\n    all_gather on tp: 5\n    reduce_scatter on tp: 5" in section
-    assert "all_reduce on tp" not in section.split("backward:")[1]
+    # no backward all_reduce: the prediction's reduction is not counted
+    assert "  backward: 10\n    all_gather on tp: 5\n    reduce_scatter on tp: 5\n" in section
     assert "bucketed reduction" not in section
 
 
@@ -247,53 +265,56 @@ def test_verify_seven_b_on_eight_ranks(capsys):
     assert (code, err) == (0, "")
     model = model_from_config(preset_config("llama-7b"), device="meta")
     planned = plan(model, "tp=8")
-    assert out.startswith(planned.explain()[: planned.explain().index("collectives per training step (")])
-    assert "verified on mesh {'tp': 8} in " in out
-    assert "30 repeated layers skipped\n  partial gradients summed over tp: 65 (" in out
-    assert "    all_reduce on tp: 1\n    reduce_scatter on tp: 65\n" in collectives_section(out) + "\n"
+    report = hp_core.verify(model, planned, "tp=8")
+    assert out.startswith(planned.explain(report) + "\nverified on mesh {'tp': 8} in ")
+    summary = summary_of(out, "{'tp': 8}")
+    assert "30 repeated layers skipped\n  partial gradients summed over tp: 65 (" in summary
+    section = collectives_section(out) + "\n"
+    assert "    all_reduce on tp: 1\n    reduce_scatter on tp: 65\n" in section
 
 
 def test_verify_with_yaml_stays_a_loadable_plan(capsys):
     code, out, _ = run(capsys, "--model", "llama", "--mesh", "tp=2", "--verify", "--yaml")
     assert code == 0
-    assert "\n# verified on mesh {'tp': 2} in " in out and "\n#   partial gradients summed over tp: 5 (" in out
+    assert "\n# verified on mesh {'tp': 2} in " in out
+    assert "\n#   partial gradients summed over tp: 5 (" in out
     assert load_plan(out) == plan(build_model("llama", device="meta"), "tp=2")
 
 
 def test_verify_refusal_exits_1_with_the_pasteable_fix(capsys, olmo2_config, no_network):
     code, out, err = run(capsys, "--model", str(olmo2_config), "--mesh", "tp=2", "--verify")
     assert (code, out) == (1, "")
-    assert err.startswith("hp plan: error: UndeclaredCommunicationError: model.layers.0.self_attn (Olmo2Attention): ")
-    assert "\noverrides:\n- match: model.layers.0.self_attn\n  params:\n    q_proj.weight: {tp: replicate}\n" in err
+    assert err.startswith(
+        "hp plan: error: UndeclaredCommunicationError: model.layers.0.self_attn (Olmo2Attention): "
+    )
+    assert (
+        "\noverrides:\n- match: model.layers.*.self_attn\n  params:\n"
+        "    q_proj.weight: {tp: replicate}\n"
+    ) in err
     assert "Traceback" not in err
-    # without --verify the same plan is printed (the planner alone does not see the problem)
+    # without --verify the plan prints: the planner alone does not see the problem
     assert run(capsys, "--model", str(olmo2_config), "--mesh", "tp=2")[0] == 0
 
 
 def test_verify_with_overrides_applying_the_fix(capsys, olmo2_config, tmp_path):
     fix = tmp_path / "fix.yaml"
     fix.write_text(OLMO2_FIX)
-    code, out, err = run(capsys, "--model", str(olmo2_config), "--mesh", "tp=2", "--overrides", str(fix), "--verify")
+    argv = ["--model", str(olmo2_config), "--mesh", "tp=2", "--overrides", str(fix), "--verify"]
+    code, out, err = run(capsys, *argv)
     assert (code, err) == (0, "")
-    assert "  in_dst: " not in out and "model.layers.0.self_attn\n  params:\n    q_proj.weight: {tp: replicate}\n" in out
-    assert "verified on mesh {'tp': 2} in " in out
+    assert "model.layers.1.self_attn\n  params:\n    q_proj.weight: {tp: replicate}\n" in out
+    assert (
+        "  in hidden_states: shard(1)→replicate on tp: all_gather\n"
+        "  out attn_output: replicate→shard(1)"
+    ) in out
+    assert "\n\nverified on mesh {'tp': 2} in " in out
 
 
 def test_verify_refuses_a_preflight_problem(capsys):
-    code, out, err = run(capsys, "--model", "qwen2moe", "--mesh", "tp=2", "--ep", "2", "--verify")
+    argv = ["--model", "qwen2moe", "--mesh", "tp=2", "--ep", "2", "--verify"]
+    code, out, err = run(capsys, *argv)
     assert (code, out) == (1, "")
-    assert err.startswith("hp plan: error: PreflightError: model.layers.0.mlp: experts are sharded over ep=2")
-    assert "Traceback" not in err
-
-
-def test_console_script_verify():
-    exe = Path(sys.executable).with_name("hp")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HP_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    done = subprocess.run(
-        [str(exe), "plan", "--model", "llama", "--mesh", "tp=2", "--verify"],
-        capture_output=True, text=True, env=env, timeout=120,
+    assert err.startswith(
+        "hp plan: error: PreflightError: model.layers.0.mlp: experts are sharded over ep=2"
     )
-    assert (done.returncode, done.stderr) == (0, "")
-    assert "collectives per training step (verified gradient reductions, one forward + one backward):\n" in done.stdout
-    assert "\nverified on mesh {'tp': 2} in " in done.stdout
-    assert "  partial gradients summed over tp: 5 (" in done.stdout
+    assert "Traceback" not in err

@@ -20,3 +20,15 @@ def test_tp_train_example_matches_single_device():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "every step matches the single-device run" in out.stdout
     assert "model.layers.0.self_attn" in out.stdout  # the plan was explained
+
+
+@pytest.mark.parametrize("extra", [[], ["--ddp", "--no-sp"]], ids=["fsdp2-sp", "ddp-no-sp"])
+def test_fsdp_tp_example_under_torchrun_matches_single_device(extra):
+    """The recipe of docs/training.md, launched the way users launch it."""
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         str(ROOT / "examples" / "fsdp_tp_train.py"), "--check", *extra],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "every step matches the single-device run" in out.stdout

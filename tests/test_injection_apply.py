@@ -18,7 +18,7 @@ TOL = 1e-5
 def test_injection_matches_single_device(case, mode):
     for r in get_world(2).run(tasks.injected, case, mode):
         assert "error" not in r, r
-        assert r["loss"] < TOL and r["logits"] < TOL and r["grad"] < TOL, r
+        assert r["loss"] < TOL and r["logits"] < TOL and r["grad"] < TOL and r["n_grads"] > 0, r
         if "wrapper" in case:
             target = "model.layers.0.self_attn" + (".o_proj" if case == "child_wrapper" else "")
             assert r["resolved"]["model.layers.0.self_attn"][1] == target

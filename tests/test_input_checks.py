@@ -27,7 +27,7 @@ def test_bad_inputs_are_refused_on_every_rank(case, mode):
     results = get_world(2).run(tasks.bad_inputs, case, mode)
     for r in results:
         assert r["type"] == kind, r
-        assert first in r["message"] and fix in r["message"] or (case == "dtypes_differ" and first in r["message"])
+        assert (first in r["message"] and fix in r["message"]) or (case == "dtypes_differ" and first in r["message"])
         assert r["then_ok"]
     if case == "dtypes_differ":
         assert any("int32" in r["message"] for r in results)

@@ -339,3 +339,13 @@ def test_input_name_that_the_forward_does_not_take(tmp_path):
     msg = str(e.value)
     assert msg.startswith("model.layers.0.mlp.in_dst: 'hidden' is not a parameter of LlamaMLP.forward(x)")
     assert "Name each input as the forward does." in msg
+
+
+def test_loss_parallel_refuses_a_loss_it_would_not_reproduce():
+    from hp_core.testing.families import build_family
+
+    model = build_family("llama", device="meta")
+    plan(model, "tp=2", loss_parallel=True)  # the causal-LM cross-entropy: replaced by its vocab-parallel twin
+    model.loss_type = "ForMaskedLM"
+    with pytest.raises(PlanningError, match=r"computes its loss with transformers\.loss\.loss_utils\.ForMaskedLMLoss"):
+        plan(model, "tp=2", loss_parallel=True)

@@ -1,15 +1,21 @@
 """Tensor + sequence parallelism on real HF models: sharded == single device, production == validate.
 
 Every case runs real gloo ranks (one shared world per size), trains 3 AdamW steps on a
-reference model, a production-mode copy and a validate-mode copy of the same weights,
-and compares loss, logits and every parameter gradient after each step.
+reference model, a production-mode copy and a validate-mode copy of the same (perturbed,
+seeded) weights, and compares loss, logits and every parameter gradient after each step;
+gradients are gathered without hp's placement tables, and every optimizer step must move
+every parameter that has a gradient. The negative controls at the end break the run in
+one known way each and check that ``_check`` fails.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from hp_core.testing import get_world
+from hp_core.testing.compare import nan_safe_max
 from tests import dist_tasks_tp as tasks
 
 pytestmark = pytest.mark.distributed
@@ -17,10 +23,11 @@ TOL = 1e-5
 
 
 def _check(result: dict) -> None:
-    bad = {k: v for k, v in result.items() if ":" in k and v > TOL}
+    bad = {k: v for k, v in result["excess"].items() if not v <= TOL}  # NaN-safe: NaN is bad
     assert not bad, f"mismatches above {TOL}: {bad}"
-    assert result["n_grads"] > 0
-    assert result["losses"][0] != result["losses"][-1]  # the optimizer really stepped
+    assert result["n_grads"] == result["n_params"] > 0  # every parameter has a gradient, compared
+    stuck = {k: v for k, v in result["not_stepped"].items() if v}
+    assert not stuck, f"the optimizer step did not move (or made non-finite) these parameters: {stuck}"
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
@@ -99,7 +106,7 @@ def test_production_hot_path_has_no_dtensor_dispatch():
 
 
 def test_gradient_accumulation_over_two_micro_batches():
-    assert max(get_world(2).run(tasks.grad_accumulation, "llama")) < TOL
+    assert nan_safe_max(get_world(2).run(tasks.grad_accumulation, "llama")) < TOL
 
 
 @pytest.mark.parametrize("mode", ["production", "validate"])
@@ -111,7 +118,7 @@ def test_apply_on_meta_model_keeps_meta(mode):
 def test_head_count_attributes_divided_in_production_only():
     for r in get_world(2).run(tasks.head_attrs_compare):
         assert r["prod_heads"] == (2, 1) and r["val_heads"] == (4, 2)
-        assert r["logits"] < TOL and r["grad"] < TOL, r
+        assert r["logits"] < TOL and r["grad"] < TOL and r["n_grads"] > 0, r
 
 
 @pytest.mark.parametrize("mode", ["production", "validate"])
@@ -120,4 +127,49 @@ def test_tied_weights_stay_tied(mode):
 
 
 def test_finalize_grads_after_the_automatic_reduction_changes_nothing():
-    assert max(get_world(2).run(tasks.finalize_twice_is_harmless)) < TOL
+    assert nan_safe_max(get_world(2).run(tasks.finalize_twice_is_harmless)) < TOL
+
+
+# ------------------------------------------------------------------ negative controls
+#
+# Each control runs ``train_compare`` (tp=2 llama, SP) with one fault and asserts that
+# ``_check`` -- the very check of the equivalence tests above -- rejects it, for the reason
+# expected. (tests/test_compare_negative_controls.py breaks the helpers' own tp=2 run the
+# same ways; these controls cover the harness of this file.)
+
+
+def _control(fault: str, steps: int) -> list[dict]:
+    return get_world(2).run(tasks.train_compare, "llama", (2,), ("tp",), steps=steps, fault=fault)
+
+
+def test_negative_control_nan_gradient_fails_the_check():
+    """A NaN in one element of rank 0's shard of a sharded gradient: max(0, nan) would be 0."""
+    for r in _control("nan_grad", steps=1):
+        assert r["excess"]["prod-ref:grad"] == math.inf and r["excess"]["prod-val:grad"] == math.inf
+        assert r["excess"]["val-ref:grad"] <= TOL and r["excess"]["prod-ref:loss"] <= TOL
+        with pytest.raises(AssertionError, match=r"mismatches above .*'prod-ref:grad': inf"):
+            _check(r)
+
+
+def test_negative_control_a_no_op_optimizer_fails_the_check():
+    """AdamW with lr=0: everything matches, and the losses of two batches differ anyway."""
+    for r in _control("lr0", steps=2):
+        assert all(v <= TOL for v in r["excess"].values()), r["excess"]
+        assert r["losses"][0] != r["losses"][-1]  # the old "the optimizer stepped" check: fooled
+        assert all(len(v) == r["n_params"] for v in r["not_stepped"].values())  # nothing moved
+        with pytest.raises(AssertionError, match=r"did not move .*'ref': \['lm_head.weight'"):
+            _check(r)
+
+
+def test_negative_control_a_wrong_but_consistent_layout_fails_the_check():
+    """Layer 0's q/k/v/o shards swapped across the tp ranks in the production copy: a
+    consistent head permutation, so loss and logits match exactly and the weights stay
+    consistent through the steps; only gradients gathered in the reference's layout see it."""
+    for r in _control("swap_heads", steps=2):
+        assert r["swapped"] == [f"{tasks.ATTN0}.{p}_proj.weight" for p in "qkvo"]
+        for what in ("loss", "logits"):
+            assert r["excess"][f"prod-ref:{what}"] <= TOL and r["excess"][f"prod-val:{what}"] <= TOL
+        assert r["excess"]["prod-ref:grad"] > 100 * TOL and r["excess"]["prod-val:grad"] > 100 * TOL
+        assert r["excess"]["val-ref:grad"] <= TOL
+        with pytest.raises(AssertionError, match=r"mismatches above .*'prod-ref:grad'"):
+            _check(r)

@@ -98,6 +98,22 @@ def _check_flags(sequence_parallel: Any, loss_parallel: Any, ep_size: Any) -> No
         raise PlanningError(f"plan(): ep_size must be a positive integer, got {ep_size!r}")
 
 
+def _check_loss(model: nn.Module) -> None:
+    """Loss parallelism replaces the model's loss function: only one whose semantics hp's
+    vocab-parallel cross-entropy reproduces (transformers' causal-LM loss) may be replaced."""
+    loss = getattr(type(model), "loss_function", None)
+    if loss is None:
+        return  # preflight refuses models without one
+    current = getattr(model, "loss_function", None)
+    name = f"{getattr(current, '__module__', '?')}.{getattr(current, '__qualname__', type(current).__name__)}"
+    if name != "transformers.loss.loss_utils.ForCausalLMLoss":
+        raise PlanningError(
+            f"plan(loss_parallel=True): {type(model).__name__} computes its loss with {name}, not transformers' "
+            "causal-LM cross-entropy, and hp's vocab-parallel loss would replace it with something else. "
+            "Plan with loss_parallel=False (the logits are then gathered and your loss runs unchanged)."
+        )
+
+
 def plan(
     model: nn.Module,
     mesh: Any,
@@ -115,6 +131,8 @@ def plan(
     """
     ms = MeshSpec.from_any(mesh)
     _check_flags(sequence_parallel, loss_parallel, ep_size)
+    if loss_parallel:
+        _check_loss(model)
     rules, templates = _registered()
     structure = analyse(model, rules)
     derived: dict[str, ModuleShardingSpec] = {}

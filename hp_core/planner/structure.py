@@ -191,13 +191,17 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
         if f not in claimed and r is not Role.SKIP and f not in tied
     }
 
-    # 4. Decoder layers: the parent of each attention block (sequence-parallel entry).
+    # 4. Decoder layers (the sequence-parallel entry): the parent of each attention block,
+    #    and every element of a layer stack that holds an attention, MLP or MoE block (a
+    #    hybrid model's linear-attention layer has no attention block that names itself so,
+    #    and its layer must shard the residual stream like the others).
     layer_roots: list[str] = []
-    for r, kind in pair_roots.items():
-        if kind == "attention":
-            layer = _parent(r)
-            if layer and layer not in layer_roots and layer in modules:
-                layer_roots.append(layer)
+    stacks = {f for f, m in modules.items() if isinstance(m, nn.ModuleList | nn.Sequential)}
+    for r, kind in [*pair_roots.items(), *moe_roots.items()]:
+        layer = _parent(r)
+        in_stack = _parent(layer) in stacks and layer.rpartition(".")[2].isdigit()
+        if layer and layer not in layer_roots and layer in modules and (kind == "attention" or in_stack):
+            layer_roots.append(layer)
 
     kinds: dict[str, str] = {}
     members: dict[str, list[str]] = {}

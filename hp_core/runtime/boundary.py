@@ -40,6 +40,10 @@ from hp_core.spec import ModuleShardingSpec, PlacementMismatchError
 __all__ = ["BoundaryForward", "InnerOutputCheck", "UndeclaredCommunicationError"]
 
 
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class _LegacyEmptyCat(TorchDispatchMode):
     """``torch.cat`` skips 1-D empty tensors (a legacy rule that old KV-cache code relies on);
     DTensor does not, and would re-lay out the empty piece. Drop them before DTensor sees them."""
@@ -100,6 +104,7 @@ class BoundaryForward:
         dispatch: bool,
         strict: bool = False,
         rng: Any = None,
+        fix_match: str | None = None,
     ) -> None:
         self.fqn = fqn
         self.module = module
@@ -110,6 +115,7 @@ class BoundaryForward:
         self.compute = compute if compute is not None else self.original
         self.dispatch = dispatch and mode == "validate"
         self.strict = strict
+        self.fix_match = fix_match or fqn  # the override key of the fixes this boundary proposes
         # Randomness inside a region whose computation is sharded on tp draws per rank (rng.py).
         sharded = [n for n in (*(spec.params or {}).values(), *(spec.in_dst or {}).values()) if isinstance(n.get("tp"), Shard)]
         self.rng = rng if sharded and rng is not None and rng.active else None
@@ -268,7 +274,7 @@ class BoundaryForward:
             if "Implicit redistribution" not in str(e):
                 raise
             raise UndeclaredCommunicationError(
-                self.fqn, type(self.module).__name__, str(e), fix=keep_whole_yaml(self.fqn, self.spec)
+                self.fqn, type(self.module).__name__, str(e), fix=keep_whole_yaml(self.fqn, self.spec, match=self.fix_match)
             ) from None
 
     def _replicate_rest(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -288,6 +294,13 @@ class BoundaryForward:
 
         return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
 
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Validate: a plain tensor the region's backward will need, as the replicated DTensor
+        that ``implicit_replication`` made of it in forward (backward runs outside that mode)."""
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+            return DTensor.from_local(t, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+        return t
+
     def _random(self) -> Any:
         return self.rng.sharded_region(self.fqn) if self.rng is not None else contextlib.nullcontext()
 
@@ -306,6 +319,7 @@ class BoundaryForward:
                 self._declared_only(),
                 _LegacyEmptyCat(),
                 self._random(),
+                torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack),
             ):
                 out = self.compute(*args, **kwargs)
             return self._exit(out, "check")

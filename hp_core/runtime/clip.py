@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -51,6 +51,7 @@ from hp_core.errors import HpError
 from hp_core.runtime.applier import finalize_grads
 
 __all__ = [
+    "GradLayoutMismatchError",
     "GradNormTypeError",
     "NonFiniteGradNormError",
     "NotAppliedError",
@@ -64,6 +65,10 @@ class NotAppliedError(HpError, TypeError):
 
 class GradNormTypeError(HpError, ValueError):
     """A ``norm_type`` that is neither a positive number nor ``inf``."""
+
+
+class GradLayoutMismatchError(HpError, RuntimeError):
+    """The ranks hold different sets of gradient layouts (not one model, sharded and copied)."""
 
 
 class NonFiniteGradNormError(HpError, RuntimeError):
@@ -179,7 +184,8 @@ def _mesh_key(mesh: Any, cache: dict[int, tuple[Any, ...]]) -> tuple[Any, ...]:
     """What identifies a mesh's rank layout on this rank (equal meshes share layouts)."""
     key = cache.get(id(mesh))
     if key is None:
-        key = (tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()))
+        ranks = tuple(mesh.mesh.flatten().tolist())
+        key = (tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape), ranks)
         cache[id(mesh)] = key
     return key
 
@@ -194,19 +200,62 @@ def _local(g: torch.Tensor) -> torch.Tensor:
     return g._local_tensor
 
 
+class _Layouts:
+    """The local gradients of a model, grouped by layout (how they are split over ranks).
+
+    ``codes[c]`` is this rank's chunk index along layout ``c``'s splits (mixed radix);
+    ranks with equal codes hold copies of one chunk. ``key`` is identical on every rank
+    that sees the same layouts, so the replica counts can be cached by it.
+    """
+
+    def __init__(self, model: nn.Module, state: Any) -> None:
+        declared = _declared(model, state)
+        meshes: dict[int, tuple[Any, ...]] = {}
+        index: dict[tuple[Any, ...], int] = {}
+        self.params = list(_parameters(model))
+        self.codes: list[int] = []
+        self.grads: list[tuple[torch.Tensor, int]] = []  # (local gradient, layout)
+        for p in self.params:
+            splits = _splits(p, declared)
+            sig = tuple((_mesh_key(m, meshes), d) for m, d in splits)
+            if sig not in index:
+                index[sig] = len(index)
+                code = 0
+                for m, d in splits:
+                    code = code * m.size(d) + m.get_local_rank(d)
+                self.codes.append(code)
+            if p.grad is not None:
+                self.grads.append((_local(p.grad), index[sig]))
+        self.key = tuple(index)
+
+    def device(self) -> torch.device:
+        for p in self.params:
+            t = p.grad if p.grad is not None else p
+            local = t._local_tensor if isinstance(t, DTensor) else t
+            if local.device.type != "meta":
+                return local.device
+        if "nccl" in str(dist.get_backend()):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def dtype(self) -> torch.dtype:
+        """What torch's clip_grad_norm_ returns its norm in: the gradients' common dtype."""
+        dtypes = [g.dtype for g, _ in self.grads]
+        return functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
+
+
 def _count_replicas(codes: list[int], device: torch.device) -> tuple[int, ...]:
     """For each layout, how many ranks of the world hold the same chunk as this one."""
     n = torch.tensor([len(codes)], dtype=torch.int64, device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    width = int(n.item())
-    mine = torch.full((width + 1,), -1, dtype=torch.int64, device=device)
+    mine = torch.full((int(n.item()) + 1,), -1, dtype=torch.int64, device=device)
     mine[0] = len(codes)
     mine[1 : len(codes) + 1] = torch.tensor(codes, dtype=torch.int64)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, mine)
     table = torch.stack(parts).cpu()
     if bool((table[:, 0] != len(codes)).any()):
-        raise HpError(
+        raise GradLayoutMismatchError(
             "hp_core.clip_grad_norm_: the ranks see different gradient layouts "
             f"({table[:, 0].tolist()} layouts per rank): every rank of the default process "
             "group must hold a shard or a copy of the same model, with the same parameters "
@@ -215,14 +264,29 @@ def _count_replicas(codes: list[int], device: torch.device) -> tuple[int, ...]:
     return tuple(int((table[:, 1 + c] == codes[c]).sum()) for c in range(len(codes)))
 
 
-def _device(params: Iterable[nn.Parameter]) -> torch.device:
-    for p in params:
-        t = p.grad if p.grad is not None else p
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        if local.device.type != "meta":
-            return local.device
-    backend = dist.get_backend() if dist.is_initialized() else "gloo"
-    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
+def _total_norm(model: nn.Module, layouts: _Layouts, p: float) -> torch.Tensor:
+    """The global norm: each chunk's ``|g|^p`` divided by its copies, summed over the world."""
+    device = layouts.device()
+    acc = torch.float64 if layouts.dtype() == torch.float64 else torch.float32
+    grads = [(g, c) for g, c in layouts.grads if g.numel()]
+    if math.isinf(p):  # copies do not change a maximum
+        local = torch.zeros((), dtype=acc, device=device)
+        for g, _ in grads:
+            local = torch.maximum(local, torch.linalg.vector_norm(g, p, dtype=acc).to(device))
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        return local
+    cached = _REPLICAS.setdefault(model, {})
+    replicas = cached.get(layouts.key)
+    if replicas is None:
+        replicas = cached[layouts.key] = _count_replicas(layouts.codes, device)
+    per_layout = [torch.zeros((), dtype=acc, device=device) for _ in layouts.codes]
+    for g, c in grads:
+        per_layout[c] += torch.linalg.vector_norm(g, p, dtype=acc).to(device) ** p
+    local = torch.zeros((), dtype=acc, device=device)
+    for c, s in enumerate(per_layout):
+        local += s / replicas[c]
+    dist.all_reduce(local, op=dist.ReduceOp.SUM)
+    return local ** (1.0 / p)
 
 
 def clip_grad_norm_(
@@ -243,70 +307,27 @@ def clip_grad_norm_(
     Each replicated gradient value is counted once, each shard once (see the module
     docstring). Pending hp gradient reductions are flushed first.
     """
+    p = _norm_type(norm_type)
     root = _unwrap(model)
     state = root.__dict__.get("_hp_applied")
     if state is None:
         raise _not_applied(model)
-    p_norm = _norm_type(norm_type)
     finalize_grads(root)
-
-    declared = _declared(root, state)
-    params = list(_parameters(root))
-    device = _device(params)
-    meshes: dict[int, tuple[Any, ...]] = {}
-    signature: dict[tuple[Any, ...], int] = {}  # layout → index, in parameter order
-    codes: list[int] = []
-    entries: list[tuple[torch.Tensor, int]] = []  # (local gradient, layout index)
-    for p in params:
-        splits = _splits(p, declared)
-        sig = tuple((_mesh_key(m, meshes), d) for m, d in splits)
-        if sig not in signature:
-            signature[sig] = len(signature)
-            code = 0
-            for m, d in splits:  # this rank's chunk index along each split, mixed radix
-                code = code * m.size(d) + m.get_local_rank(d)
-            codes.append(code)
-        if p.grad is not None:
-            entries.append((_local(p.grad), signature[sig]))
-
-    grads = [g for g, _ in entries]
-    dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), grads[0].dtype) if grads else torch.float32
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
-    nonempty = [(g, c) for g, c in entries if g.numel()]
-    if math.isinf(p_norm):
-        local = torch.zeros((), dtype=acc, device=device)
-        for g, _ in nonempty:
-            local = torch.maximum(local, torch.linalg.vector_norm(g, math.inf, dtype=acc).to(device))
-        dist.all_reduce(local, op=dist.ReduceOp.MAX)
-        total = local
-    else:
-        key = tuple(signature)
-        cached = _REPLICAS.setdefault(root, {})
-        replicas = cached.get(key)
-        if replicas is None:
-            replicas = _count_replicas(codes, device)
-            cached[key] = replicas
-        per_layout = [torch.zeros((), dtype=acc, device=device) for _ in codes]
-        for g, c in nonempty:
-            per_layout[c] = per_layout[c] + torch.linalg.vector_norm(g, p_norm, dtype=acc).to(device) ** p_norm
-        local = torch.zeros((), dtype=acc, device=device)
-        for c, s in enumerate(per_layout):
-            local = local + s / replicas[c]
-        dist.all_reduce(local, op=dist.ReduceOp.SUM)
-        total = local ** (1.0 / p_norm)
-    total = total.to(dtype)
+    layouts = _Layouts(root, state)
+    total = _total_norm(root, layouts, p).to(layouts.dtype())
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise NonFiniteGradNormError(
-            f"The total norm of order {p_norm} for gradients from `model` is non-finite, so it "
-            "cannot be clipped. To disable this error and scale the gradients by the non-finite "
-            "norm anyway, set `error_if_nonfinite=False`"
+            f"The total norm of order {p} for gradients from `model` is non-finite, so it "
+            "cannot be clipped. To disable this error and scale the gradients by the "
+            "non-finite norm anyway, set `error_if_nonfinite=False`"
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-            groups.setdefault((g.device, g.dtype), []).append(g)
-    for (dev, _dt), ts in groups.items():
-        torch._foreach_mul_(ts, coef.to(dev))
+    for param in layouts.params:
+        g = param.grad
+        if g is not None:
+            local = g._local_tensor if isinstance(g, DTensor) else g
+            groups.setdefault((local.device, local.dtype), []).append(local)
+    for (device, _dtype), tensors in groups.items():
+        torch._foreach_mul_(tensors, coef.to(device))
     return total

@@ -1,13 +1,14 @@
 """Pasteable fixes for refusals: override entries that make a boundary correct, if slower.
 
 The universal one keeps a boundary whole on an axis: its parameters replicated there,
-its inputs gathered, its output whole. The region then computes what a single device
-computes (every rank the same), which is right for any module; the entry gather and the
-exit slice are the only communication left.
+its inputs gathered, its output whole, its code run on local tensors. The region then
+computes what a single device computes (every rank the same), which is right for any
+module; the entry gather and the exit slice are the only communication left.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from torch.distributed.tensor import Placement, Replicate
@@ -15,7 +16,7 @@ from torch.distributed.tensor import Placement, Replicate
 from hp_core.sharding_plan import dump_overrides
 from hp_core.spec import ModuleShardingSpec
 
-__all__ = ["keep_whole", "keep_whole_yaml"]
+__all__ = ["fix_match", "keep_whole", "keep_whole_yaml"]
 
 
 def _whole(layouts: Mapping[str, Mapping[str, Placement]] | None, axis: str) -> dict[str, dict[str, Placement]]:
@@ -23,16 +24,43 @@ def _whole(layouts: Mapping[str, Mapping[str, Placement]] | None, axis: str) -> 
 
 
 def keep_whole(spec: ModuleShardingSpec, axis: str = "tp") -> ModuleShardingSpec:
-    """The override that keeps ``spec``'s boundary whole on ``axis`` (its entry/exit layouts kept)."""
+    """The override that keeps ``spec``'s boundary whole on ``axis`` (its entry/exit layouts kept).
+
+    The region then runs on local tensors (``region_dispatch: false``): every value in it is
+    whole, so DTensor has nothing left to check, and the module's own code runs exactly as
+    on one device — also code that DTensor cannot dispatch.
+    """
     params = _whole(spec.params, axis)
     return ModuleShardingSpec(
         params=params,
         in_dst=_whole(spec.in_dst, axis),
         out_src=_whole(spec.out_src, axis),
         tp_divide_attrs=[] if axis == "tp" else None,
+        region_dispatch=False if not spec.has_injection else None,
     )
 
 
-def keep_whole_yaml(fqn: str, spec: ModuleShardingSpec, axis: str = "tp") -> str:
-    """``keep_whole`` as an overrides YAML document (``load_overrides`` reads it back)."""
-    return dump_overrides({fqn: keep_whole(spec, axis)}).rstrip("\n")
+def fix_match(fqn: str, modules: Mapping[str, ModuleShardingSpec]) -> str:
+    """The override key a fix for ``fqn`` should use: the same block in every layer, when
+    those blocks have the same contract (one fix then repairs them all), else ``fqn``."""
+    glob = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", fqn)
+    if glob == fqn:
+        return fqn
+    pattern = re.compile(re.escape(glob).replace(r"\*", r"\d+"))
+    same = [f for f in modules if pattern.fullmatch(f)]
+    mine = modules.get(fqn)
+    if mine is None or any(_contract(modules[f]) != _contract(mine) for f in same):
+        return fqn
+    return glob
+
+
+def _contract(spec: ModuleShardingSpec) -> tuple[object, ...]:
+    return tuple(repr(getattr(spec, f)) for f in ("params", "in_src", "in_dst", "out_src", "out_dst", "is_boundary", "region_dispatch"))
+
+
+def keep_whole_yaml(fqn: str, spec: ModuleShardingSpec, axis: str = "tp", *, match: str | None = None) -> str:
+    """``keep_whole`` as an overrides YAML document (``load_overrides`` reads it back).
+
+    ``match`` (default ``fqn``) is the override key, e.g. a glob from :func:`fix_match`.
+    """
+    return dump_overrides({match or fqn: keep_whole(spec, axis)}).rstrip("\n")

@@ -69,6 +69,11 @@ class _Entry:
     owner: nn.Module
     attr: str
     source: str = "propagation"
+    initial: Any = None  # the parameter object at apply time
+
+    def __post_init__(self) -> None:
+        if self.initial is None:
+            self.initial = self.owner._parameters.get(self.attr)
 
     def param(self) -> torch.Tensor | None:
         return self.owner._parameters.get(self.attr)
@@ -78,11 +83,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _like(ref: torch.Tensor, value: torch.Tensor, placements: Sequence[Any]) -> torch.Tensor:
-    """``value`` as a gradient of ``ref``'s kind: a DTensor with every partial placement summed."""
+def _like(ref: torch.Tensor, value: torch.Tensor, placements: Sequence[Any], axis: str) -> torch.Tensor:
+    """``value`` as a gradient of ``ref``'s kind: a DTensor whose placement on ``axis`` is now summed."""
     if not isinstance(ref, DTensor):
         return value
-    summed = [Replicate() if isinstance(pl, Partial) else pl for pl in placements]
+    names = list(ref.device_mesh.mesh_dim_names or ())
+    summed = [Replicate() if isinstance(pl, Partial) and n == axis else pl for n, pl in zip(names, placements, strict=True)]
     return DTensor.from_local(value, ref.device_mesh, summed, run_check=False)
 
 
@@ -112,13 +118,23 @@ class _Bucket:
             self.base[i] = None if g is None else g.detach().clone()
         self.waiting = set(range(len(self.entries)))
 
+    def whole_already(self, p: torch.Tensor | None) -> bool:
+        """A DTensor gradient that is no longer partial here: something (FSDP2) already summed it."""
+        g = None if p is None else p.grad
+        if not isinstance(g, DTensor):
+            return False
+        names = list(g.device_mesh.mesh_dim_names or ())
+        return self.key in names and not isinstance(g.placements[names.index(self.key)], Partial)
+
     def deltas(self) -> list[torch.Tensor]:
         out = []
         for i, e in enumerate(self.entries):
             p = e.param()
             g = None if p is None or p.grad is None else _local(p.grad)
             base = self.base.get(i)
-            if g is None:
+            if g is not None and self.whole_already(p):
+                out.append(torch.zeros_like(g))  # same element count on every rank; not written back
+            elif g is None:
                 # Every rank must send the same number of elements: a missing gradient is zeros.
                 shape = base.shape if base is not None else (_local(p).shape if p is not None else (0,))
                 ref = base if base is not None else (_local(p) if p is not None else torch.empty(0))
@@ -134,7 +150,7 @@ class _Bucket:
         self.flat = torch.cat([n.reshape(-1) for n in news])
         self.work = dist.all_reduce(self.flat, group=self.group, async_op=True)
 
-    def finish(self, mode: str) -> int:
+    def finish(self) -> int:
         """Reduce (or collect the early reduction) and write the gradients back; 1 if it ran."""
         if self.work is not None:
             self.work.wait()
@@ -157,20 +173,21 @@ class _Bucket:
             n = _local(p).numel() if p.grad is None else _local(p.grad).numel()
             reduced = self.flat[offset : offset + n]
             offset += n
-            self._write(p, reduced, base, mode)
+            if not self.whole_already(p):
+                self._write(p, reduced, base, self.key)
         self.reset()
         return 1
 
     @staticmethod
-    def _write(p: torch.Tensor, reduced: torch.Tensor, base: torch.Tensor | None, mode: str) -> None:
+    def _write(p: torch.Tensor, reduced: torch.Tensor, base: torch.Tensor | None, axis: str) -> None:
         g = p.grad
         value = reduced.view(_local(g).shape if g is not None else _local(p).shape)
         if base is not None:
             value = value + base
         if g is None:
-            p.grad = _like(p, value.contiguous(), p.placements if isinstance(p, DTensor) else ())
+            p.grad = _like(p, value.contiguous(), p.placements if isinstance(p, DTensor) else (), axis)
         elif isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
-            p.grad = _like(g, value.contiguous(), g.placements)  # summed: no longer partial
+            p.grad = _like(g, value.contiguous(), g.placements, axis)  # summed over axis: whole there
         else:
             _local(g).copy_(value)  # in place: a DDP bucket view or an FSDP shard stays what it was
 
@@ -312,7 +329,7 @@ class GradReducer:
         if self.mode == "validate":
             self._check_partial_before()
         for b in self.buckets:
-            n = b.finish(self.mode)
+            n = b.finish()
             self.reductions += n
             self.by_group[b.key] = self.by_group.get(b.key, 0) + n
         if self.mode == "validate":
@@ -335,8 +352,10 @@ class GradReducer:
             for e in b.entries:
                 p = e.param()
                 g = None if p is None else p.grad
-                if e.source != "propagation" or not isinstance(g, DTensor):
+                if e.source != "propagation" or not isinstance(g, DTensor) or p.device_mesh is not g.device_mesh:
                     continue
+                if p is not e.initial:
+                    continue  # a wrapper (FSDP2) owns this parameter now and reduces it itself
                 dims = list(g.device_mesh.mesh_dim_names or ())
                 if b.key in dims and not isinstance(g.placements[dims.index(b.key)], Partial):
                     raise UnreducedGradientError(

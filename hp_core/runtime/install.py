@@ -18,9 +18,11 @@ from torch.distributed.tensor import Shard
 from hp_core.injection import InjectionBindingError, check_forward_compatible
 from hp_core.runtime.boundary import BoundaryForward, InnerOutputCheck
 from hp_core.runtime.experts import expert_grad_reductions
+from hp_core.runtime.fixes import fix_match
 from hp_core.runtime.grads import GradReducer, GradReduction
 from hp_core.runtime.guard import InputGuard
 from hp_core.runtime.journal import Journal, set_forward
+from hp_core.runtime.layouts import dense_mesh
 from hp_core.runtime.params import shard_parameters
 from hp_core.runtime.preflight import PreflightResult
 from hp_core.runtime.rng import RngStreams
@@ -142,14 +144,18 @@ def install(
         rng.attach(model, journal)
     shard_parameters(model, plan, mesh, mode, journal, experts=pre.experts)
     strict = (mode == "validate") if strict_regions is None else strict_regions
+    dense = dense_mesh(mesh)  # hp's DTensors and collectives live off the dp axes
     forwards: dict[str, BoundaryForward] = {}
     for fqn, spec in plan.items():
         if not spec.is_boundary:
             continue
         module = model.get_submodule(fqn) if fqn else model
-        replacement = _inner_wrap(fqn, module, plan, mesh, mode, pre, journal)
-        compute, dispatch = _compute_for(fqn, module, plan, mesh, mode, pre)
-        bf = BoundaryForward(fqn, module, spec, mesh, mode, compute=compute or replacement, dispatch=dispatch, strict=strict, rng=rng)
+        replacement = _inner_wrap(fqn, module, plan, dense, mode, pre, journal)
+        compute, dispatch = _compute_for(fqn, module, plan, dense, mode, pre)
+        bf = BoundaryForward(
+            fqn, module, spec, dense, mode, compute=compute or replacement, dispatch=dispatch,
+            strict=strict, rng=rng, fix_match=fix_match(fqn, plan.modules),
+        )
         set_forward(journal, module, bf)
         forwards[fqn] = bf
     if mode == "production":
@@ -158,7 +164,7 @@ def install(
             for attr, (_glob, local) in (spec._tp_local_attr_plan or {}).items():
                 journal.set_attr(module, attr, local)
     entries = [*reductions, *expert_grad_reductions(plan, pre.experts)]
-    reducer = GradReducer.build(model, entries, mesh, mode) if reduce and (entries or mode == "validate") else None
+    reducer = GradReducer.build(model, entries, dense, mode) if reduce and (entries or mode == "validate") else None
     if reducer is not None:
         reducer.attach(model, journal)
     if plan.loss_parallel:

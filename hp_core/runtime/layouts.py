@@ -19,11 +19,23 @@ from hp_core.errors import HpError
 from hp_core.runtime import collectives as C
 from hp_core.spec import resolve_placements
 
-__all__ = ["InputLayoutError", "Transition", "same_placement", "to_placements"]
+__all__ = ["InputLayoutError", "Transition", "dense_mesh", "same_placement", "to_placements"]
 
 
 class InputLayoutError(HpError, ValueError):
     """An input that the plan's layouts cannot split (an uneven shard), refused before any collective."""
+
+
+def dense_mesh(mesh: Any) -> Any:
+    """The sub-mesh of ``mesh`` without its data-parallel axes: where hp's DTensors live.
+
+    The plan describes one data-parallel slice, so nothing of hp's is placed along ``dp*``;
+    keeping hp's DTensors off those axes is also what lets FSDP2 shard them over ``dp``.
+    """
+    names = [n for n in (mesh.mesh_dim_names or ()) if not str(n).startswith("dp")]
+    if not names or len(names) == len(mesh.mesh_dim_names):
+        return mesh
+    return mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
 
 
 def to_placements(named: Mapping[str, Placement] | None, mesh: Any) -> tuple[Placement, ...]:

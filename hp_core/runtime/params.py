@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from hp_core.errors import HpError
 from hp_core.runtime.experts import ExpertGroups, shard_expert_parameters
 from hp_core.runtime.journal import Journal
-from hp_core.runtime.layouts import to_placements
+from hp_core.runtime.layouts import dense_mesh, to_placements
 from hp_core.sharding_plan import ShardingPlan
 
 __all__ = ["ParameterPlacementError", "declared_params", "outside_boundaries", "shard_parameters"]
@@ -57,12 +57,17 @@ def outside_boundaries(plan: ShardingPlan) -> set[str]:
     }
 
 
-def _distribute(t: torch.Tensor, mesh: Any, placements: tuple, mode: str) -> torch.Tensor:
+def _distribute(t: torch.Tensor, mesh: Any, named: dict, mode: str) -> torch.Tensor:
     data = t.detach()
-    # Rank 0's values are the truth, as in DTensor: every rank ends up with the same model.
-    # Meta tensors carry no values, so they are only chunked.
-    dt = distribute_tensor(data, mesh, placements, src_data_rank=None if data.is_meta else 0)
-    return dt if mode == "validate" else dt.to_local()
+    # Rank 0's values are the truth, as in DTensor: every rank (dp replicas too) ends up
+    # with the same model. Meta tensors carry no values, so they are only chunked.
+    dt = distribute_tensor(data, mesh, to_placements(named, mesh), src_data_rank=None if data.is_meta else 0)
+    if mode != "validate":
+        return dt.to_local()
+    dense = dense_mesh(mesh)
+    if dense is mesh:
+        return dt
+    return DTensor.from_local(dt.to_local(), dense, to_placements(named, dense), run_check=False)
 
 
 def shard_parameters(
@@ -99,7 +104,7 @@ def shard_parameters(
                 )
         new = done.get(id(old))
         if new is None:
-            sharded = _distribute(old, mesh, to_placements(named, mesh), "production" if fqn in outside else mode)
+            sharded = _distribute(old, mesh, named, "production" if fqn in outside else mode)
             new = nn.Parameter(sharded, requires_grad=old.requires_grad)
             done[id(old)] = new
         journal.set_param(owner, name, new)

@@ -43,6 +43,10 @@ def _masked_lookup(ids: torch.Tensor, rows: torch.Tensor, start: int, padding_id
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class _Intercept(TorchFunctionMode):
     """Routes ``F.embedding(ids, weight)`` calls on one parameter to a vocab-parallel lookup."""
 
@@ -118,7 +122,9 @@ class VocabParallelLookup:
         ]
         rows = weight.to_local(grad_placements=grad_placements)
         start = self.mesh.get_local_rank(self.axis) * rows.shape[0]
-        out = _masked_lookup(ids, rows, start, padding_idx)
+        # Local code: what its backward saves stays local (the region saves DTensors otherwise).
+        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            out = _masked_lookup(ids, rows, start, padding_idx)
         placements = [
             Partial() if i == self.axis_index else p for i, p in enumerate(ids_placements)
         ]

@@ -369,6 +369,21 @@ def _replica_problem(
     )
 
 
+def _unshard_data_parallel(p: torch.Tensor) -> torch.Tensor:
+    """A parameter that FSDP2 sharded over data-parallel axes, gathered back over them.
+
+    FSDP2 turns each parameter into a DTensor on its ``dp`` mesh, sharded there; what is
+    left is the tensor hp placed (a plain local shard, in production mode). Collective over
+    the data-parallel group; every rank reaches it for the same parameters in order.
+    """
+    if not isinstance(p, DTensor) or not all(is_data_axis(a) for a in (p.device_mesh.mesh_dim_names or ("?",))):
+        return p
+    q = nn.Parameter(p.full_tensor().detach(), requires_grad=p.requires_grad)
+    grad = p.grad
+    q.grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
+    return q
+
+
 def gather_full_grads(
     model: nn.Module,
     reference: nn.Module | Mapping[str, Any],
@@ -388,6 +403,7 @@ def gather_full_grads(
     single-device model, or a mapping of names to full tensors or shapes, e.g. with
     per-expert parameters stacked under the parallel model's names):
 
+    * a parameter FSDP2 sharded over a data-parallel mesh is first gathered back over it;
     * DTensor parameter (validate mode): the gradient must be a DTensor on the same mesh
       with the parameter's placements; then ``full_tensor()``. A ``Partial`` gradient of
       a non-partial parameter is an unreduced gradient: an error. A ``Replicate`` gradient
@@ -429,7 +445,7 @@ def gather_full_grads(
     )
     full_shapes = _reference_shapes(reference)
 
-    params = {n: p for n, p in model.named_parameters() if p.grad is not None}
+    params = {n: _unshard_data_parallel(p) for n, p in model.named_parameters() if p.grad is not None}
     metas = _mesh_all_gather_object(
         (dist.get_rank(), {n: _local_meta(n, p) for n, p in params.items()}), mesh
     )

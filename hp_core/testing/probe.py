@@ -2,7 +2,8 @@
 
 ``CollectiveCounter`` is a dispatch mode: it sees every ``c10d`` and functional
 collective, whether hp's explicit collectives, DTensor's redistributions or a plugin's
-all-to-all issued it.
+all-to-all issued it. A collective on meta tensors moves nothing (DTensor only computes
+its output shape) and is not counted.
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ class CollectiveCounter(TorchDispatchMode):
         ns = func.namespace
         if ns in ("c10d", "_c10d_functional", "c10d_functional"):
             name = _NAMES.get(func._opname.strip("_"))
-            if name is not None:
+            # The in-place c10d ops take (output, input, ...); the functional ones (input, ...).
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            nested = [t for a in args if isinstance(a, list | tuple) for t in a if isinstance(t, torch.Tensor)]
+            src = tensors[1] if ns == "c10d" and len(tensors) > 1 else (tensors or nested or [None])[0]
+            if name is not None and not (src is not None and src.is_meta):
                 self.calls[name] = self.calls.get(name, 0) + 1
-                # The in-place c10d ops take (output, input, ...); the functional ones (input, ...).
-                tensors = [a for a in args if isinstance(a, torch.Tensor)]
-                nested = [t for a in args if isinstance(a, list | tuple) for t in a if isinstance(t, torch.Tensor)]
-                src = tensors[1] if ns == "c10d" and len(tensors) > 1 else (tensors or nested or [None])[0]
                 if src is not None:
                     self.bytes += src.numel() * src.element_size()
         return func(*args, **(kwargs or {}))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from hp_core.verifier.errors import (
     AmbiguousGradientError,
     InputGradientError,
+    LayoutMismatchError,
     MixedGradientError,
     ProductionDiffersError,
     RandomOnPartialError,
@@ -25,6 +26,7 @@ from hp_core.verifier.runner import VerifyReport, verify
 __all__ = [
     "AmbiguousGradientError",
     "InputGradientError",
+    "LayoutMismatchError",
     "MixedGradientError",
     "ProductionDiffersError",
     "RandomOnPartialError",

@@ -10,6 +10,7 @@ from hp_core.runtime.partial import AmbiguousGradientError
 __all__ = [
     "AmbiguousGradientError",
     "InputGradientError",
+    "LayoutMismatchError",
     "MixedGradientError",
     "ProductionDiffersError",
     "RandomOnPartialError",
@@ -25,6 +26,10 @@ class VerificationError(HpError, ValueError):
 
 class ProductionDiffersError(VerificationError):
     """Production mode (local shards) fails, or produces another shape than validate mode."""
+
+
+class LayoutMismatchError(VerificationError):
+    """What arrives at (or leaves) a boundary is not in the layout its contract declares."""
 
 
 class RandomOnPartialError(VerificationError):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -32,7 +33,18 @@ from hp_core.runtime.fixes import keep_whole_yaml
 from hp_core.spec import PlacementMismatchError
 from hp_core.verifier.errors import ProductionDiffersError, RandomOnPartialError, VerificationError
 
-__all__ = ["BoundaryRecord", "ProductionProbe", "Repeater", "ValidateProbe", "call_key", "opaque_fallback", "tensors_in"]
+__all__ = [
+    "BoundaryRecord",
+    "ProductionProbe",
+    "Repeater",
+    "ShapeRecorder",
+    "ValidateProbe",
+    "call_key",
+    "declared_shapes",
+    "opaque_fallback",
+    "positions",
+    "tensors_in",
+]
 
 
 def tensors_in(x: Any) -> list[torch.Tensor]:
@@ -74,6 +86,13 @@ def call_key(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     return (tuple(key(a) for a in args), key(kwargs))
 
 
+def _named(t: Any) -> tuple[tuple[str, Any], ...]:
+    """A DTensor's placements by mesh axis name (empty for a plain tensor)."""
+    if not isinstance(t, DTensor):
+        return ()
+    return tuple(zip(t.device_mesh.mesh_dim_names or (), t.placements, strict=True))
+
+
 def _leaves(x: Any) -> Any:
     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
         return x.detach().requires_grad_(True) if x.requires_grad else x
@@ -96,13 +115,15 @@ class BoundaryRecord:
     dispatching: bool
     #: local output shapes, per distinct call
     shapes: list[tuple[tuple[int, ...], ...]] = dataclasses.field(default_factory=list)
-    #: parameter FQN → the placements of each gradient contribution seen
+    #: parameter FQN → ((axis, placement), ...) of each gradient contribution seen
     grads: dict[str, list[tuple[Any, ...]]] = dataclasses.field(default_factory=dict)
-    #: declared input name → the placements of its DTensor gradient
+    #: declared input name → ((axis, placement), ...) of its DTensor gradient
     input_grads: dict[str, list[tuple[Any, ...]]] = dataclasses.field(default_factory=dict)
     calls: int = 0
     #: why the region's own code could not run on meta (a local region only)
     skipped: str | None = None
+    #: declared input name → local shape, per distinct call
+    inputs: list[dict[str, tuple[int, ...]]] = dataclasses.field(default_factory=list)
 
 
 def opaque_fallback(bf: BoundaryForward, record: BoundaryRecord) -> None:
@@ -192,7 +213,7 @@ class ValidateProbe:
             if x is None and name in pos and pos[name] < len(args):
                 x = args[pos[name]]
             if isinstance(x, DTensor) and x.requires_grad:
-                x.register_hook(lambda g, name=name: self._input_grads.setdefault(name, []).append(tuple(g.placements)))
+                x.register_hook(lambda g, name=name: self._input_grads.setdefault(name, []).append(_named(g)))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = call_key(args, kwargs)
@@ -211,7 +232,7 @@ class ValidateProbe:
                 f"{self.bf.fqn} ({self.module_type}): DTensor propagation fails inside the region with the plan's "
                 f"layouts: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\nThe module's code does "
                 "not fit the declared layouts (production would crash or compute something else on local "
-                "shards). Keep the boundary whole on tp:\n" + keep_whole_yaml(self.bf.fqn, self.bf.spec)
+                "shards). Keep the boundary whole on tp:\n" + keep_whole_yaml(self.bf.fqn, self.bf.spec, match=self.bf.fix_match)
             ) from e
         if key in self.seen:
             return out
@@ -227,7 +248,7 @@ class ValidateProbe:
         names = [n for n, p in self.params.items() if p.requires_grad]
         if not outs:
             return
-        fix = keep_whole_yaml(self.bf.fqn, self.bf.spec)
+        fix = keep_whole_yaml(self.bf.fqn, self.bf.spec, match=self.bf.fix_match)
         self._input_grads = {}
         with _strict(self.bf.fqn, self.module_type, fix, "backward"):
             grads = torch.autograd.grad(
@@ -239,7 +260,7 @@ class ValidateProbe:
             )
         for n, g in zip(names, grads, strict=True):
             if g is not None:
-                self.record.grads.setdefault(n, []).append(tuple(g.placements) if isinstance(g, DTensor) else ())
+                self.record.grads.setdefault(n, []).append(_named(g))
         for name, placements in self._input_grads.items():
             self.record.input_grads.setdefault(name, []).extend(placements)
 
@@ -257,10 +278,9 @@ class ProductionProbe:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = call_key(args, kwargs)
-        if self.bf.dispatch and key not in self.seen:
-            # The region's own backward, in isolation: its inputs become leaves, so that the
-            # gradient of a parameter also used elsewhere (a tied weight) holds only this use.
-            args, kwargs = _leaves(args), _leaves(kwargs)
+        new = key not in self.seen
+        if new:
+            self.record.inputs.append(declared_shapes(self.spec, self.bf._pos, args, kwargs))
         try:
             out = self.bf(*args, **kwargs)
         except (HpError, PlacementMismatchError):
@@ -274,13 +294,66 @@ class ProductionProbe:
                 "fit this module: a head count or size the module reads from its attributes, or a "
                 "parameter whose layout does not match the activation it meets. Declare the attribute in "
                 "tp_divide_attrs, fix the parameter's layout, or keep the boundary whole on tp:\n"
-                + keep_whole_yaml(self.fqn, self.spec)
+                + keep_whole_yaml(self.fqn, self.spec, match=getattr(self.bf, "fix_match", None))
             ) from e
-        if key not in self.seen:
+        if new:
             self.seen.add(key)
             self.record.calls += 1
             self.record.shapes.append(_local_shapes(out))
         return out
+
+
+class ShapeRecorder:
+    """Wraps one boundary module of the *unsharded* copy: the global shapes it sees, per distinct call."""
+
+    def __init__(self, forward: Callable[..., Any], record: BoundaryRecord, spec: Any) -> None:
+        self.forward = forward
+        self.record = record
+        self.spec = spec
+        self.positions = positions(forward)
+        self.seen: set[tuple[Any, ...]] = set()
+        self.__signature__ = getattr(forward, "__signature__", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = call_key(args, kwargs)
+        new = key not in self.seen
+        if new:
+            self.record.inputs.append(declared_shapes(self.spec, self.positions, args, kwargs))
+        try:
+            out = self.forward(*args, **kwargs)
+        except Exception as e:  # code that cannot run on meta (flex attention): shaped like its input
+            x = next((t for t in tensors_in((args, kwargs)) if t.is_floating_point()), None)
+            if x is None:
+                raise
+            self.record.skipped = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            n_out = max(1, len(self.spec.output_names()))
+            out = x if n_out == 1 else (x, *([None] * (n_out - 1)))
+        if new:
+            self.seen.add(key)
+            self.record.calls += 1
+            self.record.shapes.append(_local_shapes(out))
+        return out
+
+
+def positions(fn: Callable[..., Any]) -> dict[str, int]:
+    """Positional index of each parameter of ``fn`` that can be passed positionally."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # pragma: no cover - module forwards are introspectable
+        return {}
+    return {p.name: i for i, p in enumerate(params) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
+
+
+def declared_shapes(spec: Any, pos: dict[str, int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Shapes of the tensors a boundary's contract names as inputs, in this call."""
+    out = {}
+    for name in dict.fromkeys([*(spec.in_src or {}), *(spec.in_dst or {})]):
+        x = kwargs.get(name)
+        if x is None and name in pos and pos[name] < len(args):
+            x = args[pos[name]]
+        if isinstance(x, torch.Tensor):
+            out[name] = tuple((x._local_tensor if isinstance(x, DTensor) else x).shape)
+    return out
 
 
 class Repeater:

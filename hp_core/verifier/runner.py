@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from hp_core.mesh import MeshSpec
 from hp_core.planner.comms import grad_is_partial
@@ -55,6 +55,7 @@ from hp_core.runtime.preflight import InjectionPlan, PreflightResult, check_loca
 from hp_core.sharding_plan import ShardingPlan
 from hp_core.verifier.errors import (
     InputGradientError,
+    LayoutMismatchError,
     MixedGradientError,
     ProductionDiffersError,
     UnverifiableError,
@@ -65,6 +66,7 @@ from hp_core.verifier.probes import (
     BoundaryRecord,
     ProductionProbe,
     Repeater,
+    ShapeRecorder,
     ValidateProbe,
     opaque_fallback,
     tensors_in,
@@ -202,11 +204,15 @@ def _verifier_pre(pre: PreflightResult, plan: ShardingPlan) -> PreflightResult:
     return PreflightResult(injections, dict(pre.meshes))
 
 
-def _under(fqn: str, roots: Mapping[str, str]) -> str | None:
-    for root in roots:
-        if fqn == root or fqn.startswith(root + "."):
-            return root
-    return None
+def _prefixes(fqn: str) -> list[str]:
+    """``"a.b.c"`` → ``["a", "a.b", "a.b.c"]``."""
+    parts = fqn.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def _under(fqn: str, roots: Mapping[str, Any]) -> str | None:
+    """The root of ``roots`` that ``fqn`` is (or lies under), if any (a dict lookup per prefix)."""
+    return next((p for p in _prefixes(fqn) if p in roots), None)
 
 
 def _reduced_plan(plan: ShardingPlan, repeats: Mapping[str, str]) -> ShardingPlan:
@@ -266,6 +272,89 @@ def _wrap_repeaters(clone: nn.Module, repeats: Mapping[str, str]) -> list[Repeat
     return out
 
 
+def _plain_pass(model: nn.Module, plan: ShardingPlan, repeats: Mapping[str, str], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, BoundaryRecord]:
+    """The unsharded model on meta: the global shape of every boundary's inputs and outputs."""
+    clone = meta_clone(model, repeats)
+    adapt_for_meta(clone)
+    clone.train()
+    reduced = _reduced_plan(plan, repeats)
+    records: dict[str, BoundaryRecord] = {}
+    for fqn, spec in reduced.items():
+        if spec.is_boundary:
+            module = clone.get_submodule(fqn) if fqn else clone
+            records[fqn] = BoundaryRecord(fqn, False)
+            module.__dict__["forward"] = ShapeRecorder(module.forward, records[fqn], spec)
+    _wrap_repeaters(clone, repeats)
+    _run(clone, args, kwargs, backward=False)
+    return records
+
+
+def _whole_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], plan: ShardingPlan, mesh: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The unsharded model's inputs: a rank's inputs are its chunk of the sequence (dim 1)
+    along every axis that shards activations everywhere (context parallelism)."""
+    sizes = dict(zip(mesh.mesh_dim_names, (int(n) for n in mesh.shape), strict=True))
+    k = math.prod(n for a, n in sizes.items() if n > 1 and not is_data_axis(a) and activations_on(plan.modules, a) == "sharded")
+    if k == 1:
+        return args, kwargs
+
+    def grow(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.dim() >= 2:
+            shape = list(v.shape)
+            shape[1] *= k
+            return torch.empty(shape, dtype=v.dtype, device="meta")
+        return v
+
+    return tuple(grow(a) for a in args), {key: grow(v) for key, v in kwargs.items()}
+
+
+def _local_shape(shape: tuple[int, ...], layout: Mapping[str, Any], sizes: Mapping[str, int]) -> tuple[int, ...] | None:
+    """The local shape of a tensor of global ``shape`` in ``layout`` (None if a split does not divide)."""
+    out = list(shape)
+    for axis, p in layout.items():
+        n = sizes.get(str(axis), 1)
+        if isinstance(p, Shard) and n > 1:
+            if p.dim >= len(out) or out[p.dim] % n:
+                return None
+            out[p.dim] //= n
+    return tuple(out)
+
+
+def _check_layouts(plain: Mapping[str, BoundaryRecord], prod: Mapping[str, BoundaryRecord], plan: ShardingPlan, sizes: Mapping[str, int]) -> None:
+    """What arrives at and leaves each boundary has the local shape its declared layouts give
+    the unsharded model's tensors: a boundary that declares a layout its producer does not
+    give (an input said to be sharded that arrives whole, or the reverse) is refused."""
+    for fqn, rec in prod.items():
+        ref = plain.get(fqn)
+        if ref is None or len(ref.inputs) != len(rec.inputs) or ref.skipped or rec.skipped:
+            continue
+        spec = plan[fqn]
+        for call, (glob_in, loc_in) in enumerate(zip(ref.inputs, rec.inputs, strict=True)):
+            for name, shape in glob_in.items():
+                layout = (spec.in_src or {}).get(name) or (spec.in_dst or {}).get(name) or {}
+                want, got = _local_shape(shape, layout, sizes), loc_in.get(name)
+                if got is not None and want != got:
+                    raise LayoutMismatchError(
+                        f"{fqn}: its input {name!r} arrives with local shape {got} on each rank, but its in_src "
+                        f"{_fmt(layout)} makes the unsharded model's {shape} into {want}. What arrives is in "
+                        "another layout than the contract declares: the boundary before it (or the model's code "
+                        "between them) produces something else. Declare the layout that arrives, or make the "
+                        "producer's out_dst give the declared one."
+                    )
+            outs = spec.output_names() or list(spec.out_dst or {})
+            if outs and ref.shapes[call] and rec.shapes[call]:
+                layout = (spec.out_dst or {}).get(outs[0]) or (spec.out_src or {}).get(outs[0]) or {}
+                want, got = _local_shape(ref.shapes[call][0], layout, sizes), rec.shapes[call][0]
+                if want != got:
+                    raise LayoutMismatchError(
+                        f"{fqn}: its output {outs[0]!r} leaves with local shape {got} on each rank, but its out_dst "
+                        f"{_fmt(layout)} makes the unsharded model's {ref.shapes[call][0]} into {want}."
+                    )
+
+
+def _fmt(layout: Mapping[str, Any]) -> str:
+    return "{" + ", ".join(f"{a}: {p}" for a, p in layout.items()) + "}"
+
+
 def _validate_pass(model, plan, mesh, pre, repeats, args, kwargs) -> tuple[dict[str, BoundaryRecord], ShardingPlan]:
     clone, reduced, state = _install_copy(model, plan, mesh, "validate", pre, repeats)
     records: dict[str, BoundaryRecord] = {}
@@ -305,8 +394,9 @@ def _production_pass(model, plan, mesh, pre, repeats, args, kwargs, val_records)
 # ---------------------------------------------------------------------- gradients
 
 
-def _partial_axes(placements: tuple[Any, ...], names: list[str]) -> tuple[str, ...]:
-    return tuple(a for a, p in zip(names, placements, strict=True) if isinstance(p, Partial) and not is_data_axis(a))
+def _partial_axes(named: tuple[tuple[str, Any], ...], names: list[str]) -> tuple[str, ...]:
+    by_axis = dict(named)
+    return tuple(a for a in names if isinstance(by_axis.get(a), Partial) and not is_data_axis(a))
 
 
 def _check_inputs(records: Mapping[str, BoundaryRecord], plan: ShardingPlan, names: list[str]) -> None:
@@ -316,8 +406,8 @@ def _check_inputs(records: Mapping[str, BoundaryRecord], plan: ShardingPlan, nam
         spec = plan[fqn]
         for name, seen in rec.input_grads.items():
             dst = (spec.in_dst or {}).get(name) or (spec.in_src or {}).get(name) or {}
-            for placements in seen:
-                for axis, p in zip(names, placements, strict=True):
+            for named in seen:
+                for axis, p in named:
                     if is_data_axis(axis) or not isinstance(dst.get(axis, Replicate()), Replicate):
                         continue
                     expected = grad_is_partial(spec, axis)
@@ -332,11 +422,12 @@ def _check_inputs(records: Mapping[str, BoundaryRecord], plan: ShardingPlan, nam
 
 
 def _enclosing_boundary(plan: ShardingPlan, fqn: str) -> str | None:
-    best = None
-    for f, s in plan.items():
-        if s.is_boundary and f != fqn and (not f or fqn.startswith(f + ".")) and (best is None or len(f) > len(best)):
-            best = f
-    return best
+    """The innermost boundary strictly enclosing ``fqn`` (the root module counts)."""
+    for p in reversed(["", *_prefixes(fqn)[:-1]]):
+        spec = plan.modules.get(p)
+        if spec is not None and spec.is_boundary:
+            return p
+    return None
 
 
 def _outside(plan: ShardingPlan, fqn: str, name: str, named: Mapping[str, Any], names: list[str]) -> tuple[str, ...]:
@@ -359,14 +450,16 @@ def _outside(plan: ShardingPlan, fqn: str, name: str, named: Mapping[str, Any], 
     return tuple(axes)
 
 
-def _region_layouts(plan: ShardingPlan, covered: str) -> dict[str, Mapping[str, Any]]:
-    """Every parameter layout a region computes with, by path relative to the region."""
-    out: dict[str, Mapping[str, Any]] = {}
+def _region_layouts(plan: ShardingPlan) -> dict[str, dict[str, Mapping[str, Any]]]:
+    """Per boundary: every parameter layout its region computes with, by path relative to it."""
+    out: dict[str, dict[str, Mapping[str, Any]]] = {}
     for f, s in plan.items():
-        if f == covered or (not s.is_boundary and _enclosing_boundary(plan, f) == covered):
-            for rel, named in (s.params or {}).items():
-                full = f"{f}.{rel}" if f else rel
-                out[full[len(covered) + 1 :] if covered else full] = named
+        covered = f if s.is_boundary else _enclosing_boundary(plan, f)
+        if covered is None:
+            continue
+        for rel, named in (s.params or {}).items():
+            full = f"{f}.{rel}" if f else rel
+            out.setdefault(covered, {})[full[len(covered) + 1 :] if covered else full] = named
     return out
 
 
@@ -383,6 +476,7 @@ def _derive(
     """
     opaque: dict[str, str] = {}
     found: dict[str, list[tuple[tuple[str, ...], str]]] = {}  # parameter FQN → [(axes, source)]
+    layouts = _region_layouts(plan)
     for fqn, spec in plan.items():
         covered = fqn if spec.is_boundary else _enclosing_boundary(plan, fqn)
         for rel, named in (spec.params or {}).items():
@@ -406,7 +500,7 @@ def _derive(
             if fqn != covered:  # a non-boundary spec inside the region: judge it by the region's contract
                 region = dataclasses.replace(region, params={**(region.params or {}), rel_in_region: named})
                 region._deferred_bias_params = plan[covered]._deferred_bias_params
-            axes = contract_partial_axes(covered, region, rel_in_region, names, region_params=_region_layouts(plan, covered))
+            axes = contract_partial_axes(covered, region, rel_in_region, names, region_params=layouts.get(covered, {}))
             found.setdefault(name, []).append((axes, "contract"))
     return _per_parameter(model, found), opaque
 
@@ -470,6 +564,10 @@ def verify(
             with MetaValues(), torch.enable_grad():
                 val, reduced = _validate_pass(model, plan, dmesh, vpre, repeats, args, kwargs)
                 prod = _production_pass(model, plan, dmesh, vpre, repeats, args, kwargs, val)
+                try:
+                    plain: dict[str, BoundaryRecord] | None = _plain_pass(model, plan, repeats, *_whole_inputs(args, kwargs, plan, dmesh))
+                except Exception:  # the unsharded model's own code does not run on meta: no layout check
+                    plain = None
         except (VerificationError, AmbiguousGradientError):
             raise
         except Exception as e:
@@ -489,6 +587,8 @@ def verify(
                     f"produces {rec.shapes}: the module reads a size from its attributes or its inputs that the "
                     "plan shards (declare it in tp_divide_attrs), or an output's declared layout is wrong."
                 )
+        if plain is not None:
+            _check_layouts(plain, prod, reduced, dict(zip(names, (int(n) for n in dmesh.shape), strict=True)))
         _check_inputs(val, reduced, names)
         reductions, opaque = _derive(model, plan, names, val, repeats)
     return VerifyReport(

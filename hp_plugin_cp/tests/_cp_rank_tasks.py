@@ -3,13 +3,18 @@
 Each task bundles several cases so that a world runs few tasks. Every equivalence case
 compares a reference (the unsharded model on the whole batch, one process) with a
 production-mode and a validate-mode CP copy of the same weights: loss, logits (gathered
-back into natural order) and every gradient (summed over cp, unsharded over tp).
+back into natural order) and every gradient (summed over cp, unsharded over tp). The
+weights are perturbed by seeded noise (``build_family`` / ``perturb_``), so zero biases
+and unit norm weights make nothing trivially equal; the gradients are gathered by
+``gather_full_grads`` (layouts inferred from the shapes, replicas checked to agree over
+cp and tp, hp's placement tables never read); every fold is NaN-safe.
 The plan's CP override is the YAML block of ``docs/cp.md``, verbatim.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 import warnings
@@ -22,7 +27,15 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from hp_core import apply, plan
-from hp_core.testing.compare import allclose_excess, full_grads, run_excess
+from hp_core.testing.compare import (
+    allclose_excess,
+    gather_full_grads,
+    nan_safe_max,
+    run_excess,
+    snapshot_params,
+    weights_changed,
+)
+from hp_core.testing.families import build_family
 from hp_core.testing.models import build_model
 from hp_plugin_cp import (
     enable_cp_loss,
@@ -37,6 +50,13 @@ VOCAB = 128
 RTOL = 1e-5
 
 
+def family_model(name: str, **config: Any) -> nn.Module:
+    """``build_family(name, seed=0)``: every weight shifted by seeded noise (no zero bias, no
+    unit norm weight), without a padding id (as ``build_model``'s configs): the embedding
+    then has no ``padding_idx`` row, whose gradient would be zero on both sides."""
+    return build_family(name, seed=0, **{"pad_token_id": None, **config})
+
+
 def doc_python(marker: str) -> str:
     """The python block of docs/cp.md that contains ``marker``."""
     blocks = re.findall(r"^```python\n(.*?)^```", DOC.read_text(), re.MULTILINE | re.DOTALL)
@@ -44,16 +64,51 @@ def doc_python(marker: str) -> str:
     return block
 
 
+def perturb_(model: nn.Module, seed: int = 0, scale: float = 0.02) -> nn.Module:
+    """Add ``scale * randn`` (seeded) to every floating parameter, as ``build_family`` does."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.add_(torch.randn(p.shape, generator=gen), alpha=scale)
+    return model
+
+
+class _Stepped:
+    """An optimizer that records which weights each ``step`` moved (on this rank)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, model: nn.Module) -> None:
+        self.opt, self.model = opt, model
+        self.not_stepped: set[str] = set()
+        self.steps = 0
+
+    def step(self) -> None:
+        before = snapshot_params(self.model, only_with_grad=True)  # after backward, before step
+        self.opt.step()
+        changes = weights_changed(before, self.model)
+        self.not_stepped |= {n for n, d in changes.items() if not 0.0 < d < math.inf}
+        if not changes:
+            self.not_stepped.add("<no parameter had a gradient>")
+        self.steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+
 def doc_training(mesh_shape: tuple[int, ...], mesh_names: tuple[str, ...], steps: int = 3) -> dict[str, Any]:
-    """The training loop of docs/cp.md, run as written, against a single-device AdamW run."""
+    """The training loop of docs/cp.md, run as written, against a single-device AdamW run.
+
+    ``not_stepped``: per model, the parameters with a gradient that an optimizer step did
+    not move (or made non-finite) on this rank.
+    """
     namespace: dict[str, Any] = {"__name__": "docs_cp_training"}
     exec(compile(doc_python("def train_step"), "docs/cp.md[training]", "exec"), namespace)
     mesh = _mesh(mesh_shape, mesh_names)
-    base = build_model("llama", seed=0)
+    base = family_model("llama")
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
     namespace["parallelize"](model, mesh, doc_yaml())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, foreach=False)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6, foreach=False)
+    opt = _Stepped(torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, foreach=False), model)
+    ref_opt = _Stepped(torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6, foreach=False), ref)
     losses = []
     for step in range(steps):
         batch = full_batch(40 + step, pad=step % 2 == 1)
@@ -63,7 +118,12 @@ def doc_training(mesh_shape: tuple[int, ...], mesh_names: tuple[str, ...], steps
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
         losses.append((float(loss), float(ref_loss)))
-    return {"losses": losses, "worst": max(allclose_excess(torch.tensor(a), torch.tensor(b)) for a, b in losses)}
+    return {
+        "losses": losses,
+        "worst": nan_safe_max(allclose_excess(torch.tensor(a), torch.tensor(b)) for a, b in losses),
+        "steps": {"cp": opt.steps, "ref": ref_opt.steps},
+        "not_stepped": {"cp": sorted(opt.not_stepped), "ref": sorted(ref_opt.not_stepped)},
+    }
 
 
 def doc_yaml(wrapper: str = "sdpa_hf") -> str:
@@ -91,6 +151,10 @@ def full_batch(seed: int, *, pad: bool, batch: int = 2, seq: int = 16) -> dict[s
     return out
 
 
+def _ref_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
 def _compare(ref: tuple, got: tuple, key: str, worst: dict[str, float]) -> None:
     for what, value in run_excess(got, ref, rtol=RTOL).items():
         worst[f"{key}:{what}"] = value
@@ -100,7 +164,7 @@ def hf_equivalence(family: str, mesh_shape: tuple[int, ...], mesh_names: tuple[s
     """``cases``: (pad, load_balanced) pairs. Returns the worst excess per case and quantity."""
     mesh = _mesh(mesh_shape, mesh_names)
     cp_mesh = mesh["cp"]
-    base = build_model(family, seed=0)
+    base = family_model(family)
     models = {}
     for mode in ("production", "validate"):
         m = copy.deepcopy(base)
@@ -112,7 +176,7 @@ def hf_equivalence(family: str, mesh_shape: tuple[int, ...], mesh_names: tuple[s
         ref = copy.deepcopy(base)
         out = ref(**full, use_cache=False)
         out.loss.backward()
-        expected = (out.loss.detach(), out.logits.detach(), {n: p.grad for n, p in ref.named_parameters()})
+        expected = (out.loss.detach(), out.logits.detach(), _ref_grads(ref))
         sharded = shard_batch_for_cp(full, cp_mesh, load_balanced=lb)
         tag = f"{'pad' if pad else 'nopad'}-{'lb' if lb else 'contig'}"
         results = {}
@@ -122,7 +186,7 @@ def hf_equivalence(family: str, mesh_shape: tuple[int, ...], mesh_names: tuple[s
             o.loss.backward()
             reduce_cp_gradients(m, cp_mesh)
             logits = gather_sequence(o.logits, cp_mesh, load_balanced=lb)
-            results[mode] = (o.loss.detach(), logits, full_grads(m, mesh))
+            results[mode] = (o.loss.detach(), logits, gather_full_grads(m, ref, mesh))
             _compare(expected, results[mode], f"{tag}:{mode}-ref", worst)
         _compare(results["validate"], results["production"], f"{tag}:prod-val", worst)
         worst[f"{tag}:n_grads"] = len(expected[2])
@@ -215,7 +279,7 @@ def qkv_equivalence(cases: list[tuple[bool, bool]]) -> dict[str, Any]:
     mesh = _mesh((2,), ("cp",))
     cp_mesh = mesh["cp"]
     torch.manual_seed(0)
-    base = ToyLM(SDPACore)
+    base = perturb_(ToyLM(SDPACore), seed=0)
     worst: dict[str, Any] = {}
     for i, (masked, lb) in enumerate(cases):
         full = full_batch(20 + i, pad=masked)
@@ -225,7 +289,7 @@ def qkv_equivalence(cases: list[tuple[bool, bool]]) -> dict[str, Any]:
         logits = ref(full["input_ids"], key_mask)
         loss = _toy_loss(logits, _shift_full(full["labels"]), sharded["num_items_in_batch"])
         loss.backward()
-        expected = (loss.detach(), logits.detach(), {n: p.grad for n, p in ref.named_parameters()})
+        expected = (loss.detach(), logits.detach(), _ref_grads(ref))
         tag = f"{'mask' if masked else 'nomask'}-{'lb' if lb else 'contig'}"
         results = {}
         for mode in ("production", "validate"):
@@ -236,7 +300,7 @@ def qkv_equivalence(cases: list[tuple[bool, bool]]) -> dict[str, Any]:
             total = reduce_loss_over_cp(share, cp_mesh)
             total.backward()
             reduce_cp_gradients(m, cp_mesh)
-            results[mode] = (total.detach(), gather_sequence(out, cp_mesh, load_balanced=lb), full_grads(m, mesh))
+            results[mode] = (total.detach(), gather_sequence(out, cp_mesh, load_balanced=lb), gather_full_grads(m, ref, mesh))
             _compare(expected, results[mode], f"{tag}:{mode}-ref", worst)
             worst[f"{tag}:{mode}:resolved"] = m._hp_applied.plan["layers.0.self_attn"]._resolved_inner_target
         _compare(results["validate"], results["production"], f"{tag}:prod-val", worst)
@@ -257,10 +321,10 @@ def flex_checks() -> dict[str, Any]:
     res: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # flex attention's "called without torch.compile" notice
-        ref = build_model("llama", seed=0)  # the single-device reference runs SDPA: same math
+        ref = family_model("llama")  # the single-device reference runs SDPA: same math
         models = {}
         for mode in ("production", "validate"):
-            models[mode] = build_model("llama", seed=0, attn_implementation="flex_attention")
+            models[mode] = family_model("llama", attn_implementation="flex_attention")
             apply(models[mode], plan(models[mode], mesh, overrides=doc_yaml("flex_hf")), mesh, mode=mode)
         # One case, the hardest (padding + load balancing): each new shape or mask costs a
         # dynamo compile of HF's own model-level flex mask (~5 s on CPU).
@@ -274,7 +338,7 @@ def flex_checks() -> dict[str, Any]:
             res[f"hf-pad-lb:{mode}"] = allclose_excess(gather_sequence(out.logits, cp_mesh, load_balanced=True), expected)
         res["hf-backward"] = _try(lambda: models["production"](**sharded, use_cache=False).loss.backward())
         torch.manual_seed(0)
-        toy = ToyLM(FlexCore)
+        toy = perturb_(ToyLM(FlexCore), seed=0)
         full = full_batch(31, pad=False)
         with torch.no_grad():
             expected = toy(full["input_ids"])
@@ -397,7 +461,7 @@ def wrapper_errors() -> dict[str, str]:
 
     mesh = _mesh((2,), ("cp",))
     cp_mesh = mesh["cp"]
-    m = build_model("llama", seed=0)
+    m = family_model("llama")
     apply(m, plan(m, mesh, overrides=doc_yaml()), mesh)
     full = full_batch(0, pad=True)
     good = shard_batch_for_cp(full, cp_mesh)
@@ -427,9 +491,10 @@ def wrapper_errors() -> dict[str, str]:
     out["loss_wrapped_once"] = str(not isinstance(m.loss_function.base, CPCausalLMLoss))
     out["loss_without_shift_labels"] = _try(lambda: m(**no_shift, use_cache=False))
     counted = {k: v for k, v in good.items() if k != "num_items_in_batch"}
-    ref = build_model("llama", seed=0)
+    ref = family_model("llama")
     with torch.no_grad():
-        out["loss_counts_itself"] = str(abs(float(m(**counted, use_cache=False).loss - ref(**full, use_cache=False).loss)) < 1e-5)
+        gap = allclose_excess(m(**counted, use_cache=False).loss, ref(**full, use_cache=False).loss, rtol=0.0)
+    out["loss_counts_itself"] = str(gap < 1e-5)  # NaN-safe: a NaN loss is an infinite gap
     return out
 
 
@@ -495,7 +560,7 @@ def direct_wrapper_checks() -> dict[str, Any]:
     res: dict[str, Any] = {}
 
     # an HF attention, is_causal=False passed by the caller, attention_mask passed positionally
-    model = build_model("llama", seed=0)
+    model = family_model("llama")
     attn = model.model.layers[0].self_attn
     torch.manual_seed(5)
     x = torch.randn(2, 16, 64)
@@ -543,7 +608,7 @@ def loss_parallel_check() -> dict[str, float]:
     from hp_core.testing.compare import full_tensor
 
     mesh = _mesh((2, 2), ("cp", "tp"))
-    base = build_model("llama", seed=0)
+    base = family_model("llama")
     ref, m = copy.deepcopy(base), copy.deepcopy(base)
     apply(m, plan(m, mesh, overrides=doc_yaml(), loss_parallel=True), mesh)
     enable_cp_loss(m, mesh["cp"])
@@ -554,10 +619,8 @@ def loss_parallel_check() -> dict[str, float]:
     out.loss.backward()
     reduce_cp_gradients(m, mesh["cp"])
     logits = gather_sequence(full_tensor(out.logits, {"tp": Shard(2)}, mesh), mesh["cp"], load_balanced=True)
-    grads = full_grads(m, mesh)
+    got = (out.loss.detach(), logits, gather_full_grads(m, ref, mesh))
     return {
-        "loss": allclose_excess(out.loss.detach(), expected.loss.detach()),
-        "logits": allclose_excess(logits, expected.logits.detach()),
-        "grad": max(allclose_excess(grads[n], p.grad) for n, p in ref.named_parameters()),
+        **run_excess(got, (expected.loss.detach(), expected.logits.detach(), _ref_grads(ref)), rtol=RTOL),
         "vocab_parallel": float(type(m.loss_function.base).__name__ == "VocabParallelCausalLMLoss"),
     }

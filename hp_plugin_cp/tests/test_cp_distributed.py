@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from hp_core.testing import get_world
+from hp_core.testing.compare import nan_safe_max
 
 pytestmark = pytest.mark.distributed
 TOL = 1e-5
@@ -25,7 +26,7 @@ MESHES = {"cp2": (2, (2,), ("cp",)), "cp2xtp2": (4, (2, 2), ("cp", "tp"))}
 def _check(result: dict, cases: int = len(CASES)) -> None:
     numbers = {k: v for k, v in result.items() if isinstance(v, float)}
     assert len(numbers) == cases * 9  # loss/logits/grad x (prod-ref, val-ref, prod-val)
-    bad = {k: v for k, v in numbers.items() if v > TOL}
+    bad = {k: v for k, v in numbers.items() if not v <= TOL}  # NaN-safe: a NaN is a mismatch
     assert not bad, f"mismatches above {TOL}: {bad}"
 
 
@@ -217,10 +218,13 @@ def test_doc_training_loop_tracks_single_device_adamw(mesh):
     world, shape, names = MESHES[mesh]
     for r in get_world(world).run(tasks.doc_training, shape, names):
         assert r["worst"] < TOL, r["losses"]
-        assert len({round(single, 4) for _, single in r["losses"]}) == 3  # the steps really differ
+        # The optimizer really stepped: every step moved every weight that had a gradient,
+        # on every rank, in the CP model and the reference (not: "the losses differ").
+        assert r["steps"] == {"cp": 3, "ref": 3}
+        assert r["not_stepped"] == {"cp": [], "ref": []}, r["not_stepped"]
 
 
 def test_cp_loss_wraps_a_vocab_parallel_loss():
     for r in get_world(4).run(tasks.loss_parallel_check):
         assert r.pop("vocab_parallel") == 1.0
-        assert max(r.values()) < TOL, r
+        assert set(r) == {"loss", "logits", "grad"} and nan_safe_max(r.values()) < TOL, r

@@ -4,11 +4,19 @@ Every comparison is against single-device runs of the unsharded model. With data
 (``dp``) each dp slice trains its own batch: its loss, logits and non-expert gradients
 equal the single-device run of that batch, and an expert's gradient is the sum over
 the batches of the slices its expert group spans (reducing over dp is DDP/FSDP's job).
+
+The compared models carry seeded noise on every weight (``build(..., perturbed=True)``:
+``build_family`` or ``perturb_``); the parallel gradients are gathered by
+``gather_full_grads`` over the expert groups (layouts inferred from the shapes, replicas
+checked across the non-data axes, hp's placement tables never read), and the expected
+gradients are stacked from the reference's own per-expert names, not from hp's plan.
 """
 
 from __future__ import annotations
 
 import copy
+import math
+import re
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -25,15 +33,35 @@ from hp_core.injection import Target, local_compute
 from hp_core.planner import input_check_axes, step_collectives
 from hp_core.planner import plan as make_plan
 from hp_core.runtime import apply
-from hp_core.testing.compare import full_grads, run_excess
+from hp_core.testing.compare import (
+    DEFAULT_EXPERT_PARAMS,
+    gather_full_grads,
+    nan_safe_max,
+    run_excess,
+    snapshot_params,
+    weights_changed,
+)
+from hp_core.testing.families import build_family
 from hp_core.testing.models import build_model
 
 RTOL = 1e-5
 MOE = "model.layers.*.mlp"
 FACTORY = {"qwen2moe": "qwen2moe", "mixtral": "mixtral", "deepseekv3": "deepseekv3", "toy": "routed_only"}
+#: The ``hp_core.testing.families`` name of each HF family here (``build_family``).
+FAMILY_NAME = {"qwen2moe": "qwen2_moe", "mixtral": "mixtral"}
+#: A per-expert ModuleList parameter (``<prefix>.experts.<e>.<rest>``), stacked by hp into
+#: ``<prefix>.experts.<rest>`` = ``[E, ...]`` in expert order.
+PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
 
 #: Computes bound by ``spy`` in this process (cleared by each task that uses it).
 SPIES: list[Any] = []
+
+
+def family_model(name: str, **config: Any) -> nn.Module:
+    """``build_family(name, seed=0)``: every weight shifted by seeded noise (no zero bias, no
+    unit norm weight), without a padding id (as ``build_model``'s configs): the embedding
+    then has no ``padding_idx`` row, whose gradient would be zero on both sides."""
+    return build_family(name, seed=0, **{"pad_token_id": None, **config})
 
 
 @local_compute
@@ -66,21 +94,39 @@ def deepseek_v3(seed: int = 0, **config: Any) -> nn.Module:
     return model.eval()
 
 
-def build(family: str, **config: Any) -> nn.Module:
+def perturb_(model: nn.Module, seed: int = 0, scale: float = 0.02) -> nn.Module:
+    """Add ``scale * randn`` (seeded) to every floating parameter, as ``build_family`` does."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.add_(torch.randn(p.shape, generator=gen), alpha=scale)
+    return model
+
+
+def build(family: str, *, perturbed: bool = False, **config: Any) -> nn.Module:
+    """The model of ``family``; ``perturbed``: every weight shifted by seeded noise (for the
+    equivalence tests: no zero bias or unit norm weight makes a comparison trivially equal)."""
     if family == "deepseekv3":
-        return deepseek_v3(**config)
-    if family == "toy":
-        return toy_lm(**config)
-    return build_model(family, seed=0, **config)
+        model = deepseek_v3(**config)
+    elif family == "toy":
+        model = toy_lm(**config)
+    elif perturbed:
+        return family_model(FAMILY_NAME[family], **config)
+    else:
+        return build_model(family, seed=0, **config)
+    return perturb_(model, seed=0) if perturbed else model
 
 
 def block_experts(model: nn.Module, blocked: Sequence[int]) -> None:
     """Make the routers never choose ``blocked``: hidden dim 0 is positive for every token
-    (embedding column 0, a few times the other dims' scale after the norm), and only the
-    blocked experts' router rows weigh it, very negatively. The other rows are scaled up so
-    the remaining experts are chosen by clear margins."""
+    (embedding column 0, five times the other columns' spread: a few times the other dims'
+    scale after the norm, whatever the attention adds), and only the blocked experts'
+    router rows weigh it, very negatively. The other rows are scaled up so the remaining
+    experts are chosen by clear margins."""
     with torch.no_grad():
-        model.get_input_embeddings().weight[:, 0] = 0.05
+        embedding = model.get_input_embeddings().weight
+        embedding[:, 0] = 5.0 * float(embedding[:, 1:].std())
         for layer in model.model.layers:
             gate = layer.mlp.gate.weight
             gate.mul_(10.0)
@@ -110,27 +156,32 @@ def ep_overrides(family: str, factory: Any = None) -> list[dict[str, Any]]:
     return [{"match": MOE, "when": "ep", "local_compute_fn": factory or FACTORY[family], "region_dispatch": False}]
 
 
-def _expected(ref_grads: list[dict[str, torch.Tensor]], mine: int, group_slices: list[int], plan: Any) -> dict[str, torch.Tensor]:
-    """Per-parameter single-device gradients, keyed by the parallel model's names."""
-    out = dict(ref_grads[mine])
-    for fqn, spec in plan.items():
-        for rel, named in (spec.params or {}).items():
-            if "ep" not in named:
-                continue
-            sources = spec._ep_stack.get(rel) or [rel]
+def _expected(refs: list[nn.Module], mine: int, group_slices: list[int]) -> dict[str, torch.Tensor]:
+    """Per-parameter single-device gradients, keyed by the parallel model's names.
 
-            def grad(s: int, src: str, fqn: str = fqn) -> torch.Tensor:
-                g = ref_grads[s].get(f"{fqn}.{src}")
-                return g if g is not None else torch.zeros(())
-
-            summed = [sum(grad(s, src) for s in group_slices) for src in sources]
-            for src in sources:
-                out.pop(f"{fqn}.{src}", None)
-            if rel in spec._ep_stack:
-                shape = next(g.shape for g in summed if g.dim())
-                out[f"{fqn}.{rel}"] = torch.stack([g.expand(shape) if not g.dim() else g for g in summed])
-            else:
-                out[f"{fqn}.{rel}"] = summed[0]
+    Derived from the references alone (never from hp's plan): an expert parameter (a path
+    component ``experts``) gets the sum of its gradients over the slices of its expert
+    group; a per-expert ModuleList's parameters are stacked in expert order under the name
+    with the expert index dropped (an expert that saw no token has a zero gradient).
+    """
+    named = [dict(r.named_parameters()) for r in refs]
+    out: dict[str, torch.Tensor] = {}
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    for name, p in named[mine].items():
+        if re.search(DEFAULT_EXPERT_PARAMS, name) is None:
+            if p.grad is not None:
+                out[name] = p.grad
+            continue
+        grads = [named[s][name].grad for s in group_slices]
+        summed = sum((g if g is not None else torch.zeros_like(p) for g in grads), torch.zeros_like(p))
+        found = PER_EXPERT.match(name)
+        if found is None:
+            out[name] = summed
+        else:
+            stacks.setdefault(f"{found['prefix']}.{found['rest']}", {})[int(found["e"])] = summed
+    for name, parts in stacks.items():
+        assert sorted(parts) == list(range(len(parts))), (name, sorted(parts))
+        out[name] = torch.stack([parts[e] for e in range(len(parts))])
     return out
 
 
@@ -147,8 +198,13 @@ def train_compare(
     blocked: Sequence[int] = (),
     **config: Any,
 ) -> dict[str, Any]:
-    """Single device vs production vs validate: loss, logits and every gradient, for ``steps`` steps."""
-    base = build(family, **config)
+    """Single device vs production vs validate: loss, logits and every gradient, for ``steps`` steps.
+
+    Excesses are NaN-safe (inf for NaN/inf); ``not_stepped`` lists, per model, the
+    parameters with a gradient that an optimizer step did not move (or made non-finite)
+    on this rank.
+    """
+    base = build(family, perturbed=True, **config)
     if blocked:
         block_experts(base, blocked)
     mesh = _mesh(mesh_shape, mesh_names)
@@ -158,11 +214,9 @@ def train_compare(
     refs = [copy.deepcopy(base) for _ in range(slices)]
     prod, val = copy.deepcopy(base), copy.deepcopy(base)
     SPIES.clear()
-    p = None
     for m, mode in ((prod, "production"), (val, "validate")):
         p = make_plan(m, mesh, sequence_parallel=sp, ep_size=ep, overrides=overrides if overrides is not None else ep_overrides(family, factory))
         apply(m, p, mesh, mode=mode)
-    assert p is not None
     group = prod._hp_applied.expert_meshes[ep]["ep"].mesh.flatten().tolist()
     per_slice = dist.get_world_size() // slices
     group_slices = sorted({r // per_slice for r in group})
@@ -172,29 +226,39 @@ def train_compare(
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6, foreach=False) for k, m in {**models, **{f"ref{s}": r for s, r in enumerate(refs)}}.items()}
     worst = {f"{a}-{b}:{w}": 0.0 for a, b in (("prod", "ref"), ("val", "ref"), ("prod", "val")) for w in ("loss", "logits", "grad")}
     losses: list[float] = []
+    stepped = {**models, **{f"ref{s}": r for s, r in enumerate(refs)}}
+    not_stepped: dict[str, set[str]] = {k: set() for k in stepped}
     for step in range(steps):
         for opt in opts.values():
             opt.zero_grad(set_to_none=True)
-        ref_out, ref_grads = [], []
+        ref_out = []
         for s, r in enumerate(refs):
             loss, logits = _forward(r, _batch(step, s), family)
             loss.backward()
             ref_out.append((loss.detach(), logits.detach()))
-            ref_grads.append({n: q.grad for n, q in r.named_parameters() if q.grad is not None})
-        res: dict[str, Any] = {"ref": (*ref_out[mine], _expected(ref_grads, mine, group_slices, p))}
+        expected = _expected(refs, mine, group_slices)
+        res: dict[str, Any] = {"ref": (*ref_out[mine], expected)}
         for k, m in models.items():
             loss, logits = _forward(m, _batch(step, mine), family)
             loss.backward()
-            res[k] = (loss.detach(), logits.detach(), full_grads(m, mesh))
+            groups = m._hp_applied.expert_meshes  # the expert groups, handed to the gatherer
+            res[k] = (loss.detach(), logits.detach(), gather_full_grads(m, expected, mesh, expert_groups=groups))
         losses.append(float(res["ref"][0]))
         for a, b in (("prod", "ref"), ("val", "ref"), ("prod", "val")):
             for what, value in run_excess(res[a], res[b], rtol=RTOL).items():
-                worst[f"{a}-{b}:{what}"] = max(worst[f"{a}-{b}:{what}"], value)
+                worst[f"{a}-{b}:{what}"] = nan_safe_max([worst[f"{a}-{b}:{what}"], value])
+        before = {k: snapshot_params(m, only_with_grad=True) for k, m in stepped.items()}
         for opt in opts.values():
             opt.step()
+        for k, m in stepped.items():
+            changes = weights_changed(before[k], m)
+            not_stepped[k] |= {n for n, d in changes.items() if not 0.0 < d < math.inf}
+            if not changes:
+                not_stepped[k].add("<no parameter had a gradient>")
     n_expert = sum(1 for n in res["ref"][2] if ".experts." in n)
     return {
         **worst,
+        "not_stepped": {k: sorted(v) for k, v in not_stepped.items()},
         "losses": losses,
         "n_grads": len(res["ref"][2]),
         "n_expert_grads": n_expert,
@@ -354,7 +418,7 @@ def capacity_run(capacity_factor: float) -> dict[str, Any]:
     from hp_core import trust_packages
 
     trust_packages("moe_tasks")
-    base = build("qwen2moe")
+    base = build("qwen2moe", perturbed=True)
     mesh = _mesh((2,), ("tp",))
     outs = []
     SPIES.clear()
@@ -364,7 +428,7 @@ def capacity_run(capacity_factor: float) -> dict[str, Any]:
         apply(m, make_plan(m, mesh, ep_size=2, overrides=ep_overrides("qwen2moe", target)), mesh, mode=mode)
         loss, logits = _forward(m, _batch(0, 0), "qwen2moe")
         loss.backward()
-        outs.append((loss.detach(), logits.detach(), full_grads(m, mesh)))
+        outs.append((loss.detach(), logits.detach(), gather_full_grads(m, base, mesh, expert_groups=m._hp_applied.expert_meshes)))
     return {
         **run_excess(outs[0], outs[1], rtol=RTOL),
         "finite": bool(torch.isfinite(outs[0][1]).all()),

@@ -1,0 +1,149 @@
+"""Rank-side tasks of the differential matrix: every family either matches one device or is refused.
+
+A case plans a tiny, seeded, perturbed Hugging Face model for tp=2, verifies the plan (which
+must issue no collective), applies it in both modes, trains 2 AdamW steps next to a
+single-device copy and compares loss, logits and every gradient (gathered without hp's
+tables) — or records the refusal. A refusal that proposes an override is followed: the
+override is applied and the case runs again, until it matches or is refused without a
+further proposal.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import time
+from typing import Any
+
+import torch
+import yaml
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate
+
+from hp_core import HpError, apply, plan, verify
+from hp_core.testing.compare import (
+    GradientCheckError,
+    allclose_excess,
+    gather_full_grads,
+    nan_safe_max,
+    snapshot_params,
+    weights_changed,
+)
+from hp_core.testing.families import build_family, family_batch
+from hp_core.testing.probe import CollectiveCounter
+
+RTOL = 1e-5
+STEPS = 2
+
+
+def proposed_overrides(message: str) -> list[dict[str, Any]] | None:
+    """The override entries a refusal proposes (a YAML list after 'overrides:' or '- match:')."""
+    start = message.find("overrides:\n")
+    text = message[start:] if start >= 0 else None
+    if text is None:
+        m = re.search(r"^( *)- match:", message, flags=re.M)
+        if m is None:
+            return None
+        lines = []
+        for line in message[m.start() :].splitlines():
+            if line.strip() and not line.startswith(m.group(1)):
+                break
+            lines.append(line[len(m.group(1)) :])
+        text = "overrides:\n" + "\n".join(lines)
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+    entries = doc.get("overrides") if isinstance(doc, dict) else None
+    return entries if isinstance(entries, list) and entries else None
+
+
+def _train(models: dict[str, Any], family: str, mesh: Any) -> dict[str, Any]:
+    # Adam divides each update by that element's own gradient size: an element whose gradient
+    # is rounding noise in both runs (an embedding row no token used, a bias whose gradient is
+    # mathematically zero) gets a noise-driven update of up to lr * |noise| / eps. eps 1e-5
+    # keeps that far below the tolerance; what is compared before any step is unaffected.
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-5, foreach=False) for k, m in models.items()}
+    ref = models["ref"]
+    worst: dict[str, float] = {}
+    moved: dict[str, float] = {}
+    for step in range(STEPS):
+        ids = family_batch(family, seed=step)
+        res: dict[str, Any] = {}
+        for k, m in models.items():
+            opts[k].zero_grad(set_to_none=True)
+            out = m(input_ids=ids, labels=ids, use_cache=False)
+            out.loss.backward()
+            grads = {n: p.grad for n, p in m.named_parameters()} if k == "ref" else gather_full_grads(m, ref, mesh)
+            res[k] = (out.loss.detach(), out.logits.detach(), grads)
+        for a, b in (("prod", "ref"), ("val", "ref"), ("prod", "val")):
+            ga, gb = res[a][2], res[b][2]
+            if set(ga) != set(gb):
+                worst[f"{a}-{b}:grad"] = float("inf")
+                continue
+            for what, i in (("loss", 0), ("logits", 1)):
+                key = f"{a}-{b}:{what}"
+                worst[key] = nan_safe_max([worst.get(key, 0.0), allclose_excess(res[a][i], res[b][i], rtol=RTOL)])
+            key = f"{a}-{b}:grad"
+            worst[key] = nan_safe_max([worst.get(key, 0.0), *(allclose_excess(ga[n], gb[n], rtol=RTOL) for n in gb)])
+        for k, m in models.items():
+            before = snapshot_params(m, only_with_grad=True)
+            opts[k].step()
+            moved[k] = min([moved.get(k, float("inf")), *weights_changed(before, m).values()])
+    return {"excess": worst, "moved": moved, "n_grads": len(res["ref"][2])}
+
+
+def run_case(family: str, sp: bool, overrides: list[dict[str, Any]] | None = None, control: str | None = None) -> dict[str, Any]:
+    """One attempt: plan, verify, apply both modes, train; or the refusal and where it came from."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    base = build_family(family, seed=0)
+    if control == "lie_about_input":
+        # the final norm says its input arrives whole while it arrives sequence-sharded
+        whole = {"hidden_states": {"tp": Replicate()}}
+        overrides = [*(overrides or []), {"match": "model.norm", "in_src": whole, "in_dst": whole}]
+    names = [n for n, _ in base.named_modules() if n]
+
+    def refusal(where: str, e: HpError, **extra: Any) -> dict[str, Any]:
+        msg = str(e)
+        return {"refused": where, "type": type(e).__name__, "message": msg, "names_module": any(n in msg for n in names), **extra}
+
+    try:
+        p = plan(base, mesh, sequence_parallel=sp, overrides=overrides)
+    except HpError as e:
+        return refusal("plan", e)
+    with CollectiveCounter() as comm:  # what verifying costs in real collectives: none
+        try:
+            report = verify(base, p, mesh)
+        except HpError as e:
+            return refusal("verify", e, collectives=comm.total())
+    models = {"ref": copy.deepcopy(base), "prod": copy.deepcopy(base), "val": copy.deepcopy(base)}
+    apply(models["prod"], p, mesh, verify=report)
+    apply(models["val"], p, mesh, mode="validate", verify=report)
+    if control == "no_reductions":  # the runtime forgets the derived gradient sums
+        for k in ("prod", "val"):
+            models[k]._hp_applied.grad_reducer.buckets = []
+    try:
+        result = _train(models, family, mesh)
+    except (GradientCheckError, HpError) as e:  # caught by the comparison or by validate's own checks
+        return {"caught": type(e).__name__, "message": str(e)[:2000]}
+    return {**result, "collectives": comm.total(), "partial": len(report.reductions)}
+
+
+def family_case(family: str, sp: bool, control: str | None = None) -> dict[str, Any]:
+    """A case and the chain of fixes its refusals propose, each tried (at most 4 rounds)."""
+    t0 = time.perf_counter()
+    overrides: list[dict[str, Any]] = []
+    rounds = []
+    for _ in range(4):
+        r = run_case(family, sp, overrides or None, control)
+        rounds.append({k: v for k, v in r.items() if k in ("refused", "type", "message", "caught", "names_module")})
+        if "refused" not in r:
+            break
+        fix = proposed_overrides(r["message"])
+        if fix is None or all(e in overrides for e in fix):
+            break
+        overrides += [e for e in fix if e not in overrides]
+    r["rounds"] = rounds
+    r["fixes"] = overrides
+    r["seconds"] = time.perf_counter() - t0
+    return r
