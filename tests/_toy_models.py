@@ -255,3 +255,19 @@ class DrawingAttention(HeadAttention):
 
 def drawing_lm() -> ToyCausalLM:
     return ToyCausalLM([Layer(DrawingAttention(), MLP(), "mlp")])
+
+
+class LearnedActivationMLP(MLP):
+    """A Swish with a learned slope inside the MLP: its parameter meets sharded features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.beta = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.gate_proj(x)
+        return self.down_proj(h * torch.sigmoid(self.beta * h) * self.up_proj(x))
+
+
+def learned_activation_lm() -> ToyCausalLM:
+    return ToyCausalLM([Layer(HeadAttention(), LearnedActivationMLP(), "mlp")])

@@ -76,10 +76,11 @@ def train(
         worst["grad"] = nan_safe_max(
             [worst["grad"], *(allclose_excess(grads[n], p.grad, rtol=RTOL) for n, p in ref.named_parameters())]
         )
-        before = snapshot_params(inner)
+        before = snapshot_params(inner, only_with_grad=True)
         for o in opts:
             o.step()
-        moved.append(min(weights_changed(before, inner).values()))
+        # (FSDP2 may leave a rank an empty shard of a small parameter: nothing to move there)
+        moved.append(min(v for n, v in weights_changed(before, inner).items() if before[n].numel()))
         reducer = inner._hp_applied.grad_reducer
         reductions.append(reducer.reductions if reducer else 0)
     return {**worst, "min_moved": min(moved), "reductions": reductions, "n_grads": len(grads)}

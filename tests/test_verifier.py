@@ -190,7 +190,7 @@ def test_an_embedding_whose_forward_never_looks_up_its_weight_is_refused():
 
 def test_production_refuses_a_lookup_it_cannot_make_vocab_parallel():
     from hp_core.runtime.vocab import VocabParallelLookup
-    from hp_core.verifier.runner import _verification_mesh
+    from hp_core.verifier.inputs import verification_mesh as _verification_mesh
 
     emb = Indexed(8, 4)
     with _verification_mesh(plan(meta("llama"), "tp=2"), "tp=2") as mesh:
@@ -323,7 +323,7 @@ def test_the_report_summarizes_what_was_proven():
     ids=["dict", "args-kwargs", "list", "tensor"],
 )
 def test_given_inputs_become_meta_tensors_of_the_same_shape(given, expected):
-    from hp_core.verifier.runner import _to_meta_inputs
+    from hp_core.verifier.inputs import to_meta_inputs as _to_meta_inputs
 
     args, kwargs = _to_meta_inputs(given)
     assert all(t.is_meta for t in (*args, *kwargs.values()))
@@ -342,3 +342,69 @@ def test_a_fake_group_cannot_start_inside_a_real_one():
             verify(m, p, "tp=2")
     finally:
         dist.destroy_process_group()
+
+
+def test_an_input_that_arrives_in_another_layout_than_declared_is_refused():
+    """The final norm says its input arrives whole; under SP it arrives sequence-sharded."""
+    from torch.distributed.tensor import Replicate
+
+    from hp_core.verifier import LayoutMismatchError
+
+    m = meta("llama")
+    whole = {"hidden_states": {"tp": Replicate()}}
+    with pytest.raises(LayoutMismatchError, match=r"model\.norm: its input 'hidden_states' arrives with local shape \(2, 8, 64\)"):
+        verify(m, plan(m, "tp=2", overrides=[{"match": "model.norm", "in_src": whole, "in_dst": whole}]))
+
+
+def test_the_cross_run_checks_name_what_differs():
+    from torch.distributed.tensor import Partial, Replicate
+
+    from hp_core.verifier import InputGradientError, LayoutMismatchError, ProductionDiffersError
+    from hp_core.verifier.consistency import (
+        arrival_check,
+        check_input_gradients,
+        check_layouts,
+        check_modes_agree,
+    )
+    from hp_core.verifier.probes import BoundaryRecord
+
+    m = meta("llama")
+    p = plan(m, "tp=2")
+    fqn = "model.layers.0.self_attn"
+    val, prod = BoundaryRecord(fqn, True, shapes=[((2, 16, 64),)]), BoundaryRecord(fqn, False, shapes=[((2, 8, 64),)])
+    with pytest.raises(ProductionDiffersError, match=r"model\.layers\.0\.self_attn: production mode produces local output shapes"):
+        check_modes_agree({fqn: val}, {fqn: prod})
+    plain = BoundaryRecord(fqn, False, shapes=[((2, 16, 64),)], inputs=[{"hidden_states": (2, 16, 64)}])
+    right = BoundaryRecord(fqn, False, shapes=[((2, 8, 64),)], inputs=[{"hidden_states": (2, 8, 64)}])
+    check_layouts({fqn: plain}, {fqn: right}, p, {"tp": 2})  # in and out sequence-sharded, as declared
+    whole_out = BoundaryRecord(fqn, False, shapes=[((2, 16, 64),)], inputs=[{"hidden_states": (2, 8, 64)}])
+    with pytest.raises(LayoutMismatchError, match="its output 'attn_output' leaves with local shape"):
+        check_layouts({fqn: plain}, {fqn: whole_out}, p, {"tp": 2})
+    whole_in = BoundaryRecord(fqn, False, shapes=[((2, 8, 64),)], inputs=[{"hidden_states": (2, 16, 64)}])
+    with pytest.raises(LayoutMismatchError, match="its input 'hidden_states' arrives with local shape"):
+        check_layouts({fqn: plain}, {fqn: whole_in}, p, {"tp": 2})
+    with pytest.raises(LayoutMismatchError, match="its input 'hidden_states' arrives with local shape"):
+        arrival_check({fqn: plain}, p, {"tp": 2})(fqn, 0, {"hidden_states": (2, 16, 64)})
+    # attention gathers its input and shards its projections: the input's gradient is partial
+    partial = BoundaryRecord(fqn, True, input_grads={"hidden_states": [(("tp", Partial()),)]})
+    check_input_gradients({fqn: partial}, p, ["tp"])
+    whole = BoundaryRecord(fqn, True, input_grads={"hidden_states": [(("tp", Replicate()),)]})
+    with pytest.raises(InputGradientError, match=r"model\.layers\.0\.self_attn: the gradient of its input 'hidden_states' is whole"):
+        check_input_gradients({fqn: whole}, p, ["tp"])
+
+
+def test_meta_values_do_not_confuse_a_freed_tensor_with_a_new_one():
+    """An ``all()`` answer is tied to its tensor, not to an id Python may hand out again."""
+    x = torch.empty(3, device="meta")
+    with MetaValues():
+        for _ in range(50):
+            assert bool((x > 0).all()) is True  # freed right after
+            assert bool((x > 0).any()) is False  # may get the freed tensor's id
+
+
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
+def test_a_learned_activation_parameter_inside_a_sharded_mlp_is_partial(sp):
+    """Its gradient sums over this rank's features only: partial on tp with or without SP."""
+    with torch.device("meta"):
+        m = toys.learned_activation_lm()
+    assert verify(m, plan(m, "tp=2", sequence_parallel=sp)).partial()["model.layers.0.mlp.beta"] == ("tp",)

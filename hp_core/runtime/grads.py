@@ -202,9 +202,11 @@ class GradReducer:
         #: Validate mode: every parameter, checked for a gradient nothing reduced.
         self.every = every
         self.reductions = 0  # buckets reduced so far (tests count them)
+        self.early = 0  # of those, started before the end of backward
         self.by_group: dict[str, int] = {}  # the same, per process group (axis name or expert label)
         self._armed = False
         self._queued = False
+        self._dirty = False
         self._exclusive = False
         self._objects: dict[int, torch.Tensor] = {}
         self._hooks: dict[int, Any] = {}
@@ -280,6 +282,7 @@ class GradReducer:
         if self._queued or not self._armed:
             return
         self._queued = True
+        self._dirty = True
         # Queued from inside a callback, the reduction runs after every callback that was
         # queued during backward (FSDP2's, DDP's), whatever order they were queued in.
         Variable._execution_engine.queue_callback(lambda: Variable._execution_engine.queue_callback(self._finish))
@@ -295,10 +298,7 @@ class GradReducer:
         self._exclusive = DistributedDataParallel._get_active_ddp_module() is None and all(
             a is b for a, b in zip(current, self._initial, strict=True)
         )
-        self._armed = True
-        self._queued = False
-        for b in self.buckets:
-            b.arm()
+        self._arm_buckets()
         if self._exclusive:
             for b in self.buckets:
                 if not b.early_ok:
@@ -308,6 +308,13 @@ class GradReducer:
                     if p is not None and id(p) not in self._hooks:
                         self._objects[id(p)] = p
                         self._hooks[id(p)] = p.register_post_accumulate_grad_hook(self._arrived)
+
+    def _arm_buckets(self) -> None:
+        self._armed = True
+        self._queued = False
+        self._dirty = False
+        for b in self.buckets:
+            b.arm()
 
     def _arrived(self, p: torch.Tensor) -> None:
         if not (self._armed and self._exclusive):
@@ -321,9 +328,10 @@ class GradReducer:
                     b.waiting.discard(i)
             if not b.waiting:
                 b.start_early()
+                self.early += 1
 
     def _finish(self) -> None:
-        if not self._armed:
+        if not (self._armed and self._dirty):
             return
         self._armed = False
         if self.mode == "validate":
@@ -334,13 +342,15 @@ class GradReducer:
             self.by_group[b.key] = self.by_group.get(b.key, 0) + n
         if self.mode == "validate":
             self._check_reduced()
+        # Another backward through the same forward (retain_graph) sums only what it adds.
+        self._arm_buckets()
 
     def groups(self) -> list[str]:
         """The process groups this reducer sums over (axis names, expert labels), in bucket order."""
         return list(dict.fromkeys(b.key for b in self.buckets))
 
     def flush(self) -> None:
-        """Reduce now whatever this backward left pending (a no-op after the automatic reduction)."""
+        """Reduce now whatever a backward left pending (a no-op after the automatic reduction)."""
         self._finish()
 
     def _check_partial_before(self) -> None:

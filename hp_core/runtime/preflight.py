@@ -11,6 +11,7 @@ exchange their verdict once more.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -253,12 +254,14 @@ def _check_attrs(model: nn.Module, plan: ShardingPlan) -> None:
                 )
 
 
-def _exchange(plan: ShardingPlan, error: BaseException | None, mode: str = "production") -> None:
+def _exchange(plan: ShardingPlan, error: BaseException | None, mode: str = "production", report: Any = None) -> None:
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
             raise error
         return
     fingerprint = plan.fingerprint() if isinstance(plan, ShardingPlan) else f"<{type(plan).__name__}>"
+    if report is not None:  # the derived reductions decide the gradient all-reduces: they must agree too
+        fingerprint += "+" + hashlib.sha256(repr([(r.param, r.axes) for r in report.reductions]).encode()).hexdigest()[:16]
     fingerprint = f"{fingerprint}:{mode}"  # ranks in different modes would issue different collectives
     mine = (fingerprint, None if error is None else f"{type(error).__name__}: {error}")
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -393,7 +396,7 @@ def preflight(
             result.report = verify(result)
     except Exception as e:  # every rank must reach the exchange
         error = e
-    _exchange(plan, error, mode)
+    _exchange(plan, error, mode, result.report)
     if layouts:
         try:
             _bind_experts(model, plan, mesh, result, layouts)

@@ -11,6 +11,7 @@ not depend on those answers, for the common path.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,13 +36,15 @@ class MetaValues(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self._truthy: set[int] = set()
+        # id → weak reference: an id can be reused once its tensor is freed
+        self._truthy: dict[int, weakref.ref[torch.Tensor]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func is aten._local_scalar_dense.default and _meta_local(args[0]):
             t = args[0]
-            if id(t) in self._truthy:
+            ref = self._truthy.get(id(t))
+            if ref is not None and ref() is t:
                 return True
             return False if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
         if func in (aten.nonzero.default, aten.argwhere.default) and _meta_local(args[0]):
@@ -51,7 +54,7 @@ class MetaValues(TorchDispatchMode):
             return True
         out = func(*args, **kwargs)
         if func in (aten.all.default, aten.all.dim, aten.all.dims) and isinstance(out, torch.Tensor) and out.is_meta:
-            self._truthy.add(id(out))
+            self._truthy[id(out)] = weakref.ref(out)
         return out
 
 

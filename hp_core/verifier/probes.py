@@ -187,10 +187,17 @@ def _strict(fqn: str, module_type: str, fix: str, phase: str) -> Iterator[None]:
 class ValidateProbe:
     """Wraps one boundary of the validate copy (see the module docstring)."""
 
-    def __init__(self, bf: BoundaryForward, record: BoundaryRecord, params: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        bf: BoundaryForward,
+        record: BoundaryRecord,
+        params: dict[str, Any],
+        on_arrival: Callable[[str, int, dict[str, tuple[int, ...]]], None] | None = None,
+    ) -> None:
         self.bf = bf
         self.record = record
         self.params = params  # FQN → DTensor parameter of this region
+        self.on_arrival = on_arrival  # checks what arrives against the unsharded model's shapes
         self.seen: set[tuple[Any, ...]] = set()
         self.module_type = type(bf.module).__name__
         self._input_grads: dict[str, list[tuple[Any, ...]]] = {}
@@ -217,6 +224,8 @@ class ValidateProbe:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = call_key(args, kwargs)
+        if self.on_arrival is not None and key not in self.seen:
+            self.on_arrival(self.bf.fqn, self.record.calls, declared_shapes(self.bf.spec, self.bf._pos, args, kwargs))
         if self.bf.dispatch and key not in self.seen:
             # The region's own backward, in isolation: its inputs become leaves, so that the
             # gradient of a parameter also used elsewhere (a tied weight) holds only this use.

@@ -1,0 +1,132 @@
+"""Checks across the verifier's runs: the layouts boundaries exchange, and input gradients.
+
+* What arrives at and leaves every boundary in production has the local shape its
+  declared layouts give the unsharded model's tensors.
+* Every boundary gives production the local shapes it gives validate mode.
+* The gradient of each declared input is partial in DTensor's backward exactly where
+  production's entry transition assumes it is (``hp_core.planner.comms.grad_is_partial``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from hp_core.planner.comms import grad_is_partial
+from hp_core.runtime.partial import is_data_axis
+from hp_core.sharding_plan import ShardingPlan
+from hp_core.verifier.errors import InputGradientError, LayoutMismatchError, ProductionDiffersError
+from hp_core.verifier.probes import BoundaryRecord
+
+__all__ = ["arrival_check", "check_input_gradients", "check_layouts", "check_modes_agree"]
+
+
+def check_modes_agree(val: Mapping[str, BoundaryRecord], prod: Mapping[str, BoundaryRecord]) -> None:
+    """Every boundary produces the same local shapes in production as in validate mode."""
+    for fqn, rec in val.items():
+        other = prod.get(fqn)
+        if other is not None and rec.shapes != other.shapes:
+            raise ProductionDiffersError(
+                f"{fqn}: production mode produces local output shapes {other.shapes} where validate mode "
+                f"produces {rec.shapes}: the module reads a size from its attributes or its inputs that the "
+                "plan shards (declare it in tp_divide_attrs), or an output's declared layout is wrong."
+            )
+
+
+def _local_shape(shape: tuple[int, ...], layout: Mapping[str, Any], sizes: Mapping[str, int]) -> tuple[int, ...] | None:
+    """The local shape of a tensor of global ``shape`` in ``layout`` (None if a split does not divide)."""
+    out = list(shape)
+    for axis, p in layout.items():
+        n = sizes.get(str(axis), 1)
+        if isinstance(p, Shard) and n > 1:
+            if p.dim >= len(out) or out[p.dim] % n:
+                return None
+            out[p.dim] //= n
+    return tuple(out)
+
+
+def arrival_check(plain: Mapping[str, BoundaryRecord], plan: ShardingPlan, sizes: Mapping[str, int]) -> Callable[[str, int, dict[str, tuple[int, ...]]], None]:
+    """A check, run as each boundary is entered, that its inputs arrive in their declared layout.
+
+    Run during the validate pass, it names the first boundary whose contract disagrees with
+    what its producer gives, before the wrong layout crashes code further on.
+    """
+
+    def check(fqn: str, call: int, local: dict[str, tuple[int, ...]]) -> None:
+        ref = plain.get(fqn)
+        if ref is None or ref.skipped or call >= len(ref.inputs):
+            return
+        spec = plan[fqn]
+        for name, shape in ref.inputs[call].items():
+            layout = (spec.in_src or {}).get(name) or (spec.in_dst or {}).get(name) or {}
+            want, got = _local_shape(shape, layout, sizes), local.get(name)
+            if got is not None and want != got:
+                raise LayoutMismatchError(
+                    f"{fqn}: its input {name!r} arrives with local shape {got} on each rank, but its in_src "
+                    f"{_fmt(layout)} makes the unsharded model's {shape} into {want}. What arrives is in "
+                    "another layout than the contract declares: the boundary before it (or the model's code "
+                    "between them) produces something else. Declare the layout that arrives, or make the "
+                    "producer's out_dst give the declared one."
+                )
+
+    return check
+
+
+def check_layouts(plain: Mapping[str, BoundaryRecord], prod: Mapping[str, BoundaryRecord], plan: ShardingPlan, sizes: Mapping[str, int]) -> None:
+    """What arrives at and leaves each boundary has the local shape its declared layouts give
+    the unsharded model's tensors: a boundary that declares a layout its producer does not
+    give (an input said to be sharded that arrives whole, or the reverse) is refused."""
+    for fqn, rec in prod.items():
+        ref = plain.get(fqn)
+        if ref is None or len(ref.inputs) != len(rec.inputs) or ref.skipped or rec.skipped:
+            continue
+        spec = plan[fqn]
+        for call, (glob_in, loc_in) in enumerate(zip(ref.inputs, rec.inputs, strict=True)):
+            for name, shape in glob_in.items():
+                layout = (spec.in_src or {}).get(name) or (spec.in_dst or {}).get(name) or {}
+                want, got = _local_shape(shape, layout, sizes), loc_in.get(name)
+                if got is not None and want != got:
+                    raise LayoutMismatchError(
+                        f"{fqn}: its input {name!r} arrives with local shape {got} on each rank, but its in_src "
+                        f"{_fmt(layout)} makes the unsharded model's {shape} into {want}. What arrives is in "
+                        "another layout than the contract declares: the boundary before it (or the model's code "
+                        "between them) produces something else. Declare the layout that arrives, or make the "
+                        "producer's out_dst give the declared one."
+                    )
+            outs = spec.output_names() or list(spec.out_dst or {})
+            if outs and ref.shapes[call] and rec.shapes[call]:
+                layout = (spec.out_dst or {}).get(outs[0]) or (spec.out_src or {}).get(outs[0]) or {}
+                want, got = _local_shape(ref.shapes[call][0], layout, sizes), rec.shapes[call][0]
+                if want != got:
+                    raise LayoutMismatchError(
+                        f"{fqn}: its output {outs[0]!r} leaves with local shape {got} on each rank, but its out_dst "
+                        f"{_fmt(layout)} makes the unsharded model's {ref.shapes[call][0]} into {want}."
+                    )
+
+
+def _fmt(layout: Mapping[str, Any]) -> str:
+    return "{" + ", ".join(f"{a}: {p}" for a, p in layout.items()) + "}"
+
+
+def check_input_gradients(records: Mapping[str, BoundaryRecord], plan: ShardingPlan, names: list[str]) -> None:
+    """Production's entry transitions assume an input gradient partial exactly where the
+    boundary shards parameters; DTensor's backward must agree, or the two modes differ."""
+    for fqn, rec in records.items():
+        spec = plan[fqn]
+        for name, seen in rec.input_grads.items():
+            dst = (spec.in_dst or {}).get(name) or (spec.in_src or {}).get(name) or {}
+            for named in seen:
+                for axis, p in named:
+                    if is_data_axis(axis) or not isinstance(dst.get(axis, Replicate()), Replicate):
+                        continue
+                    expected = grad_is_partial(spec, axis)
+                    if isinstance(p, Partial) != expected:
+                        raise InputGradientError(
+                            f"{fqn}: the gradient of its input {name!r} is {'partial' if isinstance(p, Partial) else 'whole'} "
+                            f"on {axis!r} in DTensor's backward, but production's entry transition assumes it "
+                            f"{'partial' if expected else 'whole'} (it {'sums' if expected else 'does not sum'} it over "
+                            f"{axis}). The region mixes sharded and replicated paths from this input; shard the "
+                            "replicated ones, or keep the boundary whole on that axis."
+                        )
