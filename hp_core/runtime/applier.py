@@ -16,6 +16,8 @@ from hp_core.runtime.install import install
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.preflight import PreflightError, PreflightResult, preflight
 from hp_core.sharding_plan import ShardingPlan
+from hp_core.verifier.report import VerifyReport
+from hp_core.verifier.runner import verify as run_verifier
 
 __all__ = ["VerificationRequiredError", "apply", "finalize_grads"]
 
@@ -25,9 +27,6 @@ class VerificationRequiredError(PreflightError, HpError):
 
 
 def _verifier(model: nn.Module, plan: ShardingPlan, mesh: Any, verify: Any) -> Any:
-    from hp_core.verifier import VerifyReport
-    from hp_core.verifier import verify as run_verifier
-
     if verify is True:
         return lambda pre: run_verifier(model, plan, mesh, preflight=pre)
     if isinstance(verify, VerifyReport):
