@@ -131,6 +131,8 @@ def test_full_width_qk_norm_on_sharded_projections_is_refused_with_a_fix_that_ve
     m = meta("olmo2")
     with pytest.raises(UndeclaredCommunicationError, match=r"model\.layers\.0\.self_attn \(Olmo2Attention\)") as e:
         verify(m, plan(m, "tp=2"))
+    assert e.value.suspects == ("q_norm.weight", "k_norm.weight")  # named in the message too
+    assert "next to sharded parameters: q_norm.weight, k_norm.weight" in str(e.value)
     fix = fix_from(str(e.value))
     # one entry for the same block in every layer (they share the contract), pasted as is
     assert fix[0]["match"] == "model.layers.*.self_attn" and fix[0]["params"]["q_proj.weight"] == {"tp": "replicate"}

@@ -37,7 +37,7 @@ from hp_core.runtime.layouts import Transition, same_placement, to_placements
 from hp_core.runtime.partial import contract_partial_axes
 from hp_core.spec import ModuleShardingSpec, PlacementMismatchError
 
-__all__ = ["BoundaryForward", "InnerOutputCheck", "UndeclaredCommunicationError"]
+__all__ = ["BoundaryForward", "InnerOutputCheck", "UndeclaredCommunicationError", "suspects"]
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
@@ -59,21 +59,40 @@ class _LegacyEmptyCat(TorchDispatchMode):
 class UndeclaredCommunicationError(HpError, ValueError):
     """Inside a region, DTensor had to redistribute a tensor the contract does not mention."""
 
-    def __init__(self, fqn: str, module_type: str, detail: str, phase: str = "forward", fix: str = "") -> None:
+    def __init__(
+        self, fqn: str, module_type: str, detail: str, phase: str = "forward", fix: str = "", suspects: tuple[str, ...] = ()
+    ) -> None:
         self.fqn, self.module_type, self.detail, self.phase, self.fix = fqn, module_type, detail, phase, fix
+        self.suspects = tuple(suspects)
         op = detail.replace("Implicit redistribution occurred for ", "").replace(" while ExplicitRedistributionContext was active", "")
+        hint = (
+            f" Replicated in this region next to sharded parameters: {', '.join(suspects)} — the usual culprits."
+            if suspects
+            else ""
+        )
         super().__init__(
             f"{fqn} ({module_type}): in its {phase}, DTensor had to redistribute a tensor inside the region: "
             f"{op}.\nThe contract declares no communication there, and production (local shards, no "
             "DTensor) would compute something else. Usually a parameter's layout does not fit the "
             "activation it meets (a full-width norm on a sharded projection, a tensor kept whole while "
-            "heads are split, a projection left replicated next to a sharded one). Declare that "
+            f"heads are split, a projection left replicated next to a sharded one).{hint} Declare that "
             "parameter's layout, or keep the boundary whole on tp (correct, at the cost of replicated "
             f"compute):\n{fix}"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.fqn, self.module_type, self.detail, self.phase, self.fix))
+        return (type(self), (self.fqn, self.module_type, self.detail, self.phase, self.fix, self.suspects))
+
+
+def suspects(spec: ModuleShardingSpec, axis: str = "tp") -> tuple[str, ...]:
+    """A region's parameters replicated on ``axis`` while others are sharded there (not deferred biases)."""
+    params = spec.params if isinstance(spec.params, dict) else {}
+    if not any(isinstance(n.get(axis), Shard) for n in params.values()):
+        return ()
+    return tuple(
+        rel for rel, n in params.items()
+        if not isinstance(n.get(axis), Shard) and rel not in spec._deferred_bias_params and "ep" not in n
+    )
 
 
 def _positions(fn: Callable[..., Any]) -> dict[str, int]:
@@ -274,7 +293,8 @@ class BoundaryForward:
             if "Implicit redistribution" not in str(e):
                 raise
             raise UndeclaredCommunicationError(
-                self.fqn, type(self.module).__name__, str(e), fix=keep_whole_yaml(self.fqn, self.spec, match=self.fix_match)
+                self.fqn, type(self.module).__name__, str(e), fix=keep_whole_yaml(self.fqn, self.spec, match=self.fix_match),
+                suspects=suspects(self.spec),
             ) from None
 
     def _replicate_rest(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -28,7 +28,7 @@ from torch.distributed.tensor._utils import ExplicitRedistributionContext
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hp_core.errors import HpError
-from hp_core.runtime.boundary import BoundaryForward, UndeclaredCommunicationError
+from hp_core.runtime.boundary import BoundaryForward, UndeclaredCommunicationError, suspects
 from hp_core.runtime.fixes import keep_whole_yaml
 from hp_core.spec import PlacementMismatchError
 from hp_core.verifier.errors import ProductionDiffersError, RandomOnPartialError, VerificationError
@@ -174,14 +174,14 @@ class _RandomOnPartial(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _strict(fqn: str, module_type: str, fix: str, phase: str) -> Iterator[None]:
+def _strict(fqn: str, module_type: str, fix: str, phase: str, culprits: tuple[str, ...] = ()) -> Iterator[None]:
     try:
         with ExplicitRedistributionContext(strict=True):
             yield
     except RuntimeError as e:
         if "Implicit redistribution" not in str(e):
             raise
-        raise UndeclaredCommunicationError(fqn, module_type, str(e), phase=phase, fix=fix) from None
+        raise UndeclaredCommunicationError(fqn, module_type, str(e), phase=phase, fix=fix, suspects=culprits) from None
 
 
 class ValidateProbe:
@@ -259,7 +259,7 @@ class ValidateProbe:
             return
         fix = keep_whole_yaml(self.bf.fqn, self.bf.spec, match=self.bf.fix_match)
         self._input_grads = {}
-        with _strict(self.bf.fqn, self.module_type, fix, "backward"):
+        with _strict(self.bf.fqn, self.module_type, fix, "backward", suspects(self.bf.spec)):
             grads = torch.autograd.grad(
                 outs,
                 [self.params[n] for n in names],
