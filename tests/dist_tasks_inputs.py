@@ -46,11 +46,11 @@ def bad_inputs(case: str, mode: str) -> dict[str, Any]:
     return out
 
 
-def generate(sp: bool, mode: str) -> dict[str, Any]:
+def generate(sp: bool, mode: str, check_inputs: bool = True) -> dict[str, Any]:
     m = build_family("llama")
     ref = copy.deepcopy(m)
     mesh = _mesh()
-    apply(m, plan(m, mesh, sequence_parallel=sp), mesh, mode=mode)
+    apply(m, plan(m, mesh, sequence_parallel=sp), mesh, mode=mode, check_inputs=check_inputs)
     ids = family_batch("llama", batch=1, seq=8)
     tokens: dict[str, Any] = {}
     out = _error(lambda: tokens.update(tokens=m.generate(ids, max_new_tokens=4, do_sample=False).tolist()))
@@ -59,6 +59,11 @@ def generate(sp: bool, mode: str) -> dict[str, Any]:
     # HF's default use_cache=True on a plain forward call works in both modes
     loss = m(input_ids=ids, labels=ids).loss
     out["loss_matches"] = abs(float(loss) - float(ref(input_ids=ids, labels=ids).loss)) < 1e-5
+    fallback = m._hp_applied.fallback
+    out["whole_sequence_forwards"] = fallback.uses if fallback is not None else None
+    # training keeps sequence parallelism: an odd length with gradients is still refused
+    odd = family_batch("llama", batch=1, seq=7)
+    out["training_odd"] = _error(lambda: m(input_ids=odd, labels=odd, use_cache=False).loss.backward())["type"]
     return out
 
 

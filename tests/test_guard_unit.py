@@ -45,7 +45,7 @@ def test_on_an_accelerator_the_guard_compares_over_cpu_side_groups(monkeypatch):
 
 
 def test_the_sequence_check_reads_ids_embeddings_or_the_first_argument():
-    g = types.SimpleNamespace(split=("model.layers.0 (input 'hidden_states')", "tp=2", 2))
+    g = types.SimpleNamespace(split=("model.layers.0 (input 'hidden_states')", "tp=2", 2), fallback=None)
     check = G.InputGuard._check_sequence.__get__(g)
     check((torch.ones(2, 4, dtype=torch.long),), {})  # divisible: fine
     with pytest.raises(G.InputLayoutError, match=r"this batch has 5 positions .* multiple of 2"):
@@ -53,5 +53,12 @@ def test_the_sequence_check_reads_ids_embeddings_or_the_first_argument():
     with torch.no_grad(), pytest.raises(G.InputLayoutError, match=r"generate\(\) with a KV cache"):
         check((torch.ones(1, 1, dtype=torch.long),), {})
     check((), {"other": 3})  # nothing sequence-like: nothing to check
+    engaged = []
+    g.fallback = types.SimpleNamespace(engage=lambda: engaged.append(True))
+    with torch.no_grad():  # inference with a whole-sequence variant: runs it instead of refusing
+        check((torch.ones(1, 1, dtype=torch.long),), {})
+    assert engaged == [True]
+    with pytest.raises(G.InputLayoutError):  # training still refuses
+        check((torch.ones(2, 5, dtype=torch.long),), {})
     g.split = None
     check((torch.ones(2, 5, dtype=torch.long),), {})

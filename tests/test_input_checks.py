@@ -40,12 +40,22 @@ def test_generate_without_sequence_parallel_matches_one_device(mode):
         assert r["tokens"] == r["ref"] and r["loss_matches"]
 
 
-def test_generate_under_sequence_parallel_is_refused_with_the_fix():
-    for r in get_world(2).run(tasks.generate, True, "production"):
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_generate_under_sequence_parallel_runs_its_decode_steps_whole(mode):
+    """Prefill splits the sequence; each one-token decode step runs with the plan's
+    whole-sequence variant (verified once, when first needed). Same tokens as one device."""
+    for r in get_world(2).run(tasks.generate, True, mode):
+        assert r["type"] is None, r["message"]
+        assert r["tokens"] == r["ref"] and r["loss_matches"]
+        assert r["whole_sequence_forwards"] >= 3  # the decode steps of 4 new tokens
+        assert r["training_odd"] == "InputLayoutError"
+
+
+def test_without_the_input_check_a_decode_step_under_sp_is_refused_with_the_fix():
+    for r in get_world(2).run(tasks.generate, True, "production", False):
         assert r["type"] == "InputLayoutError"
-        assert "this batch has 1 positions" in r["message"]
+        assert "1 positions along dim 1" in r["message"]
         assert "generate() with a KV cache" in r["message"] and "sequence_parallel=False" in r["message"]
-        assert r["loss_matches"]
 
 
 def test_data_parallel_ranks_may_have_different_batches():

@@ -15,7 +15,10 @@ from hp_core.errors import HpError
 from hp_core.runtime.install import install
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.preflight import PreflightError, PreflightResult, preflight
+from hp_core.runtime.sequence import SequenceFallback
 from hp_core.sharding_plan import ShardingPlan
+from hp_core.verifier.meta import meta_clone
+from hp_core.verifier.repeats import find_repeats
 from hp_core.verifier.report import VerifyReport
 from hp_core.verifier.runner import verify as run_verifier
 
@@ -81,14 +84,28 @@ def apply(
     batch that differs between them is an error on every rank rather than an abort.
     """
     pre = preflight(model, plan, mesh, mode, verify=_verifier(model, plan, mesh, verify))
+    fallback = _sequence_fallback(model, plan, mesh)
     journal = Journal()
     try:
-        state = install(model, plan, mesh, mode, pre, journal, reductions=pre.report.reductions, check_inputs=check_inputs)
+        state = install(
+            model, plan, mesh, mode, pre, journal, reductions=pre.report.reductions,
+            check_inputs=check_inputs, fallback=fallback,
+        )
         state.report = pre.report
     except BaseException:
         journal.rollback()
         raise
     return model
+
+
+def _sequence_fallback(model: nn.Module, plan: ShardingPlan, mesh: Any) -> SequenceFallback | None:
+    """Under sequence parallelism: the whole-sequence variant for inference, verified when first
+    needed on a weightless copy of the model taken now (before the parameters are sharded)."""
+    names = list(mesh.mesh_dim_names or ())
+    if not plan.sequence_parallel or "tp" not in names or mesh["tp"].size() == 1:
+        return None
+    copy = meta_clone(model, find_repeats(model, plan.modules))
+    return SequenceFallback(plan, lambda variant: run_verifier(copy, variant, mesh))
 
 
 def finalize_grads(model: nn.Module) -> None:

@@ -131,8 +131,9 @@ def _describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, 
 class InputGuard:
     """Root forward pre-hook: compare this call's input shapes over each non-dp mesh axis."""
 
-    def __init__(self, model_name: str, mesh: Any, modules: Mapping[str, ModuleShardingSpec]) -> None:
+    def __init__(self, model_name: str, mesh: Any, modules: Mapping[str, ModuleShardingSpec], fallback: Any = None) -> None:
         self.model_name = model_name
+        self.fallback = fallback  # a SequenceFallback: inference that cannot split its sequence runs whole
         self.groups = _cpu_groups(mesh)
         # Along an axis where the plan shards activations everywhere (context parallelism),
         # each rank is given its own part of the batch: only shapes must agree there.
@@ -148,6 +149,8 @@ class InputGuard:
         self.check(args, kwargs)
 
     def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.fallback is not None:
+            self.fallback.active = False
         if not self.groups:
             return
         seen = _describe(args, kwargs)
@@ -190,6 +193,9 @@ class InputGuard:
         if not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.shape[1] % divisor == 0:
             return
         n = ids.shape[1]
+        if not torch.is_grad_enabled() and self.fallback is not None:
+            self.fallback.engage()  # inference: this forward runs without sequence parallelism
+            return
         decode = not torch.is_grad_enabled() and n < divisor
         raise InputLayoutError(
             f"{where}: it splits the sequence over {axes} (sequence parallelism), but this batch has "

@@ -26,6 +26,7 @@ from hp_core.runtime.layouts import dense_mesh
 from hp_core.runtime.params import shard_parameters
 from hp_core.runtime.preflight import PreflightResult
 from hp_core.runtime.rng import RngStreams
+from hp_core.runtime.sequence import SequenceFallback, SequenceSwitch
 from hp_core.runtime.vocab import VocabParallelCausalLMLoss, VocabParallelLookup
 from hp_core.sharding_plan import ShardingPlan
 
@@ -50,6 +51,8 @@ class AppliedModel:
     guard: Any = None
     #: The tp-shared / tp-local random streams (``hp_core.runtime.rng``).
     rng: Any = None
+    #: The whole-sequence variant for inference that cannot split its sequence (``hp_core.runtime.sequence``).
+    fallback: Any = None
 
 
 def _tp_group(mesh: Any) -> Any:
@@ -128,6 +131,7 @@ def install(
     reduce: bool = True,
     check_inputs: bool = True,
     streams: bool = True,
+    fallback: SequenceFallback | None = None,
 ) -> AppliedModel:
     """Shard, wrap and hook ``model`` by ``plan``; every mutation goes through ``journal``.
 
@@ -136,7 +140,7 @@ def install(
     ``streams=False`` no random streams (the verifier's copies: nothing that communicates). ``strict_regions`` (default: on in validate mode) makes every dispatching region
     refuse an implicit DTensor redistribution: communication the contract does not declare.
     """
-    guard = InputGuard(type(model).__name__, mesh, plan.modules) if check_inputs else None
+    guard = InputGuard(type(model).__name__, mesh, plan.modules, fallback=fallback) if check_inputs else None
     if guard is not None:
         guard.attach(model, journal)  # first hook of the root: before any collective of a forward
     rng = RngStreams(mesh) if streams else None
@@ -156,7 +160,14 @@ def install(
             fqn, module, spec, dense, mode, compute=compute or replacement, dispatch=dispatch,
             strict=strict, rng=rng, fix_match=fix_match(fqn, plan.modules),
         )
-        set_forward(journal, module, bf)
+        forward: Any = bf
+        if guard is not None and fallback is not None:
+            whole = BoundaryForward(
+                fqn, module, fallback.variant[fqn], dense, mode, compute=compute or replacement,
+                dispatch=dispatch, strict=strict, rng=rng, fix_match=bf.fix_match,
+            )
+            forward = SequenceSwitch(bf, whole, fallback)
+        set_forward(journal, module, forward)
         forwards[fqn] = bf
     if mode == "production":
         for fqn, spec in plan.items():
@@ -170,7 +181,7 @@ def install(
     if plan.loss_parallel:
         _install_loss(model, mesh, journal)
     meshes = {ep: groups.mesh for ep, groups in pre.experts.items()}
-    state = AppliedModel(plan, mode, mesh, forwards, reducer, meshes, guard=guard, rng=rng)
+    state = AppliedModel(plan, mode, mesh, forwards, reducer, meshes, guard=guard, rng=rng, fallback=fallback if guard else None)
     journal.set_attr(model, "_hp_applied", state)
     return state
 
