@@ -448,6 +448,14 @@ def add_check_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
             "(or its folder)"
         ),
     )
+    parser.add_argument(
+        "--report",
+        metavar="PATH",
+        help=(
+            "with --model: write the verifier's report (signed JSON) to PATH; a later run passes "
+            "apply(..., verify=hp_core.VerifyReport.loads(text)) and skips the verifier"
+        ),
+    )
     parser.set_defaults(handler=cmd_check)
 
 
@@ -462,6 +470,8 @@ def cmd_check(args: argparse.Namespace, out: Console, err: Console) -> int:
     try:
         if not path.is_file():
             raise _Failed(2, f"{args.artifact!r}: no such file.")
+        if getattr(args, "report", None) and args.model is None:
+            raise _Failed(2, "--report needs --model: the report is the verifier's, and hp verifies only against a model.")
         model = _load_model(args.model) if args.model is not None else None
         try:
             artifact = read_artifact(path)
@@ -515,6 +525,13 @@ def cmd_check(args: argparse.Namespace, out: Console, err: Console) -> int:
         err.print(Text(f"hp check: problem: {e.message}"), soft_wrap=True)
         return e.code
     out.print(Text(report.summary()), soft_wrap=True)
+    if getattr(args, "report", None):
+        try:
+            Path(args.report).write_text(report.dumps())
+        except OSError as e:
+            err.print(Text(f"hp check: error: cannot write the report to {args.report!r}: {e}"), soft_wrap=True)
+            return 2
+        out.print(Text(f"report written to {args.report}"), soft_wrap=True)
     return 0
 
 

@@ -145,7 +145,24 @@ def test_check_with_the_right_model(capsys, frozen, tmp_path):
         verified
     )
     build_model("llama", device="meta").config.to_json_file(tmp_path / "config.json")
-    assert run(capsys, "check", str(frozen), "--model", str(tmp_path))[0] == 0  # the same config from a file
+    saved = tmp_path / "report.json"
+    code, out, err = run(capsys, "check", str(frozen), "--model", str(tmp_path), "--report", str(saved))
+    assert (code, err) == (0, "")  # the same config from a file, with the report saved
+    assert out.endswith(f"report written to {saved}\n")
+    from hp_core.verifier import VerifyReport
+
+    loaded = VerifyReport.loads(saved.read_text(), source=str(saved))
+    assert dict(loaded.mesh) == {"tp": 2} and len(loaded.checked) == 11
+    assert loaded.partial()["model.layers.0.input_layernorm.weight"] == ("tp",)
+
+
+def test_check_report_needs_a_model_and_a_writable_path(capsys, frozen, tmp_path):
+    code, out, err = run(capsys, "check", str(frozen), "--report", str(tmp_path / "r.json"))
+    assert code == 2 and err.startswith("hp check: error: --report needs --model")
+    assert not (tmp_path / "r.json").exists()
+    code, out, err = run(capsys, "check", str(frozen), "--model", "llama", "--report", str(tmp_path / "no" / "r.json"))
+    assert code == 2 and err.startswith(f"hp check: error: cannot write the report to {str(tmp_path / 'no' / 'r.json')!r}")
+    assert "report written" not in out
 
 
 def test_check_with_another_model(capsys, frozen):

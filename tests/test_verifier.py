@@ -410,3 +410,21 @@ def test_a_learned_activation_parameter_inside_a_sharded_mlp_is_partial(sp):
     with torch.device("meta"):
         m = toys.learned_activation_lm()
     assert verify(m, plan(m, "tp=2", sequence_parallel=sp)).partial()["model.layers.0.mlp.beta"] == ("tp",)
+
+
+def test_a_report_saves_and_loads_and_refuses_edits():
+    from hp_core import VerifyReport
+    from hp_core.verifier.report import ReportFormatError
+
+    m = meta("qwen3")
+    report = verify(m, plan(m, "tp=2"))
+    text = report.dumps()
+    back = VerifyReport.loads(text)
+    assert back.partial() == report.partial() and back.fingerprint == report.fingerprint
+    assert VerifyReport.loads(back.dumps()).dumps() == text  # byte-stable
+    with pytest.raises(ReportFormatError, match="signature does not match"):
+        VerifyReport.loads(text.replace('"tp"]', '"cp"]', 1))
+    with pytest.raises(ReportFormatError, match="not a verifier report"):
+        VerifyReport.loads("{}")
+    with pytest.raises(ReportFormatError, match="invalid JSON"):
+        VerifyReport.loads("{")

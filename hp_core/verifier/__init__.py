@@ -21,6 +21,7 @@ from hp_core.verifier.errors import (
     UnverifiableError,
     VerificationError,
 )
+from hp_core.verifier.report import ReportFormatError
 from hp_core.verifier.runner import VerifyReport, verify
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "MixedGradientError",
     "ProductionDiffersError",
     "RandomOnPartialError",
+    "ReportFormatError",
     "UndeclaredCommunicationError",
     "UnverifiableError",
     "VerificationError",

@@ -1,12 +1,34 @@
-"""What the verifier proved about one plan on one mesh (``hp_core.VerifyReport``)."""
+"""What the verifier proved about one plan on one mesh (``hp_core.VerifyReport``).
+
+A report can be saved (:meth:`VerifyReport.dumps`, canonical JSON with a content
+signature) and passed to ``apply(..., verify=VerifyReport.loads(text))`` in a later run
+of the same plan, which then skips the verifier. The signature detects edits and
+corruption (as an artifact's does: it is not authentication), and ``apply`` compares the
+report's plan fingerprint with the plan's.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+from typing import Any
 
+from hp_core.errors import HpError
 from hp_core.runtime.grads import GradReduction
 
-__all__ = ["VerifyReport"]
+__all__ = ["ReportFormatError", "VerifyReport"]
+
+_FORMAT = "hp-verify-report"
+_VERSION = 1
+
+
+class ReportFormatError(HpError, ValueError):
+    """A saved verifier report that cannot be read back (edited, truncated, another version)."""
+
+
+def _canonical(data: Any) -> bytes:
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 @dataclasses.dataclass
@@ -24,6 +46,47 @@ class VerifyReport:
     #: repeated layer → the identical one that was checked in its place
     repeated: dict[str, str]
     seconds: float = 0.0
+
+    def dumps(self) -> str:
+        """The report as signed canonical JSON (reductions, fingerprint, mesh, what was checked)."""
+        body = {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "fingerprint": self.fingerprint,
+            "mesh": [list(m) for m in self.mesh],
+            "reductions": [[r.param, list(r.axes), r.source] for r in self.reductions if r.group is None],
+            "checked": list(self.checked),
+            "opaque": dict(self.opaque),
+            "repeated": dict(self.repeated),
+        }
+        body["signature"] = "sha256:" + hashlib.sha256(_canonical(body)).hexdigest()
+        return _canonical(body).decode() + "\n"
+
+    @classmethod
+    def loads(cls, text: str | bytes, *, source: str = "<report>") -> VerifyReport:
+        """Read a report written by :meth:`dumps`; refuses anything edited or malformed."""
+        try:
+            body = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise ReportFormatError(f"{source}: not a verifier report (invalid JSON: {e}).") from None
+        if not isinstance(body, dict) or body.get("format") != _FORMAT:
+            raise ReportFormatError(f"{source}: not a verifier report (write one with VerifyReport.dumps()).")
+        if body.get("version") != _VERSION:
+            raise ReportFormatError(f"{source}: report version {body.get('version')!r}; this hp reads {_VERSION}. Verify again.")
+        signature = body.pop("signature", None)
+        if signature != "sha256:" + hashlib.sha256(_canonical(body)).hexdigest():
+            raise ReportFormatError(f"{source}: the report's signature does not match its content (edited or corrupt). Verify again.")
+        try:
+            return cls(
+                fingerprint=str(body["fingerprint"]),
+                mesh=tuple((str(a), int(n)) for a, n in body["mesh"]),
+                reductions=tuple(GradReduction(str(p), tuple(str(a) for a in axes), str(src)) for p, axes, src in body["reductions"]),
+                checked=tuple(str(c) for c in body["checked"]),
+                opaque={str(k): str(v) for k, v in body["opaque"].items()},
+                repeated={str(k): str(v) for k, v in body["repeated"].items()},
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ReportFormatError(f"{source}: the report's fields do not validate ({type(e).__name__}: {e}).") from None
 
     def partial(self) -> dict[str, tuple[str, ...]]:
         """``{parameter FQN: axes}`` of every partial gradient."""
