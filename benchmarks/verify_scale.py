@@ -9,7 +9,8 @@ construction is excluded from both. Each repetition times plan() then verify() i
 median of the per-repetition ratios (robust to load drift). The warm-up (the
 first plan() and verify() in the process) is reported on its own: a user's first apply
 pays it. Also: the verifier with ``exhaustive=True`` at 32 layers (what repeat detection
-saves), and a 7B-shaped MoE preset when ``hp_core.testing.models`` has one.
+saves), the floor under it (torch's meta kernels alone for the layers it checks, one forward
+and backward), and a 7B-shaped MoE preset when ``hp_core.testing.models`` has one.
 
     python benchmarks/verify_scale.py [--layers 32 64 128 256 512 1024] [--repeat 5] [--quick] [--json out.json]
 """
@@ -81,6 +82,28 @@ def measure(model, repeat: int, *, sequence_parallel: bool, exhaustive: bool = F
             "repeated": len(exh.repeated),
         }
     return row
+
+
+def meta_floor(layers: int, repeat: int) -> dict[str, Any]:
+    """One forward + backward of a ``layers``-layer copy on the meta device, without hp.
+
+    This is the floor under every verifier pass: torch's meta kernels for the layers the
+    verifier checks. The verifier runs three such passes (DTensor, local tensors, the
+    unsharded model), so it cannot cost less than about three of these.
+    """
+    import torch
+
+    from hp_core.verifier.meta import MetaValues, meta_clone
+
+    model = meta_clone(_model(layers))
+    ids = torch.zeros(1, 64, dtype=torch.long, device="meta")
+
+    def once() -> None:
+        with MetaValues():  # answers HF's value queries (mask.all()) as the verifier does
+            model(input_ids=ids, use_cache=False).logits.sum().backward()
+
+    once()
+    return _stats([_timed(once)[0] for _ in range(repeat)])
 
 
 def _moe_preset() -> str | None:
@@ -162,6 +185,19 @@ def main(argv: list[str] | None = None) -> int:
             f"| exhaustive=True | {_span(e)} | 32 | {e['ratio']:.2f}x |",
             f"| saved by repeat detection | {e['saving']:.1f}x faster | | |",
         ]
+    if warm32 is not None:
+        checked = warm32["layers"] - warm32["repeated"]
+        floor = meta_floor(checked, args.repeat)
+        out_floor = {"layers": checked, **floor}
+        plan32 = warm32["plan"]["median_s"]
+        lines += [
+            "",
+            f"| floor: torch alone, {checked}-layer copy on meta, one forward + backward | s, median (min-max) | vs plan (32 layers) | verify / floor |",
+            "|---|---|---|---|",
+            f"| no hp, no DTensor | {_span(floor)} | {floor['median_s'] / plan32:.2f}x | {warm32['verify']['median_s'] / floor['median_s']:.1f}x |",
+        ]
+    else:
+        out_floor = None
     if "skipped" in moe:
         lines += ["", f"MoE: skipped: {moe['skipped']}."]
     print("\n".join(lines))
@@ -173,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         "first_call": {"plan_s": first_plan, "verify_s": first_verify, "layers": 32},
         "rows": rows,
         "moe": moe,
+        "meta_floor": out_floor,
     }
     args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
