@@ -10,6 +10,7 @@ from __future__ import annotations
 from hp_core.errors import HpError
 from hp_core.hookspecs import hookimpl
 from hp_core.injection import (
+    InjectionCallError,
     InjectionMeta,
     Target,
     inner_wrapper,
@@ -18,7 +19,7 @@ from hp_core.injection import (
     trust_packages,
 )
 from hp_core.mesh import MeshSpec
-from hp_core.planner import plan
+from hp_core.planner import MeshTypeError, TemplateBuildError, plan
 from hp_core.plugins import (
     register_compute_factory,
     register_inner_wrapper,
@@ -26,10 +27,14 @@ from hp_core.plugins import (
     register_template,
     register_training_adapter,
 )
-from hp_core.runtime import apply, finalize_grads
+from hp_core.runtime import ApplyFailedError, RankTimeoutError, apply, finalize_grads
 from hp_core.runtime.clip import clip_grad_norm_
 from hp_core.sharding_plan import (
+    ArgumentTypeError,
+    DuplicateOverrideError,
     OverrideEntry,
+    OverridesTypeError,
+    PlanTypeError,
     ShardingPlan,
     dump_overrides,
     dump_plan,
@@ -45,13 +50,15 @@ from hp_core.spec import (
     ModuleShardingSpec,
     NamedPlacement,
     PlacementMismatchError,
+    UnknownFieldError,
+    UnsupportedPartialError,
     format_named_placement,
     format_placement,
     parse_named_placement,
     parse_placement,
     resolve_placements,
 )
-from hp_core.templates import BoundaryTemplate, Role, RoleRule
+from hp_core.templates import BoundaryTemplate, Role, RoleRule, TemplateDefinitionError
 from hp_core.verifier import VerificationError, VerifyReport, verify
 
 __version__ = "0.1.0"
@@ -61,19 +68,31 @@ __all__ = [
     "DP",
     "EP",
     "TP",
+    "ApplyFailedError",
+    "ArgumentTypeError",
     "BoundaryTemplate",
+    "DuplicateOverrideError",
     "HpError",
+    "InjectionCallError",
     "InjectionMeta",
     "MeshAxisName",
     "MeshSpec",
+    "MeshTypeError",
     "ModuleShardingSpec",
     "NamedPlacement",
     "OverrideEntry",
+    "OverridesTypeError",
     "PlacementMismatchError",
+    "PlanTypeError",
+    "RankTimeoutError",
     "Role",
     "RoleRule",
     "ShardingPlan",
     "Target",
+    "TemplateBuildError",
+    "TemplateDefinitionError",
+    "UnknownFieldError",
+    "UnsupportedPartialError",
     "VerificationError",
     "VerifyReport",
     "__version__",

@@ -152,6 +152,15 @@ class _UsageError(Exception):
     """Bad command-line input (exit 2)."""
 
 
+#: Plan/freeze anyway when the plan names registry items no installed plugin provides.
+ALLOW_MISSING_PLUGINS = "--allow-missing-plugins"
+_ALLOW_MISSING_HELP = (
+    "warn instead of refusing (exit 2) when the plan names an inner wrapper or compute factory "
+    "that no installed plugin provides (hp_core.apply still refuses such a plan)"
+)
+_DOING = {"plan": "planning", "freeze": "freezing"}
+
+
 def add_plan_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``hp plan --model NAME_OR_CONFIG --mesh tp=8,cp=2 ...``: plan on the meta device and explain."""
     parser = subparsers.add_parser(
@@ -176,7 +185,37 @@ def add_plan_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
             "per step then count the gradient reductions it derived (exit 1 if it refuses)"
         ),
     )
+    parser.add_argument(ALLOW_MISSING_PLUGINS, action="store_true", help=_ALLOW_MISSING_HELP)
     parser.set_defaults(handler=cmd_plan)
+
+
+def _check_plugin_items(plan: Any, args: argparse.Namespace, err: Console, verb: str) -> None:
+    """Refuse (exit 2) a plan naming registry items that are not installed; with
+    ``--allow-missing-plugins`` print one warning line per missing item instead.
+
+    The message is ``hp_core.apply``'s: the items are resolved with the function its
+    preflight uses (``hp_core.injection.resolve_injection``).
+    """
+    from hp_core.plugins._plan_items import missing_plan_items
+
+    missing = missing_plan_items(plan)
+    if not missing:
+        return
+    if getattr(args, "allow_missing_plugins", False):
+        for item in missing:
+            err.print(
+                Text(
+                    f"warning: {item.one_line().rstrip('.')}; {_DOING[verb]} anyway "
+                    f"({ALLOW_MISSING_PLUGINS}): hp_core.apply refuses this plan until a plugin "
+                    "provides it."
+                ),
+                soft_wrap=True,
+            )
+        return
+    first = missing[0].one_line()
+    also = "".join(f" Also missing: {m.name!r} ({m.where})." for m in missing[1:])
+    stop = "" if first.endswith(".") else "."
+    raise _Failed(2, f"{first}{stop}{also} To {verb} anyway, pass {ALLOW_MISSING_PLUGINS}.")
 
 
 def _add_planning_args(parser: argparse.ArgumentParser) -> None:
@@ -216,16 +255,79 @@ def _positive_int(text: str) -> int:
     return value
 
 
+#: ``pip install`` line for the optional dependencies ``--model`` needs.
+HF_EXTRA_INSTALL = "pip install 'hp-core[hf]'"
+#: HF config sizes that must be positive integers wherever a config sets them.
+_CONFIG_SIZES = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "num_hidden_layers",
+    "vocab_size",
+    "head_dim",
+)
+
+
+def _one_line(error: BaseException, limit: int = 400) -> str:
+    """``Type: message`` on one line (whitespace collapsed), at most ``limit`` characters."""
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _require_transformers() -> None:
+    """``--model`` builds a transformers model: refuse (exit 2) with the install line if it cannot be imported."""
+    import importlib
+
+    try:
+        importlib.import_module("transformers")
+    except ImportError as e:
+        raise _UsageError(
+            f"--model needs transformers, which cannot be imported ({' '.join(str(e).split())}). "
+            f"Install hp's Hugging Face extra: {HF_EXTRA_INSTALL}"
+        ) from None
+
+
+def _config_problem(get: Callable[[str], Any], *, has_head_dim: bool) -> str | None:
+    """What is wrong with a config's sizes (``get(key)``: the value or None), or None."""
+    for key in _CONFIG_SIZES:
+        value = get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{key} must be a positive integer, got {type(value).__name__} {value!r}"
+        if value < 1:
+            return f"{key} must be a positive integer, got {value}"
+    hidden, heads, kv = get("hidden_size"), get("num_attention_heads"), get("num_key_value_heads")
+    if not has_head_dim and hidden and heads and hidden % heads:
+        return (
+            f"hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}); fix the sizes "
+            "or set head_dim"
+        )
+    if heads and kv and heads % kv:
+        return f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv})"
+    return None
+
+
 def _load_config(model: str) -> Any:
-    """A preset name or a local HF config (file or folder) → a transformers config. Offline."""
+    """A preset name or a local HF config (file or folder) → a transformers config. Offline.
+
+    Every bad config (unreadable, over hp's input limits, an unknown model type, a size
+    that is not a positive integer, heads that do not divide) is a :class:`_UsageError`
+    naming the file, as is a missing ``transformers``.
+    """
     import json
     from pathlib import Path
 
+    from hp_core.bounded import InputLimitError, loads_json, read_bounded
+    from hp_core.spec import close_matches
     from hp_core.testing.models import PRESETS, UnknownModelPresetError, preset_config
 
     path = Path(model)
     looks_like_path = path.exists() or model.endswith(".json") or "/" in model or "\\" in model
     if not looks_like_path:
+        if model in PRESETS:
+            _require_transformers()
         try:
             return preset_config(model)
         except UnknownModelPresetError as e:
@@ -237,7 +339,9 @@ def _load_config(model: str) -> Any:
             f"or a preset: {', '.join(PRESETS)}."
         )
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = loads_json(read_bounded(file), source=str(file))
+    except InputLimitError as e:
+        raise _UsageError(f"--model: {e}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise _UsageError(f"--model: {str(file)!r} is not a readable JSON config: {e}") from None
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
@@ -245,14 +349,32 @@ def _load_config(model: str) -> Any:
             f"--model: {str(file)!r} has no 'model_type'; an HF config.json names its model type "
             "(e.g. \"model_type\": \"llama\")."
         )
-    from transformers import AutoConfig
-
     data = dict(data)
+    problem = _config_problem(data.get, has_head_dim=data.get("head_dim") is not None)
+    if problem is not None:
+        raise _UsageError(f"--model: {str(file)!r}: {problem}.")
+    _require_transformers()
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     model_type = data.pop("model_type")
+    cannot = f"--model: {str(file)!r}: transformers cannot build this config"
+    if model_type not in CONFIG_MAPPING:
+        best = close_matches(model_type, CONFIG_MAPPING.keys(), n=1)
+        hint = f" Did you mean {best[0]!r}?" if best else ""
+        raise _UsageError(
+            f"{cannot}: unknown model_type {model_type!r}.{hint} (transformers "
+            f"{transformers.__version__} does not know it; a newer one may.)"
+        )
     try:
-        return AutoConfig.for_model(model_type, **data)
-    except (ValueError, KeyError, TypeError) as e:
-        raise _UsageError(f"--model: {str(file)!r}: transformers cannot build this config: {e}") from None
+        config = AutoConfig.for_model(model_type, **data)
+    except Exception as e:  # transformers validates with many types (ValueError, ZeroDivisionError, StrictDataclassError, ...)
+        raise _UsageError(f"{cannot}: {_one_line(e)}") from None
+    problem = _config_problem(lambda key: getattr(config, key, None), has_head_dim=True)
+    if problem is not None:
+        raise _UsageError(f"--model: {str(file)!r}: {problem}.")
+    return config
 
 
 class _Failed(Exception):
@@ -274,8 +396,8 @@ def _load_model(name: str) -> Any:
         raise _Failed(2, str(e)) from None
     try:
         return model_from_config(config, device="meta")
-    except (ValueError, KeyError, TypeError) as e:
-        raise _Failed(2, f"--model: cannot build a causal LM from {name!r}: {e}") from None
+    except Exception as e:  # any failure to build from the user's config is a bad config (exit 2)
+        raise _Failed(2, f"--model: cannot build a causal LM from {name!r}: {_one_line(e)}") from None
 
 
 def _plan_from_args(args: argparse.Namespace, err: Console) -> tuple[Any, Any]:
@@ -342,7 +464,9 @@ def _verify_plan(model: Any, plan: Any, mesh: Any, err: Console) -> Any:
 def cmd_plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Plan ``--model`` for ``--mesh`` on the meta device; print ``explain()`` or the YAML plan.
 
-    With ``--verify``, verify it first (a refusal prints only the error and exits 1); the
+    A plan naming an inner wrapper or compute factory that no installed plugin provides is
+    refused with exit 2 and ``hp_core.apply``'s message (``--allow-missing-plugins``: a
+    warning instead). With ``--verify``, verify it first (a refusal prints only the error and exits 1); the
     collectives per step then count the verified gradient reductions
     (``explain(report)``), and the verifier's summary follows the plan.
     """
@@ -350,6 +474,7 @@ def cmd_plan(args: argparse.Namespace, out: Console, err: Console) -> int:
 
     try:
         result, model = _plan_from_args(args, err)
+        _check_plugin_items(result, args, err, "plan")
         report = _verify_plan(model, result, args.mesh, err) if args.verify else None
     except _Failed as e:
         err.print(Text(f"hp plan: error: {e.message}"), soft_wrap=True)
@@ -383,11 +508,14 @@ def add_freeze_command(subparsers: argparse._SubParsersAction[argparse.ArgumentP
     )
     _add_planning_args(parser)
     parser.add_argument("-o", "--output", required=True, metavar="ARTIFACT", help="the artifact file to write")
+    parser.add_argument(ALLOW_MISSING_PLUGINS, action="store_true", help=_ALLOW_MISSING_HELP)
     parser.set_defaults(handler=cmd_freeze)
 
 
 def cmd_freeze(args: argparse.Namespace, out: Console, err: Console) -> int:
-    """Plan, freeze, sign and write ``--output``; exit 1 for planning/freezing problems, 2 for usage."""
+    """Plan, freeze, sign and write ``--output``; exit 1 for planning/freezing problems, 2 for usage
+    and for a plan naming registry items no installed plugin provides (unless
+    ``--allow-missing-plugins``)."""
     from pathlib import Path
 
     from hp_core.codegen import FreezeError, make_artifact, write_artifact
@@ -398,6 +526,7 @@ def cmd_freeze(args: argparse.Namespace, out: Console, err: Console) -> int:
             why = "is a directory" if target.is_dir() else "its folder does not exist"
             raise _Failed(2, f"-o/--output: {args.output!r}: {why}; name the artifact file to write.")
         result, model = _plan_from_args(args, err)
+        _check_plugin_items(result, args, err, "freeze")
         try:
             artifact = make_artifact(result, model=model, overrides=args.overrides)
         except FreezeError as e:

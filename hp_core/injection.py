@@ -12,16 +12,18 @@ import dataclasses
 import importlib
 import inspect
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 from hp_core.errors import HpError
-from hp_core.spec import close_matches
+from hp_core.spec import close_matches, keyword_checked
 
 __all__ = [
     "CONTEXT_NAMES",
     "REQUIRED_CONTEXT",
     "InjectionBindingError",
+    "InjectionCallError",
     "InjectionDefinitionError",
     "InjectionKind",
     "InjectionMeta",
@@ -69,6 +71,29 @@ class InjectionBindingError(HpError, TypeError):
     """Config keys or forward parameters do not fit an injected function (apply time)."""
 
 
+class InjectionCallError(HpError, RuntimeError):
+    """An injected factory or wrapper raised when hp called it (apply time).
+
+    The message names the function, the plugin that provides it and the module; the
+    original exception is chained as ``__cause__``. ``name``, ``provider``, ``fqn`` and
+    ``kind`` hold the same facts.
+    """
+
+    def __init__(self, message: str, *, name: str = "", provider: str = "", fqn: str | None = None, kind: str = "") -> None:
+        super().__init__(message)
+        self.name = name
+        self.provider = provider
+        self.fqn = fqn
+        self.kind = kind
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_call_error, (type(self), str(self), self.name, self.provider, self.fqn, self.kind))
+
+
+def _rebuild_call_error(cls: type[InjectionCallError], message: str, name: str, provider: str, fqn: str | None, kind: str) -> InjectionCallError:
+    return cls(message, name=name, provider=provider, fqn=fqn, kind=kind)
+
+
 class TargetError(HpError, ValueError):
     """A ``Target`` (``{_target_: ...}``) that is malformed or cannot be resolved."""
 
@@ -77,6 +102,7 @@ class UntrustedTargetError(TargetError):
     """A dotted import path whose top-level package is neither an hp plugin nor trusted."""
 
 
+@keyword_checked
 @dataclasses.dataclass(frozen=True)
 class InjectionMeta:
     """What the decorator learned from the signature."""
@@ -306,7 +332,10 @@ def trust_packages(*names: str) -> None:
     """
     for n in names:
         if not isinstance(n, str) or not n or "." in n:
-            raise ValueError(f"trust_packages: expected top-level package names, got {n!r}")
+            raise TargetError(
+                f"trust_packages: expected top-level package names (no dots), got {n!r}. "
+                "Pass e.g. trust_packages('mypkg') for mypkg.module.function."
+            )
         _USER_TRUSTED.add(n)
 
 
@@ -318,6 +347,7 @@ def trusted_packages() -> frozenset[str]:
     return frozenset(_USER_TRUSTED | env | set(plugin_packages()))
 
 
+@keyword_checked
 @dataclasses.dataclass
 class Target:
     """A delayed reference: ``{_target_: NAME_OR_PATH, key: value, ...}``.
@@ -360,18 +390,70 @@ class Target:
         return {"_target_": self.target, **self.config}
 
 
+_SOURCE_FQN = re.compile(r"plan\[(['\"])(.*?)\1\]")
+
+
+def _fqn_of(context: Mapping[str, Any], source: str) -> str | None:
+    """The FQN of the module an injection is bound for: the applier stamps the inner
+    wrapper's target with ``_hp_fqn``; otherwise the ``plan['fqn']`` of the source."""
+    target = context.get("target_module")
+    stamped = getattr(target, "_hp_fqn", None) if target is not None else None
+    if isinstance(stamped, str):
+        return stamped
+    m = _SOURCE_FQN.search(source)
+    return m.group(2) if m else None
+
+
+def _or_report(provider: str) -> str:
+    if provider.startswith(("provider 'user'", "a function passed directly")):
+        return " or correct the function"
+    return f", or report the failure to {provider}"
+
+
 @dataclasses.dataclass(frozen=True)
 class ResolvedInjection:
-    """An injection value resolved to its decorated function, meta and config."""
+    """An injection value resolved to its decorated function, meta and config.
+
+    ``provider`` is the short provider name (a plugin, the user, a package, ``direct``);
+    ``provider_description`` says it in words for messages.
+    """
 
     fn: Callable[..., Any]
     meta: InjectionMeta
     config: Mapping[str, Any]
     name: str
     provider: str
+    provider_description: str = ""
 
-    def bind(self, context: Mapping[str, Any], *, source: str) -> Any:
-        return bind_injection(self.fn, self.meta, context=context, config=self.config, source=source)
+    def bind(self, context: Mapping[str, Any], *, source: str, fqn: str | None = None) -> Any:
+        """Call the function with its context and config.
+
+        A failure inside the function becomes :class:`InjectionCallError` naming it, its
+        provider and the module ``fqn`` (by default read from ``source`` /
+        ``target_module``), chained to the original. Errors hp itself raises (an
+        :class:`~hp_core.HpError`, which names its culprit) and ``KeyboardInterrupt``
+        pass through unchanged.
+        """
+        try:
+            return bind_injection(self.fn, self.meta, context=context, config=self.config, source=source)
+        except HpError:
+            raise
+        except Exception as e:
+            module = fqn if fqn is not None else _fqn_of(context, source)
+            provider = self.provider_description or self.provider
+            what = _DECORATOR[self.meta.kind] + (" factory" if self.meta.kind == "local_compute" else "")
+            where = f" for module {module!r}" if module is not None else ""
+            entry = f"the override for {module!r}" if module is not None else "the override"
+            raise InjectionCallError(
+                f"{source}: the {what} {self.name!r} (from {provider}) failed{where}: {type(e).__name__}: {e}\n"
+                f"Fix: if its config is wrong, correct it in {entry}; if the function does not fit this "
+                f"module, choose another one there{_or_report(provider)}. The original exception is "
+                "chained below.",
+                name=self.name,
+                provider=provider,
+                fqn=module,
+                kind=self.meta.kind,
+            ) from e
 
 
 _REGISTRY_KIND = {"local_compute": "compute_factory", "inner_wrapper": "inner_wrapper"}
@@ -424,24 +506,30 @@ def resolve_injection(
     else:
         ref = value
     provider = "direct"
+    described = ""
     if isinstance(ref, str):
         name = ref
         if "." in ref or ":" in ref:
             fn = _import_path(ref, source=source, trusted=trusted)
             provider = ref.split(".", 1)[0].split(":", 1)[0]
+            described = f"package {provider!r} (imported from {ref!r})"
         else:
             from hp_core.plugins import lookup
 
             item = lookup(_REGISTRY_KIND[kind], ref)
             fn = item.value
             provider = item.provider
+            described = item.describe_provider()
     elif callable(ref):
         fn = ref
         name = _fn_name(ref)
+        described = f"a function passed directly (module {getattr(ref, '__module__', None) or '?'!s})"
     else:
         raise TargetError(
             f"{source}: expected a registry name, a {_DECORATOR[kind]} function or a Target, got {ref!r}."
         )
     meta = require_injection_meta(fn, kind, source=source)
     check_config(fn, meta, config, source=source)
-    return ResolvedInjection(fn=fn, meta=meta, config=dict(config), name=name, provider=provider)
+    return ResolvedInjection(
+        fn=fn, meta=meta, config=dict(config), name=name, provider=provider, provider_description=described
+    )

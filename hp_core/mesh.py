@@ -55,7 +55,8 @@ class MeshSpec:
             raise MeshSpecError(f"expected a mesh like 'tp=4,cp=2', got {text!r}")
         for part in text.split(","):
             name, sep, size = part.partition("=")
-            if not sep or not size.strip().isdecimal():  # isdigit() accepts "²", which int() refuses
+            # ASCII digits only: isdigit() accepts "²" and isdecimal() "٨", as the placement grammar refuses.
+            if not sep or not (size.strip().isascii() and size.strip().isdecimal()):
                 raise MeshSpecError(f"mesh {text!r}: {part.strip()!r} is not AXIS=SIZE (e.g. 'tp=4,cp=2')")
             names.append(name.strip())
             sizes.append(int(size))

@@ -30,6 +30,7 @@ from typing import Any, Union
 import yaml
 from torch.distributed.tensor import Placement
 
+from hp_core.bounded import load_yaml
 from hp_core.errors import HpError
 from hp_core.injection import Target, TargetError
 from hp_core.spec import (
@@ -40,9 +41,12 @@ from hp_core.spec import (
     ModuleShardingSpec,
     PlacementSyntaxError,
     SpecValidationError,
+    UnsupportedPartialError,
+    check_lowerable,
     close_matches,
     finalize_insert,
     format_placement,
+    keyword_checked,
     merge_specs,
     parse_named_placement,
     parse_placement,
@@ -53,12 +57,16 @@ __all__ = [
     "PLAN_FORMAT_VERSION",
     "USER_FIELDS",
     "WHEN_VALUES",
+    "ArgumentTypeError",
+    "DuplicateOverrideError",
     "IncompleteOverrideError",
     "OverrideEntry",
     "OverrideError",
     "OverrideMatchWarning",
     "OverridesLike",
+    "OverridesTypeError",
     "PlanError",
+    "PlanTypeError",
     "PlanYAMLError",
     "ShardingPlan",
     "compile_glob",
@@ -97,6 +105,22 @@ class OverrideError(PlanError):
 
 class IncompleteOverrideError(OverrideError, IncompleteContractError):
     """An override that inserts a new boundary without declaring its full contract."""
+
+
+class DuplicateOverrideError(OverrideError):
+    """Two exact override entries for the same module (and the same ``when``)."""
+
+
+class ArgumentTypeError(HpError, TypeError):
+    """A public function got an argument of the wrong type (``plan(None, ...)``)."""
+
+
+class PlanTypeError(ArgumentTypeError, PlanYAMLError):
+    """``load_plan`` / ``dump_plan`` got something that is not a plan source / a ShardingPlan."""
+
+
+class OverridesTypeError(ArgumentTypeError, OverrideError):
+    """``overrides`` of a type that holds no overrides (neither YAML, a path, a dict nor a list)."""
 
 
 class OverrideMatchWarning(UserWarning):
@@ -145,6 +169,11 @@ _TOP_EXAMPLE = "version: 1\nmesh: {axis_names: [tp], shape: [4]}\nmodules: {...}
 
 def _tname(value: Any) -> str:
     return type(value).__name__
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
@@ -549,6 +578,7 @@ def _check_shape(
     return tuple(int(n) for n in shape)
 
 
+@keyword_checked
 @dataclasses.dataclass
 class ShardingPlan:
     """The contracts of every boundary of one model for one mesh (plain data).
@@ -694,7 +724,10 @@ def plan_to_dict(plan: ShardingPlan) -> dict[str, Any]:
     become ``{_target_: module.qualname}`` (loading those back needs the package trusted).
     """
     if not isinstance(plan, ShardingPlan):
-        raise PlanYAMLError(f"plan_to_dict: expected a ShardingPlan, got {_tname(plan)}.")
+        raise PlanTypeError(
+            f"plan_to_dict: expected a ShardingPlan, got {_tname(plan)}. Pass the plan that "
+            "hp_core.plan(...) or load_plan returned."
+        )
     return _plan_data(plan, strict=True)
 
 
@@ -832,8 +865,10 @@ def _read_source(src: Any, what: str) -> tuple[str, str, bool]:
 
 
 def _yaml_load(text: str, name: str) -> Any:
+    # A SafeLoader (plain data only) under hp's input limits: size, depth and alias expansion
+    # are refused with an InputLimitError that is also a PlanYAMLError.
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: plain data only
+        return load_yaml(text, source=name, loader=_StrictLoader, error=PlanYAMLError)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f"{name}:{mark.line + 1}:{mark.column + 1}" if mark is not None else name
@@ -867,11 +902,22 @@ def dump_plan(plan: ShardingPlan) -> str:
     A decorated function in the plan is written as ``{_target_: module.qualname}``; applying
     the loaded plan imports it only if its package is an hp plugin or trusted by the user.
     """
+    if not isinstance(plan, ShardingPlan):
+        raise PlanTypeError(
+            f"dump_plan: expected a ShardingPlan, got {_tname(plan)} {_short(plan)}. Pass the plan "
+            "that hp_core.plan(...) or load_plan returned."
+        )
     return _yaml_dump(plan_to_dict(plan), PlanYAMLError)
 
 
 def load_plan(text_or_path: str | os.PathLike[str]) -> ShardingPlan:
     """Read a plan from YAML text or a ``.yaml``/``.yml``/``.json`` file written by :func:`dump_plan`."""
+    if not isinstance(text_or_path, (str, os.PathLike)):
+        hint = " (it is one already: use it as is, or plan.copy())" if isinstance(text_or_path, ShardingPlan) else ""
+        raise PlanTypeError(
+            f"a plan: expected YAML text or a file path, got {_tname(text_or_path)} {_short(text_or_path)} "
+            f"(load_plan takes a str or an os.PathLike){hint}. For a dict, use hp_core.sharding_plan.plan_from_dict."
+        )
     text, name, is_file = _read_source(text_or_path, "a plan")
     data = _yaml_load(text, name)
     try:
@@ -898,6 +944,7 @@ def _check_when(value: Any, path: str, err: type[PlanError] = OverrideError) -> 
     )
 
 
+@keyword_checked
 @dataclasses.dataclass(frozen=True)
 class OverrideEntry:
     """One user override: a module FQN or glob, the spec to merge, an optional axis condition.
@@ -971,7 +1018,13 @@ def _entry_from_mapping(raw: Any, path: str) -> OverrideEntry:
             f"{path}.match: expected a module FQN or glob string, got {_tname(match)} {match!r}."
         )
     when = _check_when(raw.get("when"), f"{path}.when")
-    spec = _build_spec(raw, path, err, OVERRIDE_FIELDS)
+    try:
+        spec = _build_spec(raw, path, err, OVERRIDE_FIELDS)
+    except OverrideError as e:
+        if isinstance(e.__cause__, UnsupportedPartialError):  # name the module too
+            where, sep, rest = str(e).partition(": ")
+            raise err(f"{where} (module {match!r}){sep}{rest}") from e.__cause__
+        raise
     return OverrideEntry(match, spec, when, source=path)
 
 
@@ -999,7 +1052,9 @@ def _entries_from_document(doc: Any, name: str) -> list[OverrideEntry]:
             f"overrides: expected a list of entries or {{overrides: [...]}}, got {_tname(items)} {items!r}."
             f"{hint} An entry looks like:\n{_ENTRY_EXAMPLE}"
         )
-    return [_entry_from_mapping(item, f"overrides[{i}]") for i, item in enumerate(items)]
+    entries = [_entry_from_mapping(item, f"overrides[{i}]") for i, item in enumerate(items)]
+    _check_duplicates(entries)
+    return entries
 
 
 def load_overrides(text_or_path_or_list: OverridesLike) -> list[OverrideEntry]:
@@ -1008,7 +1063,54 @@ def load_overrides(text_or_path_or_list: OverridesLike) -> list[OverrideEntry]:
     A YAML document is a list of entries or ``{overrides: [...]}``; each entry has
     ``match`` (FQN or glob), optional ``when`` and spec fields. Every problem raises
     :class:`OverrideError` (or :class:`PlanYAMLError` for unreadable YAML) naming its path.
+
+    Two exact entries (no glob) for the same module with the same ``when`` raise
+    :class:`DuplicateOverrideError`: merge them into one entry. Entries with different
+    ``when`` conditions may name the same module; those that apply merge in list order.
     """
+    return _load_entries(text_or_path_or_list)
+
+
+def _entry_text(entry: OverrideEntry) -> str:
+    """One line of an entry's content, for messages (YAML flow style where it can be written)."""
+    item: dict[str, Any] = {"match": entry.match}
+    if entry.when is not None:
+        item["when"] = entry.when
+    try:
+        item.update(
+            _spec_to_data(
+                entry.spec, entry.source or "overrides", OverrideError, fields=OVERRIDE_FIELDS, internals=False, strict=False
+            )
+        )
+        return yaml.safe_dump(item, default_flow_style=True, sort_keys=False, width=1 << 16, allow_unicode=True).strip()
+    except (PlanError, yaml.YAMLError):
+        return f"{item!r} {entry.spec!r}"
+
+
+def _check_duplicates(entries: Sequence[OverrideEntry]) -> None:
+    seen: dict[tuple[str, str | None], tuple[int, OverrideEntry]] = {}
+    for i, entry in enumerate(entries):
+        if is_glob(entry.match):
+            continue
+        key = (entry.match, entry.when)
+        if key not in seen:
+            seen[key] = (i, entry)
+            continue
+        j, first = seen[key]
+        a, b = first.source or f"overrides[{j}]", entry.source or f"overrides[{i}]"
+        cond = f"when: {entry.when}" if entry.when is not None else "no 'when'"
+        raise DuplicateOverrideError(
+            f"{a} and {b} are both exact overrides for module {entry.match!r} ({cond}); the second would "
+            "silently replace every field the first also sets.\n"
+            f"  {a} (entry {j}): {_entry_text(first)}\n"
+            f"  {b} (entry {i}): {_entry_text(entry)}\n"
+            f"Fix: merge them into one entry for {entry.match!r} (for a field both set, keep the value you "
+            "want). Entries with different 'when:' conditions may name the same module; those that apply "
+            "merge in list order."
+        )
+
+
+def _load_entries(text_or_path_or_list: OverridesLike) -> list[OverrideEntry]:
     src = text_or_path_or_list
     if src is None:
         return []
@@ -1040,9 +1142,14 @@ def load_overrides(text_or_path_or_list: OverridesLike) -> list[OverrideEntry]:
             entries.append(OverrideEntry(key, spec, None, source=path))
         return entries
     if not isinstance(src, Iterable):
-        raise OverrideError(
+        hint = (
+            " Key a spec by the module it overrides: {'model.layers.0.mlp': ModuleShardingSpec(...)}."
+            if isinstance(src, ModuleShardingSpec)
+            else ""
+        )
+        raise OverridesTypeError(
             f"overrides: expected YAML text, a file path, {{fqn: ModuleShardingSpec}} or a list of "
-            f"entries, got {_tname(src)} {src!r}."
+            f"entries, got {_tname(src)} {_short(src)}.{hint}"
         )
     out: list[OverrideEntry] = []
     for i, item in enumerate(src):
@@ -1051,6 +1158,7 @@ def load_overrides(text_or_path_or_list: OverridesLike) -> list[OverrideEntry]:
             out.append(item if item.source else dataclasses.replace(item, source=path))
         else:
             out.append(_entry_from_mapping(item, path))
+    _check_duplicates(out)
     return out
 
 
@@ -1143,6 +1251,14 @@ def _validate_entry(
     module_names: Sequence[str],
 ) -> re.Pattern[str] | None:
     source = entry.source or "overrides"
+    for name in _LAYOUT_FIELDS:  # a spec's fields can be assigned after construction: check again
+        value = getattr(entry.spec, name)
+        for key, named in value.items() if isinstance(value, Mapping) else ():
+            for axis, p in named.items() if isinstance(named, Mapping) else ():
+                try:
+                    check_lowerable(p, path=f"{source}.{name}.{key}.{axis}", module=entry.match)
+                except UnsupportedPartialError as e:
+                    raise OverrideError(str(e)) from e
     for path, axis in _iter_axes(entry.spec, source):
         if axis.startswith("dp"):
             raise OverrideError(

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
+import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any, Union
@@ -33,10 +35,14 @@ __all__ = [
     "PlacementMismatchError",
     "PlacementSyntaxError",
     "SpecValidationError",
+    "UnknownFieldError",
+    "UnsupportedPartialError",
+    "check_lowerable",
     "close_matches",
     "finalize_insert",
     "format_named_placement",
     "format_placement",
+    "keyword_checked",
     "merge_specs",
     "parse_named_placement",
     "parse_placement",
@@ -89,12 +95,55 @@ def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
     return f" Did you mean {best[0]!r}?" if best else ""
 
 
+# ------------------------------------------------------- keyword-checked dataclasses
+
+
+class UnknownFieldError(HpError, TypeError):
+    """A constructor got a keyword argument that is none of its fields (usually a typo)."""
+
+
+def _unknown_field_message(cls_name: str, key: str, fields: Sequence[str], internal: Sequence[str]) -> str:
+    valid = ", ".join(fields) or "none"
+    if key in internal:
+        return (
+            f"{cls_name}({key}=...): {key!r} is an internal field that hp sets itself; it is not a "
+            f"constructor argument. Remove it. The fields you may pass are: {valid}."
+        )
+    best = close_matches(key, fields, n=1)
+    hint = f" Did you mean {best[0]!r}?" if best else ""
+    fix = f"rename it to {best[0]!r}" if best else "use one of the fields above"
+    return f"{cls_name}({key}=...): unknown field {key!r}.{hint} Fields: {valid}. Fix: {fix}."
+
+
+def keyword_checked(cls: Any) -> Any:
+    """Make a dataclass refuse unknown keyword arguments with :class:`UnknownFieldError`.
+
+    The dataclass's own ``TypeError`` ("unexpected keyword argument") names the typo but
+    not the field that was meant; this one suggests the closest field. Apply it above
+    ``@dataclasses.dataclass``.
+    """
+    fields = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+    internal = tuple(f.name for f in dataclasses.fields(cls) if not f.init)
+    known = frozenset(fields)
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs and not known.issuperset(kwargs):
+            key = next(k for k in kwargs if k not in known)
+            raise UnknownFieldError(_unknown_field_message(cls.__name__, key, fields, internal))
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
 def resolve_placements(named: Mapping[str, Placement], mesh_dim_names: Sequence[str]) -> list[Placement]:
     """Turn a named layout into torch's positional list: mesh order, missing axes replicated."""
     dims = [str(d) for d in mesh_dim_names]
     for axis in named:
         if str(axis) not in dims:
-            raise ValueError(
+            raise SpecValidationError(
                 f"placement axis {str(axis)!r} is not a dimension of the mesh {tuple(dims)}."
                 f"{_did_you_mean(axis, dims)} Use one of the mesh's dimension names."
             )
@@ -106,7 +155,13 @@ def resolve_placements(named: Mapping[str, Placement], mesh_dim_names: Sequence[
 
 PLACEMENT_GRAMMAR = "replicate | partial | shard(N)  (N a non-negative integer; case and spaces ignored)"
 
-_DSL = re.compile(r"^\s*(?:(replicate)|(partial)|shard\s*\(\s*(\d+)\s*\))\s*$", re.IGNORECASE)
+# ASCII only: in Unicode mode ``\d`` matches the digits of every script (Arabic-Indic
+# U+0661 in ``shard(...)``) and IGNORECASE folds letters such as U+017F (long s) or the
+# Kelvin sign into ASCII ones.
+_DSL = re.compile(
+    r"^\s*(?:(replicate)|(partial)(?:\s*\(\s*([A-Za-z_]+)\s*\))?|shard\s*\(\s*([0-9]+)\s*\))\s*$",
+    re.IGNORECASE | re.ASCII,
+)
 
 
 class PlacementSyntaxError(HpError, ValueError):
@@ -121,8 +176,55 @@ class IncompleteContractError(HpError, ValueError):
     """An inserted boundary (no derived boundary to merge into) lacks part of its contract."""
 
 
+class UnsupportedPartialError(PlacementSyntaxError, SpecValidationError):
+    """A partial placement hp cannot lower: a reduce op other than sum, or a Partial subclass."""
+
+
+_PARTIAL_FIX = (
+    "hp lowers only sum partials: write 'partial' (or 'partial(sum)') in YAML and Partial() "
+    "(reduce_op 'sum') in Python, and compute a partial sum in the module if the reduction "
+    "is something else."
+)
+
+
+def check_lowerable(p: Placement, *, path: str = "placement", module: str | None = None) -> Placement:
+    """``p`` itself, or :class:`UnsupportedPartialError` for a partial hp cannot lower.
+
+    DTensor's ``Partial`` carries a reduce op (``Partial("max")``, ``"avg"``, ...), and
+    private subclasses (the masked partial of a vocab-parallel lookup) carry state that a
+    user spec cannot provide. hp's boundaries lower a partial as a sum, so only a plain
+    ``Partial()`` with reduce op ``sum`` may appear in a spec.
+    """
+    if isinstance(p, Partial) and (type(p) is not Partial or p.reduce_op != "sum"):
+        where = f" (module {module!r})" if module is not None else ""
+        what = (
+            f"Partial({p.reduce_op!r})"
+            if type(p) is Partial
+            else f"{type(p).__name__} (a Partial subclass, reduce op {getattr(p, 'reduce_op', '?')!r})"
+        )
+        raise UnsupportedPartialError(f"{path}{where}: {what} is not supported; only partial(sum) is. {_PARTIAL_FIX}")
+    return p
+
+
+def _non_ascii_digits(text: str) -> tuple[str, str | None] | None:
+    """``(the non-ASCII digits of text, text with them made ASCII)``, or None when it has none.
+
+    The ASCII spelling is None when a digit has no decimal value (a superscript '²').
+    """
+    digits = "".join(ch for ch in text if not ch.isascii() and ch.isdigit())
+    if not digits:
+        return None
+    if any(unicodedata.decimal(ch, None) is None for ch in digits):
+        return digits, None
+    return digits, "".join(str(unicodedata.decimal(ch)) if ch in digits else ch for ch in text)
+
+
 def parse_placement(raw: str | Placement, *, path: str = "placement") -> Placement:
-    """Parse ``replicate`` | ``partial`` | ``shard(N)``; a Placement passes through."""
+    """Parse ``replicate`` | ``partial`` | ``shard(N)``; a Placement passes through.
+
+    ``N`` is ASCII digits only; ``partial(sum)`` is accepted as a spelling of ``partial``,
+    and any other ``partial(op)`` is refused (:class:`UnsupportedPartialError`).
+    """
     if isinstance(raw, Placement):
         return raw
     if not isinstance(raw, str):
@@ -132,6 +234,14 @@ def parse_placement(raw: str | Placement, *, path: str = "placement") -> Placeme
         )
     m = _DSL.match(raw)
     if m is None:
+        found = _non_ascii_digits(raw)
+        if found is not None:
+            digits, ascii_text = found
+            fix = f"Write {ascii_text!r}." if ascii_text is not None else "Write the dimension with 0-9."
+            raise PlacementSyntaxError(
+                f"{path}: {raw!r} is not a placement: {digits!r} {'is not an ASCII digit' if len(digits) == 1 else 'are not ASCII digits'}, "
+                f"and placements take the digits 0-9 only. {fix} Grammar: {PLACEMENT_GRAMMAR}."
+            )
         raise PlacementSyntaxError(
             f"{path}: {raw!r} is not a placement. Grammar: {PLACEMENT_GRAMMAR}. "
             "Example: 'shard(1)'."
@@ -139,8 +249,17 @@ def parse_placement(raw: str | Placement, *, path: str = "placement") -> Placeme
     if m.group(1):
         return Replicate()
     if m.group(2):
+        op = m.group(3)
+        if op is not None and op.lower() != "sum":
+            raise UnsupportedPartialError(
+                f"{path}: {raw!r}: partial({op}) is not supported; only partial(sum) is. {_PARTIAL_FIX} "
+                f"Grammar: {PLACEMENT_GRAMMAR}."
+            )
         return Partial()
-    return Shard(int(m.group(3)))
+    dim = int(m.group(4))
+    if dim > 64:  # torch refuses dims past a C int; no tensor has this many dimensions anyway
+        raise PlacementSyntaxError(f"{path}: {raw!r}: dimension {dim} is out of range; a tensor dimension is a small number (0, 1, ...).")
+    return Shard(dim)
 
 
 def format_placement(p: Placement) -> str:
@@ -220,7 +339,9 @@ def _norm_named(raw: Any, path: str) -> NamedPlacement:
         if not isinstance(axis, str) or not axis:
             raise SpecValidationError(f"{path}: mesh axis names must be non-empty strings, got {axis!r}.")
         try:
-            out[str(axis)] = parse_placement(p, path=f"{path}.{axis}")
+            out[str(axis)] = check_lowerable(parse_placement(p, path=f"{path}.{axis}"), path=f"{path}.{axis}")
+        except UnsupportedPartialError:
+            raise
         except PlacementSyntaxError as e:
             raise SpecValidationError(str(e)) from None
     return out
@@ -267,6 +388,7 @@ def _check_injection(raw: Any, path: str) -> Any:
     )
 
 
+@keyword_checked
 @dataclasses.dataclass
 class ModuleShardingSpec:
     """The contract of one module boundary (SPEC 2.2).

@@ -14,7 +14,22 @@ from collections.abc import Callable, Iterable, Sequence
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["BOUNDARY_KINDS", "DEFAULT_ROLE_RULES", "BoundaryTemplate", "Role", "RoleRule", "classify_param"]
+from hp_core.errors import HpError
+from hp_core.spec import keyword_checked
+
+__all__ = [
+    "BOUNDARY_KINDS",
+    "DEFAULT_ROLE_RULES",
+    "BoundaryTemplate",
+    "Role",
+    "RoleRule",
+    "TemplateDefinitionError",
+    "classify_param",
+]
+
+
+class TemplateDefinitionError(HpError, ValueError):
+    """A RoleRule or BoundaryTemplate built with a value of the wrong kind."""
 
 
 class Role(StrEnum):
@@ -34,6 +49,7 @@ class Role(StrEnum):
     SKIP = "skip"
 
 
+@keyword_checked
 @dataclasses.dataclass(frozen=True)
 class RoleRule:
     """``pattern`` (a regular expression searched in the parameter FQN) → ``role``.
@@ -49,16 +65,16 @@ class RoleRule:
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
-            raise ValueError(f"RoleRule {self.name!r}: role must be a hp_core.templates.Role, got {self.role!r}")
+            raise TemplateDefinitionError(f"RoleRule {self.name!r}: role must be a hp_core.templates.Role, got {self.role!r}")
         if isinstance(self.architectures, str) or not all(isinstance(a, str) for a in self.architectures):
-            raise ValueError(
+            raise TemplateDefinitionError(
                 f"RoleRule {self.name!r}: architectures must be a tuple of class names, got {self.architectures!r}"
             )
         object.__setattr__(self, "architectures", tuple(self.architectures))
         try:
             re.compile(self.pattern)
         except re.error as e:
-            raise ValueError(f"RoleRule {self.name!r}: pattern {self.pattern!r} is not a regular expression: {e}") from None
+            raise TemplateDefinitionError(f"RoleRule {self.name!r}: pattern {self.pattern!r} is not a regular expression: {e}") from None
 
     def matches(self, fqn: str, architectures: Sequence[str] = ()) -> bool:
         if self.architectures and not set(self.architectures) & set(architectures):
@@ -77,7 +93,7 @@ DEFAULT_ROLE_RULES: tuple[RoleRule, ...] = (
     _r("shared_expert_gate", r"(^|\.)shared_expert_gate\.weight$", Role.SHARED_EXPERT_GATE),
     _r("embed", r"(^|\.)(embed_tokens|wte|word_embeddings)\.weight$", Role.EMBED),
     _r("lm_head", r"(^|\.)lm_head\.weight$", Role.LM_HEAD),
-    _r("norm", r"(norm|layernorm|ln_f|ln_\d)\.(weight|bias)$", Role.NORM),
+    _r("norm", r"(norm|layernorm|ln_f|ln_[0-9])\.(weight|bias)$", Role.NORM),
     _r("fused_qkv", r"(^|\.)(qkv_proj|query_key_value|c_attn|Wqkv)\.(weight|bias)$", Role.FUSED_QKV),
     _r("fused_gate_up", r"(^|\.)gate_up_proj\.(weight|bias)$", Role.FUSED_GATE_UP),
     _r("colwise", r"(^|\.)(q_proj|k_proj|v_proj|gate_proj|up_proj|w1|w3|fc1|c_fc)\.(weight|bias)$", Role.COLWISE),
@@ -100,6 +116,7 @@ def classify_param(fqn: str, rules: Iterable[RoleRule], architectures: Sequence[
 BOUNDARY_KINDS = ("embed", "lm_head", "norm", "attention", "mlp", "moe", "layer")
 
 
+@keyword_checked
 @dataclasses.dataclass(frozen=True)
 class BoundaryTemplate:
     """Builds the derived spec of one boundary kind: ``build(ctx) -> ModuleShardingSpec``.
@@ -116,13 +133,13 @@ class BoundaryTemplate:
 
     def __post_init__(self) -> None:
         if self.kind not in BOUNDARY_KINDS:
-            raise ValueError(
+            raise TemplateDefinitionError(
                 f"BoundaryTemplate {self.name!r}: kind must be one of {BOUNDARY_KINDS}, got {self.kind!r}"
             )
         if not callable(self.build):
-            raise ValueError(f"BoundaryTemplate {self.name!r}: build must be callable, got {self.build!r}")
+            raise TemplateDefinitionError(f"BoundaryTemplate {self.name!r}: build must be callable, got {self.build!r}")
         if isinstance(self.architectures, str) or not all(isinstance(a, str) for a in self.architectures):
-            raise ValueError(
+            raise TemplateDefinitionError(
                 f"BoundaryTemplate {self.name!r}: architectures must be a tuple of class names, got {self.architectures!r}"
             )
         object.__setattr__(self, "architectures", tuple(self.architectures))

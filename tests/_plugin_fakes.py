@@ -15,7 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from hp_core.plugins import ENV_DISABLE_AUTOLOAD, ENV_PLUGINS, ENV_STRICT, reset_plugins
+from hp_core.plugins import (
+    ENV_DISABLE_AUTOLOAD,
+    ENV_IMPORT_TIMEOUT,
+    ENV_PLUGINS,
+    ENV_STRICT,
+    reset_plugins,
+)
 
 _COUNTER = itertools.count()
 
@@ -38,7 +44,7 @@ def undecorated(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
 
 def clean_plugin_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No HP_* plugin switches from the outer environment; fresh discovery before and after."""
-    for var in (ENV_DISABLE_AUTOLOAD, ENV_PLUGINS, ENV_STRICT):
+    for var in (ENV_DISABLE_AUTOLOAD, ENV_PLUGINS, ENV_STRICT, ENV_IMPORT_TIMEOUT):
         monkeypatch.delenv(var, raising=False)
     reset_plugins()
 

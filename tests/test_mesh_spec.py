@@ -38,6 +38,7 @@ def test_names_and_sizes_are_normalized():
         ("tp=four", "'tp=four' is not AXIS=SIZE"),
         ("tp=-1", "'tp=-1' is not AXIS=SIZE"),
         ("tp=2²", "'tp=2²' is not AXIS=SIZE"),
+        ("tp=٨", "'tp=٨' is not AXIS=SIZE"),  # an Arabic-Indic digit: ASCII only
         ("tp=2,", "mesh 'tp=2,': '' is not AXIS=SIZE"),
         ("tp=0", "mesh axis 'tp': size must be a positive integer, got 0"),
         ("tp=2,tp=2", "mesh axis names must be unique, got ('tp', 'tp')"),

@@ -586,14 +586,17 @@ def test_exact_key_inserts_new_boundary_in_model_order():
 
 
 def test_second_exact_entry_merges_into_an_inserted_boundary():
-    result, _ = resolve(
-        [
-            {"match": "model.norm", **FULL_INSERT},
-            {"match": "model.norm", "params": {"weight": {"tp": "replicate"}}},
-        ]
-    )
+    # A second exact entry for one module needs its own 'when' (two unconditional ones are
+    # refused, test_error_messages); while its axis is active it merges into the insert.
+    entries = [
+        {"match": "model.norm", **FULL_INSERT},
+        {"match": "model.norm", "when": "tp", "params": {"weight": {"tp": "replicate"}}},
+    ]
+    result, _ = resolve(entries)
     assert result["model.norm"].params == {"weight": {"tp": Replicate()}}
     assert result["model.norm"].in_src == {"x": {"tp": Replicate()}}
+    result, _ = resolve(entries, active=())
+    assert result["model.norm"].params == {}
 
 
 def test_incomplete_insert_is_an_error():
@@ -689,7 +692,7 @@ def test_entries_apply_in_list_order():
         [
             {"match": "*.mlp", "out_dst": {"tp": "replicate"}},
             {"match": "model.layers.1.mlp", "out_dst": {"tp": "shard(2)"}},
-            {"match": "model.layers.1.mlp", "in_src": {"y": {"tp": "replicate"}}},
+            {"match": "model.layers.1.mlp", "when": "tp", "in_src": {"y": {"tp": "replicate"}}},
         ]
     )
     assert result["model.layers.0.mlp"].out_dst == {"output": {"tp": Replicate()}}

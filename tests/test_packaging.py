@@ -1,4 +1,8 @@
-"""Distributions: pins, dependencies, entry points, and imports from the repository root."""
+"""Distributions: version ranges, extras, licenses, entry points, and imports from the repository root.
+
+The built wheels themselves (their metadata, a fresh environment installed from them) are
+checked by tests/test_wheels.py.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +14,18 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECTS = sorted([ROOT / "pyproject.toml", *ROOT.glob("hp_plugin_*/pyproject.toml"), *ROOT.glob("plugins/*/pyproject.toml")])
 PLUGIN_DISTS = {"hp-plugin-cp": ("hp_plugin_cp", "cp"), "hp-plugin-moe": ("hp_plugin_moe", "moe")}
+TORCH = "2.13.0"  # the one torch the Makefile (and so CI) installs
+CORE = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _bounded_above(req: Requirement) -> bool:
+    return bool(req.specifier) and not req.specifier.contains("999", prereleases=True)
 
 
 def _requirements(pyproject: Path) -> list[str]:
@@ -32,17 +44,67 @@ def test_every_distribution_is_found():
 
 
 @pytest.mark.parametrize("pyproject", PYPROJECTS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_torch_is_pinned_wherever_named(pyproject):
-    for req in _requirements(pyproject):
-        if re.match(r"^\s*torch\b(?![-_.\w])", req):
-            assert req.replace(" ", "") == "torch==2.13.0", f"{pyproject}: {req!r} must be exactly torch==2.13.0"
+def test_torch_range_wherever_named_includes_the_installed_torch(pyproject):
+    """Metadata declares a compatible range (it must contain 2.13.0 and stop before an untested minor)."""
+    for raw in _requirements(pyproject):
+        req = Requirement(raw)
+        if req.name == "torch":
+            assert req.specifier.contains(TORCH), f"{pyproject}: {raw!r} excludes torch {TORCH}"
+            assert _bounded_above(req), f"{pyproject}: {raw!r} needs an upper bound"
+            assert not req.specifier.contains("2.12.0") and not req.specifier.contains("2.14.0"), raw
+
+
+def test_core_declares_torch():
+    assert [r for r in map(Requirement, CORE["dependencies"]) if r.name == "torch"]
+
+
+def test_makefile_installs_exactly_the_pinned_torch():
+    """The range is for users; the Makefile (what CI runs) installs exactly one torch, and checks it."""
+    makefile = (ROOT / "Makefile").read_text()
+    named = re.findall(r"[\"']torch\b([^\"']*)[\"']", makefile)
+    assert named and all(spec.replace(" ", "") == f"=={TORCH}" for spec in named), named
+    # every pip install in the Makefile carries the pin, so no step can pull another torch
+    installs = [line for line in makefile.replace("\\\n", " ").splitlines() if "pip install" in line]
+    assert installs and all(f'"torch=={TORCH}"' in line for line in installs), installs
+    assert f"torch.__version__.startswith('{TORCH}')" in makefile
 
 
 @pytest.mark.parametrize("pyproject", [p for p in PYPROJECTS if p != ROOT / "pyproject.toml"], ids=lambda p: p.parent.name)
 def test_plugins_depend_on_hp_core_only(pyproject):
-    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    names = {re.split(r"[<>=!~ \[;]", d, maxsplit=1)[0] for d in deps}
-    assert names <= {"hp-core", "torch"} and "hp-core" in names
+    """Each plugin needs hp-core in a compatible range: the current version, not the next minor (pre-1.0)."""
+    reqs = [Requirement(d) for d in tomllib.loads(pyproject.read_text())["project"]["dependencies"]]
+    assert {r.name for r in reqs} <= {"hp-core", "torch"}
+    (core,) = [r for r in reqs if r.name == "hp-core"]
+    version = Version(CORE["version"])
+    assert core.specifier.contains(version), f"{pyproject}: {core} excludes hp-core {version}"
+    assert not core.specifier.contains(f"{version.major}.{version.minor + 1}.0"), f"{pyproject}: {core} allows the next minor"
+    assert _bounded_above(core)
+
+
+def test_transformers_is_the_hf_extra():
+    """transformers is optional (hp-core[hf]); the test extra still brings it (the suite builds HF models)."""
+    assert "transformers" not in {Requirement(d).name for d in CORE["dependencies"]}
+    extras = CORE["optional-dependencies"]
+    (hf,) = [Requirement(d) for d in extras["hf"]]
+    assert hf.name == "transformers" and str(hf.specifier) == str(Requirement("transformers>=5.0,<6").specifier)
+    test = [Requirement(d) for d in extras["test"]]
+    assert any(r.name == "transformers" and r.specifier == hf.specifier for r in test) or any(
+        r.name == "hp-core" and "hf" in r.extras for r in test
+    ), extras["test"]
+    assert {"pytest", "pytest-cov", "pytest-timeout", "ruff"} <= {r.name for r in test}
+
+
+@pytest.mark.parametrize("pyproject", PYPROJECTS, ids=lambda p: str(p.parent.relative_to(ROOT)))
+def test_spdx_license_and_license_file(pyproject):
+    """PEP 639: an SPDX expression and the license text next to each pyproject (each dist builds from its dir)."""
+    data = tomllib.loads(pyproject.read_text())
+    assert data["project"]["license"] == "Apache-2.0"
+    assert data["project"]["license-files"] == ["LICENSE"]
+    text = (pyproject.parent / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+    assert not any(c.startswith("License ::") for c in data["project"].get("classifiers", []))  # superseded by PEP 639
+    (setuptools,) = [Requirement(r) for r in data["build-system"]["requires"] if Requirement(r).name == "setuptools"]
+    assert not setuptools.specifier.contains("76.9") and setuptools.specifier.contains("77.0"), setuptools
 
 
 def test_core_never_imports_a_plugin():

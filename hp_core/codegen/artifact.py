@@ -18,8 +18,12 @@ Reading refuses, each with its own :class:`ArtifactError` subclass and a message
 says what to do: a file that is not an artifact (:class:`ArtifactFormatError`), another
 format version (:class:`ArtifactVersionError`), a signature mismatch
 (:class:`ArtifactSignatureError`), a meta or inputs that do not validate
-(:class:`ArtifactSchemaError`), and injections that name registry items no installed
-plugin provides (:class:`ArtifactRegistryError`).
+(:class:`ArtifactSchemaError`: every wrongly typed section or field, named by its key
+path), and injections that name registry items no installed plugin provides
+(:class:`ArtifactRegistryError`). A file over hp's input limits (size, nesting depth) or
+holding a non-finite number is refused before it is parsed, or with its key path, by
+:class:`ArtifactLimitError` (see :mod:`hp_core.bounded`). A schema or limit error is also
+an :class:`ArtifactFormatError`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any
 
 from torch import nn
 
+from hp_core.bounded import InputLimitError, loads_json, read_bounded
 from hp_core.codegen.freeze import FreezeError, freeze, json_value
 from hp_core.codegen.rebuild import MetaError, rebuild
 from hp_core.errors import HpError
@@ -50,6 +55,7 @@ __all__ = [
     "Artifact",
     "ArtifactError",
     "ArtifactFormatError",
+    "ArtifactLimitError",
     "ArtifactRegistryError",
     "ArtifactSchemaError",
     "ArtifactSignatureError",
@@ -99,8 +105,14 @@ class ArtifactSignatureError(ArtifactError):
     """The content does not match its signature: the file changed after hp wrote it."""
 
 
-class ArtifactSchemaError(ArtifactError):
-    """A correctly signed artifact whose meta or inputs do not validate."""
+class ArtifactSchemaError(ArtifactFormatError):
+    """A correctly signed artifact whose meta or inputs do not validate (a wrongly typed
+    section or field included); the message names the key path."""
+
+
+class ArtifactLimitError(ArtifactFormatError, InputLimitError):
+    """An artifact over hp's input limits (size, nesting depth) or holding a number JSON
+    cannot represent (NaN, Infinity): refused before or while it is parsed."""
 
 
 class ArtifactRegistryError(ArtifactError):
@@ -227,11 +239,79 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _schema_error(source: str, path: str, expected: str, got: Any) -> ArtifactSchemaError:
+    shown = repr(got)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return ArtifactSchemaError(
+        f"{source}: {path}: expected {expected}, got {type(got).__name__} {shown}. {_REFREEZE}"
+    )
+
+
+def _check_str(source: str, path: str, value: Any, *, optional: bool = False) -> None:
+    if isinstance(value, str) or (optional and value is None):
+        return
+    raise _schema_error(source, path, "a string or null" if optional else "a string", value)
+
+
+def _check_keys(source: str, path: str, value: Any, keys: tuple[str, ...]) -> None:
+    if not isinstance(value, dict):
+        raise _schema_error(source, path, f"a mapping with the keys {', '.join(keys)}", value)
+    if sorted(value) != sorted(keys):
+        raise ArtifactSchemaError(
+            f"{source}: {path}: expected the keys {', '.join(keys)}, got {sorted(value)}. {_REFREEZE}"
+        )
+
+
+def _check_inputs(source: str, inputs: dict[str, Any]) -> None:
+    """Every field of a signed artifact's inputs has the type hp freeze writes."""
+    _check_str(source, "inputs.hp_version", inputs["hp_version"])
+    _check_str(source, "inputs.mesh", inputs["mesh"])
+    model = inputs["model"]
+    _check_keys(source, "inputs.model", model, ("class", "digest", "model_type"))
+    _check_str(source, "inputs.model.class", model["class"])
+    _check_str(source, "inputs.model.digest", model["digest"])
+    _check_str(source, "inputs.model.model_type", model["model_type"], optional=True)
+    overrides = inputs["overrides"]
+    if not isinstance(overrides, list):
+        raise _schema_error(source, "inputs.overrides", "a list of override entries", overrides)
+    for i, entry in enumerate(overrides):
+        if not isinstance(entry, dict):
+            raise _schema_error(source, f"inputs.overrides[{i}]", "a mapping (an override entry)", entry)
+        if "match" not in entry:
+            raise ArtifactSchemaError(f"{source}: inputs.overrides[{i}]: has no 'match'. {_REFREEZE}")
+        _check_str(source, f"inputs.overrides[{i}].match", entry["match"])
+    plugins = inputs["plugins"]
+    if not isinstance(plugins, dict):
+        raise _schema_error(source, "inputs.plugins", "a mapping of plugin name to {distribution, version}", plugins)
+    for name, info in plugins.items():
+        where = f"inputs.plugins[{name!r}]"
+        _check_keys(source, where, info, ("distribution", "version"))
+        _check_str(source, f"{where}.distribution", info["distribution"], optional=True)
+        _check_str(source, f"{where}.version", info["version"], optional=True)
+
+
+def _meta_error(source: str, error: MetaError) -> ArtifactSchemaError:
+    message = str(error)
+    if not message.startswith(("meta:", "meta.", "meta[")):  # rebuild's paths are inside the meta
+        message = f"meta: {message}"
+    return ArtifactSchemaError(f"{source}: {message} {_REFREEZE}")
+
+
 def loads_artifact(data: bytes | str, *, source: str = "<artifact>", check_registry: bool = True) -> Artifact:
-    """Parse and verify an artifact (format, version, signature, schema, registry items)."""
+    """Parse and verify an artifact (format, version, signature, schema, registry items).
+
+    The text is read under hp's input limits (:mod:`hp_core.bounded`): a file that is too
+    large or too deeply nested, or that holds NaN or Infinity, is an :class:`ArtifactLimitError`.
+    """
+    if not isinstance(data, bytes | str):
+        raise ArtifactFormatError(
+            f"{source}: expected the artifact's text or bytes, got {type(data).__name__}; to read a file use read_artifact(path)."
+        )
     try:
-        text = data.decode("utf-8") if isinstance(data, bytes) else data
-        doc = json.loads(text, object_pairs_hook=_no_duplicates)
+        doc = loads_json(data, source=source, object_pairs_hook=_no_duplicates, error=ArtifactLimitError)
+    except ArtifactLimitError:
+        raise
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ArtifactFormatError(f"{source}: not an hp artifact (not UTF-8 JSON: {e}). {_REFREEZE}") from None
     except ArtifactFormatError as e:
@@ -242,7 +322,7 @@ def loads_artifact(data: bytes | str, *, source: str = "<artifact>", check_regis
             f"hp freeze; a plan YAML file is read with hp_core.load_plan instead."
         )
     version = doc.get("format_version")
-    if version != FORMAT_VERSION or isinstance(version, bool):
+    if type(version) is not int or version != FORMAT_VERSION:
         raise ArtifactVersionError(
             f"{source}: artifact format version {version!r}; this hp ({_hp_version()}) reads version "
             f"{FORMAT_VERSION}. Re-freeze the plan with this hp (hp freeze --model ... --mesh ... -o "
@@ -268,11 +348,12 @@ def loads_artifact(data: bytes | str, *, source: str = "<artifact>", check_regis
             f"{source}: inputs: expected the keys {', '.join(_INPUT_KEYS)}, got "
             f"{sorted(inputs) if isinstance(inputs, dict) else inputs!r}. {_REFREEZE}"
         )
+    _check_inputs(source, inputs)
     artifact = Artifact(meta=doc["meta"], inputs=inputs, signature=doc["signature"], format_version=version)
     try:
         plan = artifact.plan()
     except MetaError as e:
-        raise ArtifactSchemaError(f"{source}: meta: {e} {_REFREEZE}") from None
+        raise _meta_error(source, e) from None
     if check_registry:
         problems = missing_registry_items(plan)
         if problems:
@@ -358,5 +439,12 @@ def write_artifact(artifact: Artifact, path: str | os.PathLike[str]) -> Path:
 
 
 def read_artifact(path: str | os.PathLike[str], *, check_registry: bool = True) -> Artifact:
-    """Read and verify an artifact file (see :func:`loads_artifact`)."""
-    return loads_artifact(Path(path).read_bytes(), source=str(path), check_registry=check_registry)
+    """Read and verify an artifact file (see :func:`loads_artifact`); a file over the size
+    limit is refused without being read whole."""
+    try:
+        data = read_bounded(path, source=str(path), error=ArtifactLimitError)
+    except FileNotFoundError:
+        raise ArtifactFormatError(f"{path}: no such artifact file. Write one with hp freeze (-o PATH).") from None
+    except OSError as e:  # a directory, no permission, ...
+        raise ArtifactFormatError(f"{path}: cannot read the artifact: {e.strerror or e}.") from None
+    return loads_artifact(data, source=str(path), check_registry=check_registry)

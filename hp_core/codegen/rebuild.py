@@ -194,6 +194,11 @@ def _rules(meta: Mapping[str, Any], group: str) -> dict[str, tuple[str, Mapping[
     out: dict[str, tuple[str, Mapping[str, Any]]] = {}
     for i, rule in enumerate(raw):
         where = f"{group}[{i}]"
+        if isinstance(rule, Mapping) and MATCH_KEY in rule and not isinstance(rule[MATCH_KEY], str):
+            value = rule[MATCH_KEY]
+            raise MetaError(
+                f"{where}.{MATCH_KEY}: expected a string (a module FQN), got {type(value).__name__} {value!r}."
+            )
         if not isinstance(rule, Mapping) or not isinstance(rule.get(MATCH_KEY), str):
             raise MetaError(f"{where}: expected a mapping with a string {MATCH_KEY!r} (a module FQN), got {rule!r}.")
         fqn = rule[MATCH_KEY]
@@ -304,6 +309,13 @@ def rebuild(meta: Mapping[str, Any], *, model: nn.Module | None = None) -> Shard
     mesh = meta["mesh"]
     if not isinstance(mesh, Mapping) or "axis_names" not in mesh or any(k not in _MESH_KEYS for k in mesh):
         raise MetaError(f"mesh: expected {{axis_names: [...], shape: [...]}}, got {mesh!r}.")
+    names, shape = mesh["axis_names"], mesh.get("shape")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise MetaError(f"mesh.axis_names: expected a list of axis names such as [tp, cp], got {type(names).__name__} {names!r}.")
+    if shape is not None and (
+        not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape)
+    ):
+        raise MetaError(f"mesh.shape: expected a list of axis sizes such as [4, 2], got {type(shape).__name__} {shape!r}.")
     try:
         plan = ShardingPlan(
             modules=modules,

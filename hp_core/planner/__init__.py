@@ -6,7 +6,7 @@ and a mesh that is only names and sizes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -26,7 +26,9 @@ from hp_core.planner.lints import (
     DivisibilityError,
     FusedProjectionError,
     MeshAxisError,
+    MeshTypeError,
     PlanningError,
+    TemplateBuildError,
     compute_deferred_biases,
     compute_tp_local_attrs,
     lint_plan,
@@ -38,7 +40,13 @@ from hp_core.planner.structure import (
     analyse,
     check_unclaimed,
 )
-from hp_core.sharding_plan import OverridesLike, ShardingPlan, resolve_overrides
+from hp_core.sharding_plan import (
+    ArgumentTypeError,
+    OverridesLike,
+    PlanError,
+    ShardingPlan,
+    resolve_overrides,
+)
 from hp_core.spec import ModuleShardingSpec
 from hp_core.templates import BoundaryTemplate, RoleRule
 
@@ -49,8 +57,10 @@ __all__ = [
     "DivisibilityError",
     "FusedProjectionError",
     "MeshAxisError",
+    "MeshTypeError",
     "ModelStructure",
     "PlanningError",
+    "TemplateBuildError",
     "TemplateContext",
     "UncoveredParameterError",
     "active_axes",
@@ -78,6 +88,74 @@ def _pick(templates: Sequence[BoundaryTemplate], kind: str, archs: Sequence[str]
     scoped = [t for t in candidates if t.architectures]
     pool = scoped or candidates
     return pool[-1] if pool else None
+
+
+def _provider_of(template: BoundaryTemplate) -> str:
+    """Who registered ``template``, in words (the registry knows; a template not found there
+    was handed to the planner some other way)."""
+    from hp_core.plugins import TEMPLATE_REGISTRY
+
+    item = TEMPLATE_REGISTRY.get(template.name)
+    if item is not None and item.value is template:
+        return item.describe_provider()
+    return "no registered provider"
+
+
+def _who_fixes(provider: str) -> str:
+    if provider.startswith("provider 'user'"):
+        return "correct the template you registered with register_template"
+    return f"report it to {provider} with this model"
+
+
+def _build(template: BoundaryTemplate, ctx: TemplateContext) -> Any:
+    """``template.build(ctx)``; a failure becomes TemplateBuildError naming the template, its
+    provider and the module. PlanErrors (which name the module) and KeyboardInterrupt pass."""
+    try:
+        return template.build(ctx)
+    except PlanError:
+        raise
+    except Exception as e:
+        fqn = ctx.fqn
+        provider = _provider_of(template)
+        raise TemplateBuildError(
+            f"{fqn or '<root>'}: boundary template {template.name!r} (kind {template.kind!r}, from {provider}) "
+            f"failed to build the spec of {type(ctx.block.module).__name__} {fqn!r}: {type(e).__name__}: {e}\n"
+            f"Fix: {_who_fixes(provider)}; meanwhile declare the module's full contract yourself in "
+            f"an override (match: {fqn!r}), or unregister the template. The original exception is "
+            "chained below.",
+            template=template.name,
+            provider=provider,
+            fqn=fqn,
+        ) from e
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_model(model: Any) -> None:
+    if isinstance(model, nn.Module):
+        return
+    if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+        hint = (
+            " plan() takes the model object, not its name or path: build it first (on the meta "
+            "device is enough), e.g. with torch.device('meta'): model = AutoModelForCausalLM.from_config(config). "
+            "From the command line, 'hp plan --model PATH' takes a path."
+        )
+    else:
+        hint = " Pass the torch.nn.Module to parallelize (a meta-device copy is enough to plan)."
+    raise ArgumentTypeError(f"plan(model, mesh): model must be a torch.nn.Module, got {type(model).__name__} {_short(model)}.{hint}")
+
+
+def _check_mesh(mesh: Any) -> None:
+    if isinstance(mesh, (MeshSpec, str, Mapping)) or (getattr(mesh, "shape", None) is not None and hasattr(mesh, "get_group")):
+        return
+    raise MeshTypeError(
+        f"plan(model, mesh): mesh: expected a DeviceMesh, a MeshSpec, an {{axis: size}} mapping such as "
+        f"{{'tp': 2}} or a string such as 'tp=2,cp=2', got {type(mesh).__name__} {_short(mesh)}. "
+        "Example: hp_core.plan(model, 'tp=2'); a DeviceMesh needs mesh_dim_names."
+    )
 
 
 def active_axes(mesh: MeshSpec, *, sequence_parallel: bool, ep_size: int) -> set[str]:
@@ -129,6 +207,8 @@ def plan(
     ``"tp=8,cp=2"``; ``overrides`` a ``{fqn_or_glob: ModuleShardingSpec}`` dict, a list of
     YAML-style entries, or a path to a YAML file. Nothing is mutated.
     """
+    _check_model(model)
+    _check_mesh(mesh)
     ms = MeshSpec.from_any(mesh)
     _check_flags(sequence_parallel, loss_parallel, ep_size)
     if loss_parallel:
@@ -146,7 +226,7 @@ def plan(
                 "Run 'hp plugins'."
             )
         ctx = TemplateContext(block, ms, sequence_parallel, loss_parallel, ep_size, is_first_layer=first_layer)
-        spec = template.build(ctx)
+        spec = _build(template, ctx)
         if block.kind == "layer":
             first_layer = False
         if spec is None:

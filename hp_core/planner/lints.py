@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from hp_core.mesh import MeshSpec
-from hp_core.sharding_plan import PlanError
+from hp_core.mesh import MeshSpec, MeshSpecError
+from hp_core.sharding_plan import ArgumentTypeError, PlanError
 from hp_core.spec import CANONICAL_AXES, ModuleShardingSpec, close_matches, format_placement
 from hp_core.templates import Role
 
@@ -25,7 +25,9 @@ __all__ = [
     "DivisibilityError",
     "FusedProjectionError",
     "MeshAxisError",
+    "MeshTypeError",
     "PlanningError",
+    "TemplateBuildError",
     "compute_deferred_biases",
     "compute_tp_local_attrs",
     "lint_plan",
@@ -63,6 +65,30 @@ class MeshAxisError(PlanningError):
 
 class FusedProjectionError(PlanningError):
     """A fused projection (qkv / gate_up) that plain ``Shard(0)`` cannot split correctly."""
+
+
+class TemplateBuildError(PlanningError):
+    """A boundary template raised while building a module's spec; the original is ``__cause__``.
+
+    ``template``, ``provider`` and ``fqn`` name the template, who registered it and the module.
+    """
+
+    def __init__(self, message: str, *, template: str = "", provider: str = "", fqn: str = "") -> None:
+        super().__init__(message)
+        self.template = template
+        self.provider = provider
+        self.fqn = fqn
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_template_error, (type(self), str(self), self.template, self.provider, self.fqn))
+
+
+def _rebuild_template_error(cls: type[TemplateBuildError], message: str, template: str, provider: str, fqn: str) -> TemplateBuildError:
+    return cls(message, template=template, provider=provider, fqn=fqn)
+
+
+class MeshTypeError(ArgumentTypeError, MeshSpecError):
+    """``plan(model, mesh)`` with a mesh of a type hp cannot read (None, a number, a list...)."""
 
 
 _FUSED_PARTS = {Role.FUSED_QKV: ("q/k/v", "q", "v"), Role.FUSED_GATE_UP: ("gate/up", "gate", "up")}

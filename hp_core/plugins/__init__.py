@@ -10,7 +10,9 @@ Environment switches:
 - ``HP_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry-point plugins (the built-in still loads);
 - ``HP_PLUGINS=cp,moe``: load only these entry-point names (``HP_PLUGINS=`` loads none);
 - ``HP_PLUGINS_STRICT=1``: a plugin failure raises :class:`PluginLoadError` instead of
-  being reported.
+  being reported;
+- ``HP_PLUGIN_IMPORT_TIMEOUT=10``: seconds one plugin's import may take before it is
+  reported as failed (``0``: no limit).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from hp_core.plugins._errors import (
     InvalidRegistrationError,
     PluginLoadError,
     UnknownRegistryItemError,
+    UnknownRegistryKindError,
 )
 from hp_core.plugins._items import (
     FORWARD_STYLES,
@@ -32,8 +35,10 @@ from hp_core.plugins._items import (
 )
 from hp_core.plugins._manager import (
     BUILTIN_PLUGIN_NAME,
+    DEFAULT_IMPORT_TIMEOUT,
     ENTRY_POINT_GROUP,
     ENV_DISABLE_AUTOLOAD,
+    ENV_IMPORT_TIMEOUT,
     ENV_PLUGINS,
     ENV_STRICT,
     HpPluginWarning,
@@ -66,8 +71,10 @@ from hp_core.plugins._registry import (
 __all__ = [
     "BUILTIN_PLUGIN_NAME",
     "COMPUTE_FACTORY_REGISTRY",
+    "DEFAULT_IMPORT_TIMEOUT",
     "ENTRY_POINT_GROUP",
     "ENV_DISABLE_AUTOLOAD",
+    "ENV_IMPORT_TIMEOUT",
     "ENV_PLUGINS",
     "ENV_STRICT",
     "FORWARD_STYLES",
@@ -87,6 +94,7 @@ __all__ = [
     "RegisteredItem",
     "RegistryKind",
     "UnknownRegistryItemError",
+    "UnknownRegistryKindError",
     "hookimpl",
     "hookspec",
     "load_plugins",

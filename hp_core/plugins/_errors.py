@@ -15,6 +15,7 @@ __all__ = [
     "InvalidRegistrationError",
     "PluginLoadError",
     "UnknownRegistryItemError",
+    "UnknownRegistryKindError",
 ]
 
 
@@ -45,6 +46,10 @@ class UnknownRegistryItemError(HpError, LookupError, ValueError):
 
 class _UnknownRegistryKeyError(UnknownRegistryItemError, KeyError):
     """Raised by ``registry[name]`` so the ``Mapping`` protocol (``except KeyError``) holds."""
+
+
+class UnknownRegistryKindError(HpError, ValueError):
+    """A registry kind that does not exist (``lookup("innerwrapper", ...)``)."""
 
 
 class PluginLoadError(HpError, RuntimeError):

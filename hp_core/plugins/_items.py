@@ -38,7 +38,8 @@ USER_PROVIDER = "user"
 # string means an import path there. Template names are never resolved that way, so
 # they may be namespaced with dots (``"phi3.fused_qkv"``).
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
-_DOTTED_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*(\.[A-Za-z_][A-Za-z0-9_-]*)*$")
+# After the first dot a segment may start with a digit: user rules are named 'user.<family>.<n>'.
+_DOTTED_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*(\.[A-Za-z0-9_][A-Za-z0-9_-]*)*$")
 
 
 class RegistryKind(StrEnum):
@@ -144,7 +145,9 @@ def check_name(kind: RegistryKind, name: Any, *, source: str) -> str:
         fixed = re.sub(r"[^A-Za-z0-9_\-.]" if dotted else r"[^A-Za-z0-9_-]", "_", name)
         if not re.match(r"[A-Za-z_]", fixed):
             fixed = "_" + fixed
-        suggestion = f" e.g. {fixed!r}"
+        fixed = re.sub(r"\.{2,}", ".", fixed).strip(".") or "_"
+        if (_DOTTED_NAME_RE if dotted else _NAME_RE).match(fixed):  # never suggest a name this refuses
+            suggestion = f" e.g. {fixed!r}"
     raise InvalidRegistrationError(
         f"{source}: invalid {kind.label} name {name!r}.\n"
         f"Registry names use {rule}.\n"

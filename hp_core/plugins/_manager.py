@@ -6,12 +6,36 @@ import, register with pluggy, ``check_pending``, call each of its hook
 implementations with a ``register`` callback bound to it, validate every item, and
 only then commit them all at once. A plugin that fails at any step is reported as
 ``failed`` and contributes nothing; the core and the other plugins carry on.
+
+What counts as failing: any exception, and any other ``BaseException`` (``SystemExit``
+from a ``sys.exit()`` at import or in a hook, ``GeneratorExit``, a custom subclass)
+raised by the plugin's import, its registration with pluggy or its hooks. Only
+``KeyboardInterrupt`` propagates, so Ctrl-C still stops hp. A plugin can therefore
+neither end the process nor change the exit code of an unrelated command.
+
+The import bound (``HP_PLUGIN_IMPORT_TIMEOUT``, seconds, default
+:data:`DEFAULT_IMPORT_TIMEOUT`): Python cannot kill a thread or interrupt an import,
+so each entry point is imported in its own daemon thread and the loader waits for it
+with ``join(timeout)``. If the import has not finished by then, the plugin is
+reported as failed ("did not finish within N s") and discovery goes on without it;
+the thread is abandoned, not stopped: it keeps running (daemon, so it never keeps the
+process alive) and whatever it eventually produces is ignored until the next
+rediscovery. While it runs it holds the import lock of the module(s) it is importing,
+so another import of *that* module blocks (a rediscovery times out on it again);
+imports of any other module are unaffected. ``HP_PLUGIN_IMPORT_TIMEOUT=0`` (or
+``off``/``none``) removes the bound and imports in the calling thread, as does
+discovery started while the calling thread is itself importing a module (e.g. a
+module that registers items at import time): that thread holds module locks an import
+thread might need, so waiting for one could only time out. The bound covers the
+import, where plugins do their expensive work; hooks run in the calling thread (they
+only call ``register``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.metadata as importlib_metadata
+import math
 import os
 import threading
 import types
@@ -38,12 +62,15 @@ from hp_core.plugins._items import (
 
 __all__ = [
     "BUILTIN_PLUGIN_NAME",
+    "DEFAULT_IMPORT_TIMEOUT",
     "ENTRY_POINT_GROUP",
     "ENV_DISABLE_AUTOLOAD",
+    "ENV_IMPORT_TIMEOUT",
     "ENV_PLUGINS",
     "ENV_STRICT",
     "HpPluginWarning",
     "current_state",
+    "import_timeout_from_env",
     "load_plugins",
     "plugin_packages",
     "plugin_report",
@@ -59,6 +86,10 @@ CORE_DISTRIBUTION = "hp-core"
 ENV_DISABLE_AUTOLOAD = "HP_DISABLE_PLUGIN_AUTOLOAD"
 ENV_PLUGINS = "HP_PLUGINS"
 ENV_STRICT = "HP_PLUGINS_STRICT"
+ENV_IMPORT_TIMEOUT = "HP_PLUGIN_IMPORT_TIMEOUT"
+#: Seconds one plugin's import may take before it is reported as failed.
+DEFAULT_IMPORT_TIMEOUT = 10.0
+_UNBOUNDED = {"0", "off", "none", "inf"}
 
 _TRUE = {"1", "true", "yes", "on"}
 _HOOK_NAMES = tuple(HOOK_KINDS)
@@ -103,6 +134,8 @@ _LOCK = threading.RLock()
 _STATE: _State | None = None
 _LOADING = False
 _LOADING_PLUGIN: str | None = None  # the plugin being imported / called, for messages
+#: ``plugin`` is set (to the entry-point name) in the threads that import plugins.
+_THREAD = threading.local()
 
 
 def _env_true(name: str) -> bool:
@@ -112,6 +145,51 @@ def _env_true(name: str) -> bool:
 def strict_from_env() -> bool:
     """Whether ``HP_PLUGINS_STRICT`` asks for strict plugin loading."""
     return _env_true(ENV_STRICT)
+
+
+def import_timeout_from_env() -> tuple[float | None, str | None]:
+    """``(seconds or None for no bound, warning or None)`` from ``HP_PLUGIN_IMPORT_TIMEOUT``.
+
+    Unset or empty: :data:`DEFAULT_IMPORT_TIMEOUT`. ``0``, ``off``, ``none``, ``inf``: no
+    bound. Anything else that is not a positive number: the default, with a warning.
+    """
+    raw = os.environ.get(ENV_IMPORT_TIMEOUT)
+    if raw is None or not raw.strip():
+        return DEFAULT_IMPORT_TIMEOUT, None
+    text = raw.strip().lower()
+    if text in _UNBOUNDED:
+        return None, None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if math.isinf(value) and value > 0:
+        return None, None
+    if not math.isfinite(value) or value <= 0:
+        return DEFAULT_IMPORT_TIMEOUT, (
+            f"{ENV_IMPORT_TIMEOUT}={raw!r} is not a number of seconds; using "
+            f"{DEFAULT_IMPORT_TIMEOUT:g} s. Set it to a positive number, or to 0 for no limit."
+        )
+    return value, None
+
+
+def _loading_error() -> RuntimeError:
+    who = f"plugin {_LOADING_PLUGIN!r}" if _LOADING_PLUGIN else "a plugin"
+    return RuntimeError(
+        f"{who} accessed the hp plugin registries while plugins are being loaded "
+        "(from its import or a hook).\nPlugins only register items while loading.\n"
+        "Fix: look items up lazily, at call time, not at import time."
+    )
+
+
+def check_not_loading_thread() -> None:
+    """Refuse registry access from a plugin's import thread while discovery runs.
+
+    Called before taking the registry lock: the discovering thread holds it while it waits
+    for the import, so the import thread would otherwise block until its time runs out.
+    """
+    if _LOADING and getattr(_THREAD, "plugin", None) is not None:
+        raise _loading_error()
 
 
 # ------------------------------------------------------------------ public API
@@ -124,15 +202,11 @@ def current_state(*, strict: bool | None = None) -> _State:
     raises :class:`PluginLoadError`.
     """
     global _STATE
+    check_not_loading_thread()
     with _LOCK:
         if _STATE is None:
             if _LOADING:
-                who = f"plugin {_LOADING_PLUGIN!r}" if _LOADING_PLUGIN else "a plugin"
-                raise RuntimeError(
-                    f"{who} accessed the hp plugin registries while plugins are being loaded "
-                    "(from its import or a hook).\nPlugins only register items while loading.\n"
-                    "Fix: look items up lazily, at call time, not at import time."
-                )
+                raise _loading_error()
             _STATE = _load_all()
         state = _STATE
     if strict is None:
@@ -190,6 +264,12 @@ def register_plugin(plugin: object, *, name: str) -> PluginInfo:
     nothing. A module's top-level package joins :func:`plugin_packages`. Handy for
     testing a plugin without installing it.
     """
+    if not isinstance(name, str) or not name.strip():
+        raise PluginLoadError(
+            f"register_plugin(name={name!r}): the provider name must be a non-empty string (it is how "
+            "hp plugins and error messages name the plugin), e.g. register_plugin(plugin, name='my_plugin')."
+        )
+    check_not_loading_thread()
     with _LOCK:
         state = current_state(strict=False)
         info = _load_one(state, name, lambda: plugin, distribution=None, version=None, packages=())
@@ -299,6 +379,9 @@ def _selection() -> tuple[set[str] | None, str | None]:
 def _load_entry_points(state: _State) -> None:
     eps = _entry_points()
     allowed, note = _selection()
+    timeout, problem = import_timeout_from_env()
+    if problem is not None:
+        state.warnings.append(problem)
     found = {ep.name for ep in eps}
     if allowed is not None and not _env_true(ENV_DISABLE_AUTOLOAD):
         for name in sorted(allowed - found - {BUILTIN_PLUGIN_NAME}):
@@ -315,7 +398,7 @@ def _load_entry_points(state: _State) -> None:
         info = _load_one(
             state,
             ep.name,
-            _entry_point_loader(ep),
+            _entry_point_loader(ep, timeout),
             distribution=dist,
             version=version,
             packages=_top_level_packages(ep),
@@ -323,14 +406,69 @@ def _load_entry_points(state: _State) -> None:
         state.report.append(info)
 
 
-def _entry_point_loader(ep: importlib_metadata.EntryPoint) -> Callable[[], Any]:
+def describe_exception(e: BaseException) -> str:
+    """``Type: message`` (just ``Type`` when the message is empty)."""
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _importing_in_this_thread() -> bool:
+    """Whether the calling thread is executing a module's import (holds a module lock).
+
+    Reads CPython's import-lock table; where that is not available, answers False.
+    """
+    try:
+        from importlib import _bootstrap
+
+        me = threading.get_ident()
+        for ref in list(_bootstrap._module_locks.values()):
+            lock = ref()
+            if lock is not None and getattr(lock, "owner", None) == me:
+                return True
+    except Exception:
+        return False
+    return False
+
+
+def _entry_point_loader(ep: importlib_metadata.EntryPoint, timeout: float | None) -> Callable[[], Any]:
+    """Import ``ep`` (bounded by ``timeout`` seconds, see the module docstring)."""
+    what = f"importing entry point '{ep.name} = {ep.value}'"
+
+    def failure(e: BaseException) -> _PluginFailure:
+        if isinstance(e, KeyboardInterrupt):
+            raise e
+        return _PluginFailure(f"{what} raised {describe_exception(e)}")
+
     def load() -> Any:
-        try:
-            return ep.load()
-        except Exception as e:
+        if timeout is None or _importing_in_this_thread():
+            try:
+                return ep.load()
+            except BaseException as e:
+                raise failure(e) from e
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            _THREAD.plugin = ep.name
+            try:
+                outcome["value"] = ep.load()
+            except BaseException as e:  # handed to the loading thread
+                outcome["error"] = e
+
+        thread = threading.Thread(target=run, name=f"hp-plugin-import:{ep.name}", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
             raise _PluginFailure(
-                f"importing entry point '{ep.name} = {ep.value}' raised {type(e).__name__}: {e}"
-            ) from e
+                f"{what} timed out: it did not finish within {timeout:g} s.\n"
+                "hp stopped waiting and loaded the other plugins; the import goes on in a "
+                "background thread whose result is ignored.\n"
+                f"Fix: make the plugin's import fast, or set {ENV_IMPORT_TIMEOUT} to a higher "
+                "number of seconds (0 for no limit)."
+            )
+        if "error" in outcome:
+            error = outcome.pop("error")
+            raise failure(error) from error
+        return outcome["value"]
 
     return load
 
@@ -392,10 +530,15 @@ def _load_one(
         _check_pending(state.pm, name)
         staged = _collect(state.pm, name, provider)
         _check_duplicates(state, staged)
-    except _PluginFailure as failure:
+    except KeyboardInterrupt:
         if registered:
             state.pm.unregister(name=name)
-        return PluginInfo(name, distribution, version, "failed", error=failure.message)
+        raise
+    except BaseException as e:  # a plugin never ends hp: everything else fails the plugin
+        if registered:
+            state.pm.unregister(name=name)
+        message = e.message if isinstance(e, _PluginFailure) else f"loading it raised {describe_exception(e)}"
+        return PluginInfo(name, distribution, version, "failed", error=message)
     finally:
         _LOADING_PLUGIN = None
     for item in staged:
@@ -468,12 +611,14 @@ def _collect(pm: pluggy.PluginManager, name: str, provider: Provider) -> list[Re
             kwargs = {arg: guarded for arg in impl.argnames}
             try:
                 returned = impl.function(**kwargs)
-            except Exception as e:
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # SystemExit, GeneratorExit, ... fail the plugin only
                 if any(e is r for r in rejected):
                     raise _PluginFailure(
-                        f"{hook_name} registered an invalid item: {type(e).__name__}: {e}"
+                        f"{hook_name} registered an invalid item: {describe_exception(e)}"
                     ) from e
-                raise _PluginFailure(f"hook {hook_name} raised {type(e).__name__}: {e}") from e
+                raise _PluginFailure(f"hook {hook_name} raised {describe_exception(e)}") from e
             if returned is not None:
                 raise _PluginFailure(
                     f"hook {hook_name} returned {type(returned).__name__} instead of None.\n"

@@ -8,6 +8,7 @@ from typing import Any, overload
 from hp_core.errors import HpError
 from hp_core.plugins._errors import (
     UnknownRegistryItemError,
+    UnknownRegistryKindError,
     _UnknownRegistryKeyError,
 )
 from hp_core.plugins._items import (
@@ -23,7 +24,7 @@ from hp_core.plugins._items import (
     make_template,
     make_training_adapter,
 )
-from hp_core.plugins._manager import _LOCK, check_conflicts, current_state
+from hp_core.plugins._manager import _LOCK, check_conflicts, check_not_loading_thread, current_state
 
 __all__ = [
     "COMPUTE_FACTORY_REGISTRY",
@@ -63,7 +64,7 @@ def _kind(kind: RegistryKind | str) -> RegistryKind:
         return RegistryKind(kind)
     except ValueError:
         names = [k.value for k in RegistryKind]
-        raise ValueError(
+        raise UnknownRegistryKindError(
             f"unknown registry kind {kind!r}.{did_you_mean(str(kind), names)}\n"
             f"Registry kinds are: {', '.join(names)}."
         ) from None
@@ -80,7 +81,7 @@ WELL_KNOWN_ITEMS: dict[RegistryKind, dict[str, str]] = {
 def _unknown_message(kind: RegistryKind, name: object) -> str:
     state = current_state()
     items = state.items[kind]
-    plural = kind.label + "s"
+    plural = kind.label[:-1] + "ies" if kind.label.endswith("y") else kind.label + "s"
     best = closest(str(name), items) if items else None
     lines = [
         f"unknown {kind.label} {name!r}." + (f" Did you mean {best!r}?" if best else ""),
@@ -193,6 +194,7 @@ def suggest_compute_factory(architecture: str) -> str | None:
 
 
 def _commit(item: RegisteredItem) -> RegisteredItem:
+    check_not_loading_thread()
     with _LOCK:
         state = current_state()
         check_conflicts(state, [item])
@@ -250,6 +252,7 @@ def register_template(item: Any) -> RegisteredItem:
 def unregister(kind: RegistryKind | str, name: str) -> RegisteredItem:
     """Remove a user-registered item and return it. Plugin items cannot be removed."""
     registry_kind = _kind(kind)
+    check_not_loading_thread()
     with _LOCK:
         item = lookup(registry_kind, name)
         if item.provider != USER_PROVIDER or item.distribution is not None:

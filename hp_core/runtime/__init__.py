@@ -16,12 +16,15 @@ from hp_core.runtime.preflight import (
     PlanMismatchError,
     PreflightError,
 )
+from hp_core.runtime.verdict import ApplyFailedError, RankTimeoutError
 
 __all__ = [
     "AppliedModel",
+    "ApplyFailedError",
     "MeshMismatchError",
     "PlanMismatchError",
     "PreflightError",
+    "RankTimeoutError",
     "apply",
     "finalize_grads",
 ]

@@ -47,6 +47,7 @@ __all__ = [
     "ExpertGroups",
     "ExpertLayout",
     "ExpertParallelError",
+    "ShardedExperts",
     "StackedExperts",
     "build_expert_groups",
     "check_expert_boundary",
@@ -341,7 +342,10 @@ def build_expert_groups(mesh: Any, layouts: Mapping[int, ExpertLayout]) -> dict[
 
 
 def _distribute(t: torch.Tensor, mesh: Any, placements: tuple[Placement, ...], mode: str) -> torch.Tensor:
-    dt = distribute_tensor(t, mesh, placements, src_data_rank=None if t.is_meta else 0)
+    # A copy first: replicating broadcasts into the source's storage, which is the caller's
+    # parameter until the install commits (a rollback must find this rank's own values).
+    data = t if t.is_meta else t.detach().clone()
+    dt = distribute_tensor(data, mesh, placements, src_data_rank=None if t.is_meta else 0)
     return dt if mode == "validate" else dt.to_local()
 
 
@@ -351,15 +355,35 @@ def _expert_boundaries(model: nn.Module, plan: ShardingPlan) -> Iterator[tuple[s
             yield fqn, spec, (model.get_submodule(fqn) if fqn else model)
 
 
+@dataclasses.dataclass
+class ShardedExperts:
+    """The expert parameters' new copies (made collectively), not yet installed."""
+
+    #: ``(owner module, attribute, old, new)`` of expert parameters sharded where they are.
+    params: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]]
+    #: ``(MoE block, its spec, stacked name → new parameter)``: containers to swap.
+    stacks: list[tuple[nn.Module, ModuleShardingSpec, dict[str, nn.Parameter]]]
+
+    def install(self, journal: Journal) -> dict[int, nn.Parameter]:
+        """Swap the copies in (local, journaled); returns ``id(old) → new``."""
+        done: dict[int, nn.Parameter] = {}
+        for owner, name, old, new in self.params:
+            done[id(old)] = new
+            journal.set_param(owner, name, new)
+        for module, spec, stacked in self.stacks:
+            _install_stacked(module, spec, stacked, journal)
+        return done
+
+
 def shard_expert_parameters(
-    model: nn.Module, plan: ShardingPlan, mode: str, journal: Journal, experts: Mapping[int, ExpertGroups]
-) -> dict[int, nn.Parameter]:
-    """Stack per-expert parameters, then keep this rank's experts; returns ``id(old) → new``.
+    model: nn.Module, plan: ShardingPlan, mode: str, experts: Mapping[int, ExpertGroups]
+) -> ShardedExperts:
+    """Stack per-expert parameters, then keep this rank's experts (collective; the model is untouched).
 
     production: local ``[E / ep, ...]`` shards as plain parameters; validate: DTensors on
     the expert mesh, ``(Replicate(), Shard(0))`` on ``(edp, ep)``.
     """
-    done: dict[int, nn.Parameter] = {}
+    out = ShardedExperts([], [])
     for _fqn, spec, module in _expert_boundaries(model, plan):
         emesh = experts[spec._ep_size].mesh
         stacked: dict[str, nn.Parameter] = {}
@@ -377,12 +401,11 @@ def shard_expert_parameters(
             old = owner._parameters[name]
             if old is None or isinstance(old, DTensor):
                 continue
-            new = nn.Parameter(_distribute(old.detach(), emesh, expert_placements(named), mode), requires_grad=old.requires_grad)
-            done[id(old)] = new
-            journal.set_param(owner, name, new)
+            new = nn.Parameter(_distribute(old, emesh, expert_placements(named), mode), requires_grad=old.requires_grad)
+            out.params.append((owner, name, old, new))
         if stacked:
-            _install_stacked(module, spec, stacked, journal)
-    return done
+            out.stacks.append((module, spec, stacked))
+    return out
 
 
 def _install_stacked(module: nn.Module, spec: ModuleShardingSpec, stacked: dict[str, nn.Parameter], journal: Journal) -> None:

@@ -1,7 +1,9 @@
 """Install a checked plan on a model: every mutation ``apply`` makes, journaled.
 
-In order: parameters → boundaries (with their inner wraps) → tp-local attributes →
-derived gradient reductions → loss. ``install`` assumes preflight (and the verifier)
+In order: every collective (the input guard's groups, the random streams' seed, the
+sharded parameter copies) → hooks → parameters swapped in → boundaries (with their inner
+wraps) → tp-local attributes → derived gradient reductions → loss. After the collectives
+nothing communicates, so a failure on one rank leaves no other rank blocked. ``install`` assumes preflight (and the verifier)
 passed; it is also what the verifier runs on its meta-device copies, with no
 gradient reductions and the injected compute replaced by the module's own.
 """
@@ -23,6 +25,7 @@ from hp_core.runtime.grads import GradReducer, GradReduction
 from hp_core.runtime.guard import InputGuard
 from hp_core.runtime.journal import Journal, set_forward
 from hp_core.runtime.layouts import dense_mesh
+from hp_core.runtime.outer import OuterWrapperCheck
 from hp_core.runtime.params import shard_parameters
 from hp_core.runtime.preflight import PreflightResult
 from hp_core.runtime.rng import RngStreams
@@ -140,19 +143,29 @@ def install(
     ``streams=False`` no random streams (the verifier's copies: nothing that communicates). ``strict_regions`` (default: on in validate mode) makes every dispatching region
     refuse an implicit DTensor redistribution: communication the contract does not declare.
     """
+    # Every collective of the install comes first, before the model is touched: after them
+    # the install is local, so a rank failing there cannot leave another waiting in one.
+    journal.phase("communication")
     guard = InputGuard(type(model).__name__, mesh, plan.modules, fallback=fallback) if check_inputs else None
+    rng = RngStreams(mesh) if streams else None
+    sharded = shard_parameters(model, plan, mesh, mode, experts=pre.experts)
+    journal.phase("hooks")
+    if streams:  # the real install (the verifier's copies have no outer wrapper to check)
+        OuterWrapperCheck(type(model).__name__, mesh).attach(model, journal)
     if guard is not None:
         guard.attach(model, journal)  # first hook of the root: before any collective of a forward
-    rng = RngStreams(mesh) if streams else None
     if rng is not None:
         rng.attach(model, journal)
-    shard_parameters(model, plan, mesh, mode, journal, experts=pre.experts)
+    journal.phase("parameters")
+    sharded.install(model, journal)
+    journal.phase("boundaries")
     strict = (mode == "validate") if strict_regions is None else strict_regions
     dense = dense_mesh(mesh)  # hp's DTensors and collectives live off the dp axes
     forwards: dict[str, BoundaryForward] = {}
     for fqn, spec in plan.items():
         if not spec.is_boundary:
             continue
+        journal.at(fqn)
         module = model.get_submodule(fqn) if fqn else model
         replacement = _inner_wrap(fqn, module, plan, dense, mode, pre, journal)
         compute, dispatch = _compute_for(fqn, module, plan, dense, mode, pre)
@@ -169,20 +182,25 @@ def install(
             forward = SequenceSwitch(bf, whole, fallback)
         set_forward(journal, module, forward)
         forwards[fqn] = bf
+    journal.phase("attributes")
     if mode == "production":
         for fqn, spec in plan.items():
+            journal.at(fqn)
             module = model.get_submodule(fqn) if fqn else model
             for attr, (_glob, local) in (spec._tp_local_attr_plan or {}).items():
                 journal.set_attr(module, attr, local)
+    journal.phase("gradient reductions")
     entries = [*reductions, *expert_grad_reductions(plan, pre.experts)]
     reducer = GradReducer.build(model, entries, dense, mode) if reduce and (entries or mode == "validate") else None
     if reducer is not None:
         reducer.attach(model, journal)
+    journal.phase("loss")
     if plan.loss_parallel:
         _install_loss(model, mesh, journal)
     meshes = {ep: groups.mesh for ep, groups in pre.experts.items()}
     state = AppliedModel(plan, mode, mesh, forwards, reducer, meshes, guard=guard, rng=rng, fallback=fallback if guard else None)
     journal.set_attr(model, "_hp_applied", state)
+    journal.phase("commit")  # after the last mutation
     return state
 
 

@@ -19,6 +19,23 @@ _MISSING = object()
 class Journal:
     def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
+        #: The phase of the install under way and the module it is at, for error messages.
+        self.current_phase = "install"
+        self.current_module: str | None = None
+
+    def phase(self, name: str) -> None:
+        """Mark the start of an install phase (named in the error if it fails)."""
+        self.current_phase, self.current_module = name, None
+
+    def at(self, fqn: str) -> None:
+        """Mark the module the current phase is working on."""
+        self.current_module = fqn
+
+    @property
+    def where(self) -> str:
+        if self.current_module is None:
+            return self.current_phase
+        return f"{self.current_phase} at {self.current_module or '<root>'}"
 
     def record(self, undo: Callable[[], None]) -> None:
         self._undo.append(undo)
@@ -44,8 +61,17 @@ class Journal:
         self.record(undo)
 
     def rollback(self) -> None:
+        # Every undo runs even if one raises (or an interrupt arrives): a half-rolled-back
+        # model is the one outcome worse than a failed apply. The first error is re-raised.
+        first: BaseException | None = None
         while self._undo:
-            self._undo.pop()()
+            undo = self._undo.pop()
+            try:
+                undo()
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
 
 
 def set_forward(journal: Journal, module: nn.Module, fn: Callable[..., Any]) -> None:

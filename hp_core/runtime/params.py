@@ -1,13 +1,15 @@
 """Parameter sharding: ``distribute_tensor`` every declared parameter once.
 
 Validate keeps the DTensor parameters; production keeps only the local shard, as a
-plain ``nn.Parameter``, for good. Tied parameters (one Parameter reachable under two
+plain ``nn.Parameter``, for good. The copies are made first and swapped in afterwards, so
+the caller's parameters (objects and values) survive until the install commits. Tied parameters (one Parameter reachable under two
 names) are sharded once and stay tied. Meta tensors stay meta. Expert parameters of an
 expert-parallel boundary go to the derived expert mesh instead (``hp_core.runtime.experts``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -16,12 +18,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from hp_core.errors import HpError
-from hp_core.runtime.experts import ExpertGroups, shard_expert_parameters
+from hp_core.runtime.experts import ExpertGroups, ShardedExperts, shard_expert_parameters
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.layouts import dense_mesh, to_placements
 from hp_core.sharding_plan import ShardingPlan
 
-__all__ = ["ParameterPlacementError", "declared_params", "outside_boundaries", "shard_parameters"]
+__all__ = ["ParameterPlacementError", "ShardedParameters", "declared_params", "outside_boundaries", "shard_parameters"]
 
 
 def _owner(module: nn.Module, rel: str) -> tuple[nn.Module, str]:
@@ -58,7 +60,9 @@ def outside_boundaries(plan: ShardingPlan) -> set[str]:
 
 
 def _distribute(t: torch.Tensor, mesh: Any, named: dict, mode: str) -> torch.Tensor:
-    data = t.detach()
+    # A copy first: replicating broadcasts into the source's storage, and the source is the
+    # caller's parameter until the install commits (a rollback must find this rank's values).
+    data = t.detach() if t.is_meta else t.detach().clone()
     # Rank 0's values are the truth, as in DTensor: every rank (dp replicas too) ends up
     # with the same model. Meta tensors carry no values, so they are only chunked.
     dt = distribute_tensor(data, mesh, to_placements(named, mesh), src_data_rank=None if data.is_meta else 0)
@@ -70,47 +74,68 @@ def _distribute(t: torch.Tensor, mesh: Any, named: dict, mode: str) -> torch.Ten
     return DTensor.from_local(dt.to_local(), dense, to_placements(named, dense), run_check=False)
 
 
+@dataclasses.dataclass
+class ShardedParameters:
+    """Sharded copies of every declared parameter, made before the model is touched.
+
+    Making them is collective (rank 0's values are broadcast or scattered); installing them
+    is local and journaled, so a failure on any rank after the copies exist costs no
+    collective to undo.
+    """
+
+    #: ``(owner module, attribute, old, new)`` in plan order.
+    params: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]]
+    experts: ShardedExperts | None
+
+    def install(self, model: nn.Module, journal: Journal) -> dict[int, nn.Parameter]:
+        """Swap the copies in; returns ``id(old) → new``."""
+        done = self.experts.install(journal) if self.experts is not None else {}
+        for owner, name, old, new in self.params:
+            done[id(old)] = new
+            journal.set_param(owner, name, new)
+        # Tied aliases that no boundary names (e.g. lm_head.weight declared only once) follow.
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and id(p) in done and module._parameters[name] is not done[id(p)]:
+                    journal.set_param(module, name, done[id(p)])
+        return done
+
+
 def shard_parameters(
     model: nn.Module,
     plan: ShardingPlan,
     mesh: Any,
     mode: str,
-    journal: Journal,
     experts: Mapping[int, ExpertGroups] | None = None,
-) -> dict[int, nn.Parameter]:
-    """Replace every declared parameter by its sharded version; returns ``id(old) → new``.
+) -> ShardedParameters:
+    """The sharded copy of every declared parameter (collective; the model is untouched).
 
     ``experts`` (ep size → expert mesh, from preflight) is needed when the plan has
-    expert-parallel boundaries.
+    expert-parallel boundaries. Every check runs before the first collective.
     """
-    done: dict[int, nn.Parameter] = {}
-    if experts:
-        done.update(shard_expert_parameters(model, plan, mode, journal, experts))
     outside = outside_boundaries(plan)
-    for fqn, _rel, owner, name, named in declared_params(model, plan):
+    work: list[tuple[nn.Module, str, nn.Parameter, dict, str]] = []
+    for fqn, rel, owner, name, named in declared_params(model, plan):
         if "ep" in named and plan[fqn]._ep_size > 1:
-            continue  # on the expert mesh, above
+            continue  # on the expert mesh, below
         old = owner._parameters[name]
         if old is None or isinstance(old, DTensor):
             continue
-        if fqn in outside:
-            # Used by the model's own code between boundaries, where only local tensors flow:
-            # it stays a plain (replicated) tensor in both modes.
-            if any(not isinstance(p, Replicate) for p in named.values()):
-                raise ParameterPlacementError(
-                    f"{fqn}.{_rel}: its module is not inside any boundary, so it runs on local tensors in "
-                    f"the model's own code and cannot be sharded ({named}). Make {fqn!r} a boundary "
-                    "(is_boundary: true, with in/out layouts), or keep the parameter replicated."
-                )
-        new = done.get(id(old))
+        if fqn in outside and any(not isinstance(p, Replicate) for p in named.values()):
+            # Used by the model's own code between boundaries, where only local tensors flow.
+            raise ParameterPlacementError(
+                f"{fqn}.{rel}: its module is not inside any boundary, so it runs on local tensors in "
+                f"the model's own code and cannot be sharded ({named}). Make {fqn!r} a boundary "
+                "(is_boundary: true, with in/out layouts), or keep the parameter replicated."
+            )
+        # Outside any boundary it stays a plain (replicated) tensor in both modes.
+        work.append((owner, name, old, named, "production" if fqn in outside else mode))
+    sharded_experts = shard_expert_parameters(model, plan, mode, experts) if experts else None
+    made: dict[int, nn.Parameter] = {}
+    out: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
+    for owner, name, old, named, how in work:
+        new = made.get(id(old))  # a tied parameter is sharded once and stays tied
         if new is None:
-            sharded = _distribute(old, mesh, named, "production" if fqn in outside else mode)
-            new = nn.Parameter(sharded, requires_grad=old.requires_grad)
-            done[id(old)] = new
-        journal.set_param(owner, name, new)
-    # Tied aliases that no boundary names (e.g. lm_head.weight declared only once) follow.
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None and id(p) in done and module._parameters[name] is not done[id(p)]:
-                journal.set_param(module, name, done[id(p)])
-    return done
+            new = made[id(old)] = nn.Parameter(_distribute(old, mesh, named, how), requires_grad=old.requires_grad)
+        out.append((owner, name, old, new))
+    return ShardedParameters(out, sharded_experts)

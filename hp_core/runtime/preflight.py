@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from hp_core.injection import (
 )
 from hp_core.mesh import MeshSpec
 from hp_core.planner.lints import PlanningError, lint_plan
+from hp_core.runtime.verdict import Verdict, VerdictExchange, failures, mismatches, resolve_timeout
 from hp_core.sharding_plan import ShardingPlan
 from hp_core.spec import ModuleShardingSpec, close_matches
 
@@ -38,6 +39,7 @@ __all__ = [
     "PreflightResult",
     "check_locally",
     "context_meshes",
+    "fingerprint_of",
     "preflight",
 ]
 
@@ -254,38 +256,57 @@ def _check_attrs(model: nn.Module, plan: ShardingPlan) -> None:
                 )
 
 
-def _exchange(plan: ShardingPlan, error: BaseException | None, mode: str = "production", report: Any = None) -> None:
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+def fingerprint_of(plan: Any, mode: str, report: Any = None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Everything that decides which collectives a rank will issue, by name (compared across ranks)."""
+    out = {"plan": plan.fingerprint() if isinstance(plan, ShardingPlan) else f"<{type(plan).__name__}>", "mode": str(mode)}
+    if report is not None:  # the derived reductions decide the gradient all-reduces: they must agree too
+        out["gradient reductions"] = hashlib.sha256(repr([(r.param, r.axes) for r in report.reductions]).encode()).hexdigest()[:16]
+    out.update(extra or {})
+    return out
+
+
+def _exchange(
+    plan: ShardingPlan,
+    error: BaseException | None,
+    mode: str = "production",
+    report: Any = None,
+    *,
+    exchange: VerdictExchange | None = None,
+    phase: str = "preflight",
+    extra: Mapping[str, str] | None = None,
+) -> None:
+    exchange = exchange or VerdictExchange(resolve_timeout(None))
+    if not exchange.active:
         if error is not None:
             raise error
         return
-    fingerprint = plan.fingerprint() if isinstance(plan, ShardingPlan) else f"<{type(plan).__name__}>"
-    if report is not None:  # the derived reductions decide the gradient all-reduces: they must agree too
-        fingerprint += "+" + hashlib.sha256(repr([(r.param, r.axes) for r in report.reductions]).encode()).hexdigest()[:16]
-    fingerprint = f"{fingerprint}:{mode}"  # ranks in different modes would issue different collectives
-    mine = (fingerprint, None if error is None else f"{type(error).__name__}: {error}")
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    verdicts = exchange.exchange(phase, Verdict.of(error, phase, fingerprint_of(plan, mode, report, extra)))
     if error is not None:
         raise error
-    failed = {r: e for r, (_, e) in enumerate(gathered) if e is not None}
+    failed = failures(verdicts)
     if failed:
-        rank, msg = next(iter(failed.items()))
-        raise PlanMismatchError(f"apply() failed its preflight on rank(s) {sorted(failed)} (rank {rank}: {msg}); no rank touched its model.")
-    modes = {fp.rpartition(":")[2] for fp, _ in gathered}
-    if len(modes) > 1:
-        by_rank = {r: fp.rpartition(":")[2] for r, (fp, _) in enumerate(gathered)}
+        rank, v = next(iter(failed.items()))
         raise PlanMismatchError(
-            f"ranks called apply() with different modes (by rank: {by_rank}); production and validate "
+            f"apply() failed its preflight on rank(s) {sorted(failed)} (rank {rank}: {v.error}); no rank touched its model."
+        )
+    differ = mismatches(verdicts)
+    if "mode" in differ:
+        raise PlanMismatchError(
+            f"ranks called apply() with different modes (by rank: {differ['mode']}); production and validate "
             "issue different collectives. Pass the same mode on every rank."
         )
-    prints = {fp for fp, _ in gathered}
-    if len(prints) > 1:
-        by_rank = {r: fp[:12] for r, (fp, _) in enumerate(gathered)}
+    if "plan" in differ:
+        by_rank = {r: fp[:12] for r, fp in differ["plan"].items()}
         raise PlanMismatchError(
             f"ranks hold different plans (fingerprints by rank: {by_rank}). Every rank must apply the same "
             "plan, or the collectives it implies would deadlock: build the plan identically on every rank "
             "(same model config, mesh, overrides and hp/plugin versions) or load one frozen artifact."
+        )
+    if differ:
+        detail = "; ".join(f"{name} by rank: {values}" for name, values in differ.items())
+        raise PlanMismatchError(
+            f"ranks called apply() with different settings ({detail}). These change which collectives a "
+            "rank issues; give every rank the same arguments, environment and installed plugins."
         )
 
 
@@ -341,6 +362,8 @@ def _bind_experts(model: nn.Module, plan: ShardingPlan, mesh: Any, result: Prefl
 def check_locally(model: nn.Module, plan: ShardingPlan, mesh: Any, mode: str) -> PreflightResult:
     """Every check that needs no other rank; raises the first failure. Mutates nothing."""
     result = PreflightResult({}, {})
+    if not isinstance(model, nn.Module):
+        raise PreflightError(f"apply(model, ...): model must be a torch.nn.Module, got {type(model).__name__} {model!r:.60}.")
     if mode not in MODES:
         raise PreflightError(f"apply(mode={mode!r}): mode must be one of {MODES}.")
     if not isinstance(plan, ShardingPlan):
@@ -379,12 +402,15 @@ def preflight(
     mode: str,
     *,
     verify: Callable[[PreflightResult], Any] | None = None,
+    exchange: VerdictExchange | None = None,
+    extra: Mapping[str, str] | None = None,
 ) -> PreflightResult:
     """Check everything; raise before any mutation. Collective: every rank must call it.
 
     ``verify(result)`` runs after the local checks and before the ranks exchange their
     verdicts, so a plan the verifier refuses fails on every rank before any other
-    collective; its return value is kept as ``result.report``.
+    collective; its return value is kept as ``result.report``. ``extra``: more fingerprint
+    entries the ranks must agree on (apply's flags, the installed plugins).
     """
     error: BaseException | None = None
     result = PreflightResult({}, {})
@@ -394,13 +420,13 @@ def preflight(
         layouts = _expert_layouts(model, plan, mesh)
         if verify is not None:
             result.report = verify(result)
-    except Exception as e:  # every rank must reach the exchange
+    except BaseException as e:  # every rank must reach the exchange, even on an interrupt
         error = e
-    _exchange(plan, error, mode, result.report)
+    _exchange(plan, error, mode, result.report, exchange=exchange, extra=extra)
     if layouts:
         try:
             _bind_experts(model, plan, mesh, result, layouts)
         except Exception as e:
             error = e
-        _exchange(plan, error, mode)
+        _exchange(plan, error, mode, exchange=exchange, phase="expert meshes", extra=extra)
     return result

@@ -14,6 +14,7 @@ import hashlib
 import json
 from typing import Any
 
+from hp_core.bounded import InputLimitError, loads_json
 from hp_core.errors import HpError
 from hp_core.runtime.grads import GradReduction
 
@@ -64,9 +65,18 @@ class VerifyReport:
 
     @classmethod
     def loads(cls, text: str | bytes, *, source: str = "<report>") -> VerifyReport:
-        """Read a report written by :meth:`dumps`; refuses anything edited or malformed."""
+        """Read a report written by :meth:`dumps`; refuses anything edited or malformed.
+
+        The text is read under hp's input limits (:mod:`hp_core.bounded`): too large, too
+        deeply nested or holding NaN/Infinity raises an ``InputLimitError`` that is also a
+        :class:`ReportFormatError`.
+        """
+        if not isinstance(text, str | bytes):
+            raise ReportFormatError(f"{source}: expected the report's text (from VerifyReport.dumps()), got {type(text).__name__}.")
         try:
-            body = json.loads(text)
+            body = loads_json(text, source=source, error=ReportFormatError)
+        except InputLimitError:
+            raise
         except (ValueError, RecursionError) as e:
             raise ReportFormatError(f"{source}: not a verifier report (invalid JSON: {e}).") from None
         if not isinstance(body, dict) or body.get("format") != _FORMAT:

@@ -113,8 +113,11 @@ def test_attention_without_wrapper_under_cp_gets_pasteable_yaml(refusals):
 def test_cp_wrapper_without_cp_axis(refusals):
     assert refusals["no_cp_axis"].startswith("PreflightError: model.layers.0.self_attn: inner wrapper 'sdpa_hf'")
     assert "no active cp axis" in refusals["no_cp_axis"] and "when: cp" in refusals["no_cp_axis"]
-    direct = refusals["no_cp_axis_direct_callable"]  # a callable, not a registry name: caught at bind
-    assert direct.startswith("CPConfigError: sdpa_hf on 'model.layers.0.self_attn' (LlamaAttention)")
+    # A callable, not a registry name: caught when the install binds it, so every rank rolls
+    # back and raises ApplyFailedError naming the wrapper's own error.
+    direct = refusals["no_cp_axis_direct_callable"]
+    assert direct.startswith("ApplyFailedError: apply() failed on rank 0 in phase 'boundaries at model.layers.0.self_attn'"), direct
+    assert "CPConfigError: sdpa_hf on 'model.layers.0.self_attn' (LlamaAttention)" in direct, direct
     assert refusals["when_cp_skipped_on_tp"] == "no error"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hp_core import HpError
+
 __all__ = [
     "CPBatchError",
     "CPConfigError",
@@ -12,7 +14,7 @@ __all__ = [
 ]
 
 
-class CPError(Exception):
+class CPError(HpError):
     """Base class of every hp-plugin-cp error."""
 
 

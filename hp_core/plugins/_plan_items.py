@@ -1,0 +1,80 @@
+"""Plan-time check that every registry item a plan names is installed (``hp plan``/``hp freeze``).
+
+A plan names registry items by name: ``inner_wrapper`` (an inner wrapper) and
+``local_compute_fn`` (a compute factory), either as a plain string or as the target of
+a ``Target``. ``hp_core.apply`` resolves them in its preflight with
+:func:`hp_core.injection.resolve_injection`; this module runs that same resolution on
+the plan right after planning, so a name no installed plugin provides is refused with
+the message ``apply`` would give, before anything is written or launched. Dotted import
+paths (``pkg.module.attr``) are not registry items and are left to ``apply``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hp_core.plugins._errors import UnknownRegistryItemError
+
+__all__ = ["MissingPlanItem", "missing_plan_items"]
+
+#: Plan field → ``resolve_injection`` kind (the same pairs preflight resolves).
+_FIELDS = (("inner_wrapper", "inner_wrapper"), ("local_compute_fn", "local_compute"))
+
+
+@dataclasses.dataclass
+class MissingPlanItem:
+    """A registry name the plan uses that no loaded plugin (or user registration) provides."""
+
+    field: str
+    name: str
+    #: The boundaries naming it, in plan order.
+    modules: list[str]
+    #: What ``resolve_injection`` (hence ``apply``) raises for it.
+    error: UnknownRegistryItemError
+
+    @property
+    def where(self) -> str:
+        """``plan['fqn'].field``, plus how many other modules name the same item."""
+        first = f"plan[{self.modules[0]!r}].{self.field}"
+        rest = len(self.modules) - 1
+        return first if not rest else f"{first} (and {rest} more module{'s' if rest > 1 else ''})"
+
+    def one_line(self) -> str:
+        """``plan['fqn'].field: UnknownRegistryItemError: <apply's message, lines joined>``."""
+        message = " ".join(line.strip() for line in str(self.error).splitlines() if line.strip())
+        return f"{self.where}: {type(self.error).__name__}: {message}"
+
+
+def missing_plan_items(plan: Any) -> list[MissingPlanItem]:
+    """Every distinct registry name in ``plan``'s boundaries that does not resolve.
+
+    Uses :func:`hp_core.injection.resolve_injection`, so a missing name gets exactly the
+    :class:`UnknownRegistryItemError` (closest name, providing distribution, ``pip
+    install`` hint) that ``hp_core.apply`` raises. Imports nothing.
+    """
+    from hp_core.injection import Target, resolve_injection
+
+    found: dict[tuple[str, str], MissingPlanItem] = {}
+    resolved: set[tuple[str, str]] = set()
+    for fqn, spec in plan.items():
+        if not spec.is_boundary:
+            continue
+        for field, kind in _FIELDS:
+            value = getattr(spec, field, None)
+            ref = value.target if isinstance(value, Target) else value
+            if not isinstance(ref, str) or "." in ref or ":" in ref:
+                continue  # a callable, or an import path: not a registry name
+            key = (field, ref)
+            if key in resolved:
+                continue
+            if key in found:
+                found[key].modules.append(fqn)
+                continue
+            try:
+                # The name alone: a Target's config is checked by apply, against the item.
+                resolve_injection(ref, kind, source=f"plan[{fqn!r}].{field}")
+                resolved.add(key)
+            except UnknownRegistryItemError as e:
+                found[key] = MissingPlanItem(field, ref, [fqn], e)
+    return list(found.values())
