@@ -13,8 +13,9 @@ venv: $(STAMP)
 
 $(STAMP): $(DISTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# torch first and pinned: the CPU wheel of 2.13.0, never another version.
-	$(BIN)/python -m pip install --quiet "torch==2.13.0"
+	# torch first and pinned: the CPU wheel of 2.13.0, never another version. A setuptools
+	# that reads SPDX license metadata (PEP 639): the wheel test builds without isolation.
+	$(BIN)/python -m pip install --quiet "torch==2.13.0" "setuptools>=77"
 	$(BIN)/python -m pip install --quiet "torch==2.13.0" \
 		-e ".[test]" -e ./hp_plugin_cp -e ./hp_plugin_moe -e ./plugins/hp-plugin-phi3
 	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
