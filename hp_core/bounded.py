@@ -140,6 +140,18 @@ def _refuse(
     return error
 
 
+def _too_deep_for_python(cls: type[InputLimitError], source: str, limits: InputLimits) -> InputLimitError:
+    """A raised depth limit that the interpreter's own stack cannot hold."""
+    return _refuse(
+        cls,
+        f"{source}: nesting too deep for Python's parser; {ENV_MAX_DEPTH}={limits.max_depth} is more "
+        f"than the interpreter's stack allows. Lower {ENV_MAX_DEPTH} (the default is {DEFAULT_MAX_DEPTH}).",
+        source=source,
+        limit=limits.max_depth,
+        env=ENV_MAX_DEPTH,
+    )
+
+
 # ------------------------------------------------------------------ the limits
 
 
@@ -409,14 +421,7 @@ def loads_json(
             parse_int=parse_int,
         )
     except RecursionError:
-        raise _refuse(
-            cls,
-            f"{source}: nesting too deep for Python's parser; {ENV_MAX_DEPTH}={limits.max_depth} is more "
-            f"than the interpreter's stack allows. Lower {ENV_MAX_DEPTH} (the default is {DEFAULT_MAX_DEPTH}).",
-            source=source,
-            limit=limits.max_depth,
-            env=ENV_MAX_DEPTH,
-        ) from None
+        raise _too_deep_for_python(cls, source, limits) from None
     if refused:
         found = _find_refused(doc)
         path, marker = ([], refused[0]) if found is None else (found[0], found[1])
@@ -587,13 +592,6 @@ def load_yaml(
     try:
         return instance.get_single_data()
     except RecursionError:
-        raise _refuse(
-            cls,
-            f"{source}: nesting too deep for Python's parser; {ENV_MAX_DEPTH}={limits.max_depth} is more "
-            f"than the interpreter's stack allows. Lower {ENV_MAX_DEPTH} (the default is {DEFAULT_MAX_DEPTH}).",
-            source=source,
-            limit=limits.max_depth,
-            env=ENV_MAX_DEPTH,
-        ) from None
+        raise _too_deep_for_python(cls, source, limits) from None
     finally:
         instance.dispose()

@@ -72,6 +72,14 @@ def _loss(model: nn.Module, ids: torch.Tensor) -> float:
         return float(model(input_ids=ids, labels=ids, use_cache=False).loss)
 
 
+def _verified(rank: int, **plan_kwargs: Any) -> tuple[Any, nn.Module, Any, Any]:
+    """``(tp=2 mesh, this rank's own model, its plan, the verifier's report)``."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    model = _model(rank)
+    p = make_plan(model, mesh, **plan_kwargs)
+    return mesh, model, p, verify(model, p, mesh)
+
+
 class Fault:
     """Raise ``kind`` when the install enters ``phase`` (or reaches the ``at``-th module of it)."""
 
@@ -124,10 +132,7 @@ def faults(phase: str, cases: list[tuple[str, str, str]]) -> list[dict[str, Any]
     """For each ``(mode, who, kind)``: inject a fault in ``phase`` on rank 1 (``one``) or
     on every rank (``all``); report what each rank raised and whether its model is intact."""
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    model = _model(rank)
-    p = make_plan(model, mesh, loss_parallel=True)
-    report = verify(model, p, mesh)
+    mesh, model, p, report = _verified(rank, loss_parallel=True)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     loss_before = _loss(model, ids)
     out: list[dict[str, Any]] = []
@@ -183,10 +188,7 @@ def success_then_values() -> dict[str, Any]:
 def divergent_settings(which: str) -> dict[str, Any]:
     """Ranks pass different behaviour-changing arguments: both refuse before touching anything."""
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    model = _model(rank)
-    p = make_plan(model, mesh)
-    report = verify(model, p, mesh)
+    mesh, model, p, report = _verified(rank)
     before = snapshot(model)
     kwargs: dict[str, Any] = {"verify": report}
     if which == "mode":
@@ -216,10 +218,7 @@ def divergent_settings(which: str) -> dict[str, Any]:
 def absent_rank(timeout: float) -> dict[str, Any]:
     """Rank 1 never calls apply: rank 0 raises within ``timeout`` instead of hanging."""
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    model = _model(rank)
-    p = make_plan(model, mesh)
-    report = verify(model, p, mesh)
+    mesh, model, p, report = _verified(rank)
     before = snapshot(model)
     result: dict[str, Any] = {"type": None, "message": "", "elapsed": 0.0}
     if rank == 0:

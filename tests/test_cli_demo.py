@@ -11,16 +11,11 @@ import pytest
 
 from hp_core import cli, demo
 from hp_core.plugins import reset_plugins
-from tests._plugin_fakes import clean_plugin_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch):
-    clean_plugin_env(monkeypatch)
-    yield
-    reset_plugins()
+pytestmark = pytest.mark.usefixtures("plugin_env")
 
 
 def hp_demo(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:

@@ -11,15 +11,9 @@ from pathlib import Path
 import pytest
 
 from hp_core import cli
-from hp_core.plugins import reset_plugins
-from tests._plugin_fakes import FakePlugins, clean_plugin_env
+from tests._plugin_fakes import FakePlugins
 
-
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch):
-    clean_plugin_env(monkeypatch)
-    yield
-    reset_plugins()
+pytestmark = pytest.mark.usefixtures("plugin_env")
 
 
 @pytest.fixture

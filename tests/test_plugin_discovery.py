@@ -21,7 +21,6 @@ from hp_core.plugins import (
     plugin_warnings,
     reset_plugins,
 )
-from tests._plugin_fakes import FakePlugins, clean_plugin_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,18 +31,7 @@ def hp_register_inner_wrappers(register):
 """
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch):
-    clean_plugin_env(monkeypatch)
-    yield
-    reset_plugins()
-
-
-@pytest.fixture
-def fakes(tmp_path, monkeypatch):
-    fake = FakePlugins(tmp_path / "site", monkeypatch)
-    yield fake
-    fake.cleanup()
+pytestmark = pytest.mark.usefixtures("plugin_env")
 
 
 def report() -> dict[str, PluginInfo]:

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from hp_core import hookspecs
-from hp_core.plugins import INNER_WRAPPER_REGISTRY, plugin_report, reset_plugins
-from tests._plugin_fakes import clean_plugin_env
+from hp_core.plugins import INNER_WRAPPER_REGISTRY, plugin_report
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "plugins.md"
 HOOKS = sorted(
@@ -20,11 +19,7 @@ HOOKS = sorted(
 )
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch):
-    clean_plugin_env(monkeypatch)
-    yield
-    reset_plugins()
+pytestmark = pytest.mark.usefixtures("plugin_env")
 
 
 def _squash(text: str) -> str:

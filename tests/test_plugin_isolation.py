@@ -30,7 +30,7 @@ from hp_core.plugins import (
     plugin_warnings,
     reset_plugins,
 )
-from tests._plugin_fakes import FakePlugins, clean_plugin_env
+from tests._plugin_fakes import FakePlugins
 
 GOOD = """
 @hookimpl
@@ -44,18 +44,7 @@ class PluginAbort(BaseException):
 """
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch):
-    clean_plugin_env(monkeypatch)
-    yield
-    reset_plugins()
-
-
-@pytest.fixture
-def fakes(tmp_path, monkeypatch):
-    fake = FakePlugins(tmp_path / "site", monkeypatch)
-    yield fake
-    fake.cleanup()
+pytestmark = pytest.mark.usefixtures("plugin_env")
 
 
 @pytest.fixture

@@ -107,7 +107,8 @@ def _reference_shapes(reference: nn.Module | Mapping[str, Any]) -> dict[str, tup
 def _local_meta(name: str, p: torch.Tensor) -> dict[str, Any]:
     """What this rank knows about one parameter's gradient (picklable)."""
     g = p.grad
-    assert g is not None
+    if g is None:  # callers pass only parameters with a gradient
+        raise GradientCheckError(f"{name}: has no gradient to describe")
     meta: dict[str, Any] = {"dtensor": isinstance(p, DTensor)}
     if isinstance(p, DTensor):
         meta["param_placements"] = tuple(p.placements)
@@ -335,7 +336,9 @@ def gather_full_grads(
                 problems.extend(sorted(str(f) for f in found))
                 continue
             grad = params[name].grad
-            assert isinstance(grad, DTensor)
+            if not isinstance(grad, DTensor):
+                problems.append(f"{name}: a DTensor parameter whose gradient is {type(grad).__name__}")
+                continue
             full = grad.full_tensor()
             if grad.device_mesh == mesh:  # full_tensor() gathered its Shard axes: equal there
                 gathered_axes = {
@@ -358,7 +361,9 @@ def gather_full_grads(
                 continue
             kind, where, dim = layout
             grad = params[name].grad
-            assert grad is not None
+            if grad is None:
+                problems.append(f"{name}: no gradient on this rank")
+                continue
             local = grad.detach()
             if kind == "replicated":
                 full = local
