@@ -14,9 +14,18 @@ from typing import Any
 from hp_core.errors import HpError
 from hp_core.spec import close_matches
 
-__all__ = ["MeshSpec", "MeshSpecError"]
+__all__ = [
+    "MeshSpec",
+    "MeshSpecError",
+    "is_data_axis",
+]
 
 _AXIS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def is_data_axis(axis: str) -> bool:
+    """Data-parallel axes (``dp``, ``dp_shard``, ...) belong to FSDP/DDP, not to hp: their ranks see other batches."""
+    return str(axis).startswith("dp")
 
 
 class MeshSpecError(HpError, ValueError):

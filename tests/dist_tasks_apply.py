@@ -16,23 +16,7 @@ from hp_core.planner import plan as make_plan
 from hp_core.runtime import apply
 from hp_core.testing.models import build_model
 from hp_core.verifier import verify
-
-
-def snapshot(model: nn.Module) -> dict[str, Any]:
-    """Everything apply may touch: parameter objects and values, instance attributes, the loss."""
-    return {
-        "params": [(n, id(p), p.detach().clone()) for n, p in model.named_parameters(remove_duplicate=False)],
-        "dicts": {n: {k: (id(v), v if isinstance(v, int) else None) for k, v in vars(m).items() if not k.startswith("_") or k in ("_loss_function", "_hp_applied")} for n, m in model.named_modules()},
-        "forward_attrs": sorted(n for n, m in model.named_modules() if "forward" in vars(m)),
-    }
-
-
-def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    if [(n, i) for n, i, _ in a["params"]] != [(n, i) for n, i, _ in b["params"]]:
-        return False
-    if not all(torch.equal(x, y) for (_, _, x), (_, _, y) in zip(a["params"], b["params"], strict=True)):
-        return False
-    return a["dicts"] == b["dicts"] and a["forward_attrs"] == b["forward_attrs"]
+from tests._snapshots import differences, snapshot
 
 
 @inner_wrapper
@@ -136,7 +120,7 @@ def apply_error(name: str) -> dict[str, Any]:
     try:
         apply(model, p, mesh, mode=mode)
     except Exception as e:
-        return {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e), "untouched": same(before, snapshot(model))}
+        return {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e), "untouched": not differences(before, snapshot(model))}
     return {"type": None}
 
 
@@ -237,6 +221,6 @@ def rollback(phase: str, mode: str) -> dict[str, Any]:
                 R.Journal.set_attr = value
             else:
                 setattr(R, key, value)
-    untouched = same(before, snapshot(model))
+    untouched = not differences(before, snapshot(model))
     loss_after = _loss(model, ids)
     return {"error": error, "untouched": untouched, "same_loss": loss_after == loss_before}

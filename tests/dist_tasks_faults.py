@@ -21,41 +21,7 @@ from hp_core.runtime import apply
 from hp_core.runtime.journal import Journal
 from hp_core.testing.models import build_model
 from hp_core.verifier import verify
-
-_HOOK_DICTS = (
-    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-    "_state_dict_hooks", "_load_state_dict_pre_hooks", "_forward_hooks_always_called",
-)
-
-
-def snapshot(model: nn.Module) -> dict[str, Any]:
-    """Everything apply may touch, by identity and by value."""
-    return {
-        "params": [(n, id(p), p.requires_grad, p.dtype, p.detach().clone()) for n, p in model.named_parameters(remove_duplicate=False)],
-        "buffers": [(n, id(b), b.clone()) for n, b in model.named_buffers(remove_duplicate=False)],
-        "modules": [(n, id(m), type(m)) for n, m in model.named_modules(remove_duplicate=False)],
-        "attrs": {n: {k: id(v) for k, v in vars(m).items()} for n, m in model.named_modules()},
-        "hooks": {n: [list(getattr(m, h).items()) for h in _HOOK_DICTS] for n, m in model.named_modules()},
-        "global_hooks": [len(torch.nn.modules.module._global_forward_hooks), len(torch.nn.modules.module._global_forward_pre_hooks)],
-    }
-
-
-def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    out: list[str] = []
-    for (n, i, rg, dt, x), (n2, i2, rg2, dt2, y) in zip(a["params"], b["params"], strict=True):
-        if (n, i, rg, dt) != (n2, i2, rg2, dt2):
-            out.append(f"param {n}: object/requires_grad/dtype changed")
-        elif x.shape != y.shape or not torch.equal(x, y):
-            out.append(f"param {n}: values changed")
-    for (n, i, x), (n2, i2, y) in zip(a["buffers"], b["buffers"], strict=True):
-        if (n, i) != (n2, i2) or not torch.equal(x, y):
-            out.append(f"buffer {n} changed")
-    for key in ("modules", "attrs", "hooks", "global_hooks"):
-        if a[key] != b[key]:
-            out.append(f"{key} changed")
-    if len(a["params"]) != len(b["params"]) or len(a["buffers"]) != len(b["buffers"]):
-        out.append("parameter or buffer count changed")
-    return out
+from tests._snapshots import differences, snapshot
 
 
 def _model(rank: int) -> nn.Module:

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from hp_core.runtime import guard as G
+from hp_core.runtime.nested import tensors_in
 
 
 def test_described_inputs_name_every_tensor_however_nested():
     seen = G._describe((torch.ones(2, 3),), {"cache": {"k": [torch.zeros(1, dtype=torch.int32)]}, "flag": True})
     assert seen == [("arg 0", (2, 3), "float32"), ("cache.k[0]", (1,), "int32")]
-    assert [t.shape for t in G._tensors(({"a": torch.ones(1)}, [torch.ones(2)]))] == [torch.Size([1]), torch.Size([2])]
+    assert [t.shape for t in tensors_in(({"a": torch.ones(1)}, [torch.ones(2)]))] == [torch.Size([1]), torch.Size([2])]
 
 
 def test_checksums_see_order_values_and_dtype_kinds():

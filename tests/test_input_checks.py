@@ -29,6 +29,9 @@ def test_bad_inputs_are_refused_on_every_rank(case, mode):
         assert r["type"] == kind, r
         assert (first in r["message"] and fix in r["message"]) or (case == "dtypes_differ" and first in r["message"])
         assert r["then_ok"]
+        # One guard all-reduce for the refused forward (it refused before the model's first
+        # collective) and one for the good forward after it: the group stays in step.
+        assert r["checks"] == 2, r["checks"]
     if case == "dtypes_differ":
         assert any("int32" in r["message"] for r in results)
 

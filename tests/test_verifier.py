@@ -311,7 +311,9 @@ def test_the_report_summarizes_what_was_proven():
     text = report.summary()
     assert text.startswith("verified on mesh {'tp': 2} in ")
     assert "partial gradients summed over tp: " in text and "not looked into: model.layers.0.mlp" in text
-    assert f"{len(report.repeated)} repeated layers skipped" in text
+    # Layer 0 (entered from the embedding) and layer 1 are proven; layer 2 repeats layer 1.
+    assert report.repeated == {"model.layers.2": "model.layers.1"}
+    assert "1 repeated layers skipped" in text
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from typing import Any
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from hp_core.mesh import is_data_axis
 from hp_core.spec import ModuleShardingSpec
 
 __all__ = [
@@ -179,14 +180,14 @@ def reduction_axes(modules: Mapping[str, ModuleShardingSpec], reductions: Iterab
         for layout in in_dst.values():
             for axis, p in layout.items():
                 replicated = any(isinstance(named.get(axis, Replicate()), Replicate) and "ep" not in named for named in spec.params.values())
-                if isinstance(p, Shard) and replicated and axis not in axes and not str(axis).startswith("dp"):
+                if isinstance(p, Shard) and replicated and axis not in axes and not is_data_axis(axis):
                     axes.append(str(axis))
     return axes
 
 
 def input_check_axes(axis_names: Iterable[str], sizes: Iterable[int]) -> list[str]:
     """The axes the input guard compares a forward's inputs over (non-dp axes of size > 1)."""
-    return [str(a) for a, n in zip(axis_names, sizes, strict=True) if int(n) > 1 and not str(a).startswith("dp")]
+    return [str(a) for a, n in zip(axis_names, sizes, strict=True) if int(n) > 1 and not is_data_axis(a)]
 
 
 def step_collectives(

@@ -34,7 +34,7 @@ from hp_core.errors import HpError
 from hp_core.planner.comms import grad_is_partial
 from hp_core.runtime.fixes import keep_whole_yaml
 from hp_core.runtime.layouts import Transition, same_placement, to_placements
-from hp_core.runtime.partial import contract_partial_axes
+from hp_core.runtime.partial import contract_partial_axes, is_expert_param
 from hp_core.spec import ModuleShardingSpec, PlacementMismatchError
 
 __all__ = ["BoundaryForward", "InnerOutputCheck", "UndeclaredCommunicationError", "suspects"]
@@ -168,7 +168,7 @@ class BoundaryForward:
         if mode == "validate":
             for rel in [*spec._deferred_bias_params, *(r for r in (spec.params or {}) if r not in spec._ep_stack)]:
                 named = (spec.params or {}).get(rel, {})
-                if "ep" in named and spec._ep_size > 1:
+                if is_expert_param(spec, named):
                     continue
                 partial = contract_partial_axes(fqn, spec, rel, names) if (not self.dispatch or rel in spec._deferred_bias_params) else ()
                 base = to_placements(named, mesh)
@@ -276,7 +276,7 @@ class BoundaryForward:
                 owner._parameters[name] = p
 
     @contextlib.contextmanager
-    def _declared_only(self) -> Iterator[None]:
+    def declared_only(self, phase: str = "forward") -> Iterator[None]:
         """Validate: inside a region, DTensor may not redistribute anything on its own.
 
         An implicit redistribution is communication (or a silent re-slicing) that the
@@ -293,8 +293,8 @@ class BoundaryForward:
             if "Implicit redistribution" not in str(e):
                 raise
             raise UndeclaredCommunicationError(
-                self.fqn, type(self.module).__name__, str(e), fix=keep_whole_yaml(self.fqn, self.spec, match=self.fix_match),
-                suspects=suspects(self.spec),
+                self.fqn, type(self.module).__name__, str(e), phase=phase,
+                fix=keep_whole_yaml(self.fqn, self.spec, match=self.fix_match), suspects=suspects(self.spec),
             ) from None
 
     def _replicate_rest(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -336,7 +336,7 @@ class BoundaryForward:
                 self._detached_biases(),
                 implicit_replication(),
                 sdpa_kernel([SDPBackend.MATH]),
-                self._declared_only(),
+                self.declared_only(),
                 _LegacyEmptyCat(),
                 self._random(),
                 torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack),

@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from hp_core.errors import HpError
 from hp_core.runtime.applier import finalize_grads
+from hp_core.runtime.partial import is_expert_param
 
 __all__ = [
     "GradLayoutMismatchError",
@@ -144,7 +145,7 @@ def _declared(model: nn.Module, state: Any) -> dict[int, tuple[Any, dict[str, An
             p = owner._parameters.get(attr)
             if p is None:
                 continue
-            if spec._ep_size > 1 and "ep" in named:
+            if is_expert_param(spec, named):
                 emesh = state.expert_meshes.get(spec._ep_size)
                 if emesh is not None:
                     out[id(p)] = (emesh, {"ep": named["ep"]})
@@ -155,11 +156,8 @@ def _declared(model: nn.Module, state: Any) -> dict[int, tuple[Any, dict[str, An
 
 def _parameters(model: nn.Module) -> Iterator[nn.Parameter]:
     """Every parameter that takes a gradient, once (tied parameters are one object)."""
-    seen: set[int] = set()
-    for p in model.parameters():
-        if id(p) not in seen and p.requires_grad:
-            seen.add(id(p))
-            yield p
+    # model.parameters() yields a tied parameter once already.
+    yield from (p for p in model.parameters() if p.requires_grad)
 
 
 def _splits(p: nn.Parameter, declared: dict[int, tuple[Any, dict[str, Any]]]) -> list[_Split]:

@@ -33,11 +33,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
 
-from hp_core.mesh import MeshSpec
+from hp_core.mesh import MeshSpec, is_data_axis
 from hp_core.runtime.grads import GradReduction
 from hp_core.runtime.journal import Journal
+from hp_core.runtime.partial import data_axes, is_expert_param
 from hp_core.runtime.preflight import PreflightError
 from hp_core.sharding_plan import ShardingPlan
 from hp_core.spec import ModuleShardingSpec
@@ -149,16 +150,6 @@ def expert_placements(named: Mapping[str, Placement]) -> tuple[Placement, Placem
     return (Replicate(), named.get("ep", Replicate()))
 
 
-def _is_expert_param(spec: ModuleShardingSpec, named: Mapping[str, Placement]) -> bool:
-    return spec._ep_size > 1 and "ep" in named
-
-
-def _token_axes(spec: ModuleShardingSpec) -> set[str]:
-    """Mesh axes along which the block's input tokens are sharded."""
-    in_dst = spec.in_dst if isinstance(spec.in_dst, dict) else {}
-    return {axis for layout in in_dst.values() for axis, p in layout.items() if isinstance(p, Shard)}
-
-
 def _plan_axes(plan: ShardingPlan) -> set[str]:
     """Axes the plan places something non-replicated on (anything but ``ep``)."""
     used: set[str] = set()
@@ -205,13 +196,13 @@ def expert_layout(fqn: str, spec: ModuleShardingSpec, plan: ShardingPlan, mesh: 
             f"expert mesh (edp, ep) folds those ranks into groups of ep. Plan with ep_size in {divisors}."
         )
     spanned = _spanned_axes(fqn, ep, mesh)
-    sharded = _token_axes(spec)
+    sharded = data_axes(spec)  # the block's tokens
     used = _plan_axes(plan)
 
     def kind(axis: str) -> str:
         if axis in sharded:
             return "sharded"
-        if axis.startswith("dp") or axis not in used:
+        if is_data_axis(axis) or axis not in used:
             return "data"
         return "replicated"
 
@@ -388,7 +379,7 @@ def shard_expert_parameters(
         emesh = experts[spec._ep_size].mesh
         stacked: dict[str, nn.Parameter] = {}
         for rel, named in (spec.params or {}).items():
-            if not _is_expert_param(spec, named):
+            if not is_expert_param(spec, named):
                 continue
             sources = spec._ep_stack.get(rel)
             if sources:
@@ -440,7 +431,7 @@ def expert_grad_reductions(plan: ShardingPlan, experts: Mapping[int, ExpertGroup
             continue
         group = experts[spec._ep_size].replica_group
         for rel, named in (spec.params or {}).items():
-            if _is_expert_param(spec, named):
+            if is_expert_param(spec, named):
                 name = f"{fqn}.{rel}" if fqn else rel
                 out.append(GradReduction(name, (f"experts(ep={spec._ep_size})",), "experts", group))
     return out

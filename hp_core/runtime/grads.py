@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from hp_core.errors import HpError
 from hp_core.runtime.journal import Journal
+from hp_core.runtime.nested import tensors_in
 
 __all__ = ["BUCKET_BYTES", "GradReducer", "GradReduction", "UnreducedGradientError"]
 
@@ -218,8 +219,7 @@ class GradReducer:
         by_key: dict[str, tuple[Any, list[_Entry]]] = {}
         seen_params: dict[str, int] = {}
         for r in reductions:
-            path, _, attr = r.param.rpartition(".")
-            owner = model.get_submodule(path) if path else model
+            owner, attr = _owner(model, r.param)
             p = owner._parameters.get(attr)
             if p is None or not p.requires_grad:
                 continue
@@ -270,7 +270,7 @@ class GradReducer:
         """The first gradient of backward reaches a model output: queue the end-of-backward reduction."""
         if not self._armed:
             return
-        for t in _tensors(out):
+        for t in tensors_in(out):
             if t.requires_grad:
                 t.register_hook(self._on_backward_start)
 
@@ -391,22 +391,3 @@ class GradReducer:
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     path, _, attr = name.rpartition(".")
     return (model.get_submodule(path) if path else model), attr
-
-
-def _tensors(out: Any) -> Sequence[torch.Tensor]:
-    found: list[torch.Tensor] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            found.append(x)
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-        elif hasattr(x, "to_tuple"):  # transformers' ModelOutput
-            walk(x.to_tuple())
-
-    walk(out)
-    return found

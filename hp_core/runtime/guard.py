@@ -28,6 +28,7 @@ from torch.distributed.tensor import Shard
 from hp_core.errors import HpError
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.layouts import InputLayoutError
+from hp_core.runtime.nested import tensors_in
 from hp_core.runtime.partial import activations_on, is_data_axis
 from hp_core.spec import ModuleShardingSpec
 
@@ -36,16 +37,6 @@ __all__ = ["InputGuard", "InputMismatchError"]
 
 class InputMismatchError(HpError, ValueError):
     """Ranks that must see the same batch were called with different input shapes or dtypes."""
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    if isinstance(x, list | tuple):
-        return [t for v in x for t in _tensors(v)]
-    return []
 
 
 def _checksum(t: torch.Tensor) -> int | float:
@@ -154,7 +145,7 @@ class InputGuard:
         if not self.groups:
             return
         seen = _describe(args, kwargs)
-        tensors = _tensors((args, kwargs))
+        tensors = tensors_in((args, kwargs))
         if any(t.is_meta for t in tensors):
             return  # the verifier's meta run: shapes only, nothing to compare
         values = [_checksum(t) for t in tensors if t.device.type == "cpu"]

@@ -130,7 +130,6 @@ def install(
     journal: Journal,
     *,
     reductions: Sequence[GradReduction] = (),
-    strict_regions: bool | None = None,
     reduce: bool = True,
     check_inputs: bool = True,
     streams: bool = True,
@@ -140,8 +139,9 @@ def install(
 
     ``reductions`` are the gradient reductions the verifier derived (parameters named by
     FQN); ``reduce=False`` installs none, ``check_inputs=False`` no input guard and
-    ``streams=False`` no random streams (the verifier's copies: nothing that communicates). ``strict_regions`` (default: on in validate mode) makes every dispatching region
-    refuse an implicit DTensor redistribution: communication the contract does not declare.
+    ``streams=False`` no random streams (the verifier's copies: nothing that communicates).
+    In validate mode every dispatching region refuses an implicit DTensor redistribution:
+    communication the contract does not declare.
     """
     # Every collective of the install comes first, before the model is touched: after them
     # the install is local, so a rank failing there cannot leave another waiting in one.
@@ -159,7 +159,7 @@ def install(
     journal.phase("parameters")
     sharded.install(model, journal)
     journal.phase("boundaries")
-    strict = (mode == "validate") if strict_regions is None else strict_regions
+    strict = mode == "validate"  # validate refuses communication the contract does not declare
     dense = dense_mesh(mesh)  # hp's DTensors and collectives live off the dp axes
     forwards: dict[str, BoundaryForward] = {}
     for fqn, spec in plan.items():

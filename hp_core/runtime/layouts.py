@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from hp_core.errors import HpError
+from hp_core.mesh import is_data_axis
 from hp_core.runtime import collectives as C
 from hp_core.spec import resolve_placements
 
@@ -32,7 +33,7 @@ def dense_mesh(mesh: Any) -> Any:
     The plan describes one data-parallel slice, so nothing of hp's is placed along ``dp*``;
     keeping hp's DTensors off those axes is also what lets FSDP2 shard them over ``dp``.
     """
-    names = [n for n in (mesh.mesh_dim_names or ()) if not str(n).startswith("dp")]
+    names = [n for n in (mesh.mesh_dim_names or ()) if not is_data_axis(n)]
     if not names or len(names) == len(mesh.mesh_dim_names):
         return mesh
     return mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hp_core.errors import HpError
+from hp_core.mesh import is_data_axis
 from hp_core.runtime.journal import Journal
 
 __all__ = ["OuterWrapperCheck", "WrappedOverModelParallelRanksError"]
@@ -42,9 +43,9 @@ class OuterWrapperCheck:
         names = [str(n) for n in (mesh.mesh_dim_names or ())]
         self.peers: dict[str, set[int]] = {}
         for axis, size in zip(names, mesh.shape, strict=True):
-            if int(size) > 1 and not axis.startswith("dp"):
+            if int(size) > 1 and not is_data_axis(axis):
                 self.peers[axis] = set(dist.get_process_group_ranks(mesh.get_group(axis)))
-        self.dp_axes = [a for a in names if a.startswith("dp")]
+        self.dp_axes = [a for a in names if is_data_axis(a)]
         self.checked: set[int] = set()
 
     def attach(self, model: nn.Module, journal: Journal) -> None:

@@ -21,6 +21,7 @@ from hp_core.errors import HpError
 from hp_core.runtime.experts import ExpertGroups, ShardedExperts, shard_expert_parameters
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.layouts import dense_mesh, to_placements
+from hp_core.runtime.partial import is_expert_param
 from hp_core.sharding_plan import ShardingPlan
 
 __all__ = ["ParameterPlacementError", "ShardedParameters", "declared_params", "outside_boundaries", "shard_parameters"]
@@ -116,7 +117,7 @@ def shard_parameters(
     outside = outside_boundaries(plan)
     work: list[tuple[nn.Module, str, nn.Parameter, dict, str]] = []
     for fqn, rel, owner, name, named in declared_params(model, plan):
-        if "ep" in named and plan[fqn]._ep_size > 1:
+        if is_expert_param(plan[fqn], named):
             continue  # on the expert mesh, below
         old = owner._parameters[name]
         if old is None or isinstance(old, DTensor):

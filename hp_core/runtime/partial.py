@@ -25,9 +25,17 @@ from collections.abc import Iterable, Mapping
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from hp_core.errors import HpError
+from hp_core.mesh import is_data_axis
 from hp_core.spec import ModuleShardingSpec
 
-__all__ = ["AmbiguousGradientError", "activations_on", "contract_partial_axes", "data_axes", "is_data_axis"]
+__all__ = [
+    "AmbiguousGradientError",
+    "activations_on",
+    "contract_partial_axes",
+    "data_axes",
+    "is_data_axis",
+    "is_expert_param",
+]
 
 
 class AmbiguousGradientError(HpError, ValueError):
@@ -36,6 +44,11 @@ class AmbiguousGradientError(HpError, ValueError):
 
 def _sharded_axes(layouts: Mapping[str, Mapping[str, Placement]] | None) -> set[str]:
     return {str(a) for named in (layouts or {}).values() for a, p in named.items() if isinstance(p, Shard)}
+
+
+def is_expert_param(spec: ModuleShardingSpec, named: Mapping[str, Placement]) -> bool:
+    """An expert parameter of an expert-parallel block: it lives on the derived expert mesh."""
+    return spec._ep_size > 1 and "ep" in named
 
 
 def data_axes(spec: ModuleShardingSpec) -> set[str]:
@@ -61,11 +74,6 @@ def activations_on(modules: Mapping[str, ModuleShardingSpec], axis: str) -> str:
     if not seen or seen == {False}:
         return "whole"
     return "sharded" if seen == {True} else "mixed"
-
-
-def is_data_axis(axis: str) -> bool:
-    """Data-parallel axes belong to FSDP/DDP, not to hp."""
-    return axis.startswith("dp")
 
 
 def contract_partial_axes(

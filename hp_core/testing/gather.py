@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from hp_core.mesh import is_data_axis
+
 __all__ = ["DEFAULT_EXPERT_PARAMS", "REPLICA_TOL", "GradientCheckError", "gather_full_grads", "is_data_axis"]
 
 #: Replica check tolerance of :func:`gather_full_grads`: copies of one replicated gradient
@@ -37,11 +39,6 @@ class GradientCheckError(AssertionError):
     (each naming the parameter): an unreduced ``Partial`` gradient, replicas that differ
     across ranks, a local shape that matches no layout, a name the reference lacks.
     """
-
-
-def is_data_axis(name: str) -> bool:
-    """Whether a mesh axis is a data axis (``dp``, ``dp_shard``, ...): ranks see other batches."""
-    return name.startswith("dp")
 
 
 def _axis_names(mesh: Any) -> list[str]:

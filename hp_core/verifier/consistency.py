@@ -78,23 +78,14 @@ def check_layouts(plain: Mapping[str, BoundaryRecord], prod: Mapping[str, Bounda
     """What arrives at and leaves each boundary has the local shape its declared layouts give
     the unsharded model's tensors: a boundary that declares a layout its producer does not
     give (an input said to be sharded that arrives whole, or the reverse) is refused."""
+    arrives = arrival_check(plain, plan, sizes)
     for fqn, rec in prod.items():
         ref = plain.get(fqn)
         if ref is None or len(ref.inputs) != len(rec.inputs) or ref.skipped or rec.skipped:
             continue
         spec = plan[fqn]
-        for call, (glob_in, loc_in) in enumerate(zip(ref.inputs, rec.inputs, strict=True)):
-            for name, shape in glob_in.items():
-                layout = (spec.in_src or {}).get(name) or (spec.in_dst or {}).get(name) or {}
-                want, got = _local_shape(shape, layout, sizes), loc_in.get(name)
-                if got is not None and want != got:
-                    raise LayoutMismatchError(
-                        f"{fqn}: its input {name!r} arrives with local shape {got} on each rank, but its in_src "
-                        f"{_fmt(layout)} makes the unsharded model's {shape} into {want}. What arrives is in "
-                        "another layout than the contract declares: the boundary before it (or the model's code "
-                        "between them) produces something else. Declare the layout that arrives, or make the "
-                        "producer's out_dst give the declared one."
-                    )
+        for call, loc_in in enumerate(rec.inputs):
+            arrives(fqn, call, loc_in)
             outs = spec.output_names() or list(spec.out_dst or {})
             if outs and ref.shapes[call] and rec.shapes[call]:
                 layout = (spec.out_dst or {}).get(outs[0]) or (spec.out_src or {}).get(outs[0]) or {}

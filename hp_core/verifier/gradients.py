@@ -21,6 +21,7 @@ from hp_core.runtime.partial import (
     activations_on,
     contract_partial_axes,
     is_data_axis,
+    is_expert_param,
 )
 from hp_core.sharding_plan import ShardingPlan
 from hp_core.verifier.errors import MixedGradientError
@@ -94,7 +95,7 @@ def derive(
     for fqn, spec in plan.items():
         covered = fqn if spec.is_boundary else enclosing_boundary(plan, fqn)
         for rel, named in (spec.params or {}).items():
-            if "ep" in named and spec._ep_size > 1:
+            if is_expert_param(spec, named):
                 continue  # experts: their replicas are summed by the expert layout
             name = f"{fqn}.{rel}" if fqn else rel
             if covered is None:

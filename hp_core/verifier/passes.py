@@ -16,11 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from hp_core.errors import HpError
 from hp_core.runtime.install import install
 from hp_core.runtime.journal import Journal
+from hp_core.runtime.partial import is_expert_param
 from hp_core.runtime.preflight import InjectionPlan, PreflightResult
 from hp_core.sharding_plan import ShardingPlan
-from hp_core.verifier.errors import ProductionDiffersError, VerificationError
+from hp_core.verifier.errors import ProductionDiffersError
 from hp_core.verifier.meta import adapt_for_meta, meta_clone
 from hp_core.verifier.probes import (
     BoundaryRecord,
@@ -96,7 +98,7 @@ def _region_params(model: nn.Module, plan: ShardingPlan, fqn: str) -> dict[str, 
         if not inside or (f != fqn and spec.is_boundary) or any(f == b or f.startswith(b + ".") for b in boundaries):
             continue
         for rel, named in (spec.params or {}).items():
-            if "ep" in named and spec._ep_size > 1:
+            if is_expert_param(spec, named):
                 continue
             name = f"{f}.{rel}" if f else rel
             path, _, attr = name.rpartition(".")
@@ -116,14 +118,10 @@ def _install_copy(model: nn.Module, plan: ShardingPlan, mesh: Any, mode: str, pr
     return clone, reduced, state
 
 
-def _wrap_repeaters(clone: nn.Module, repeats: Mapping[str, str]) -> list[Repeater]:
-    out = []
+def _wrap_repeaters(clone: nn.Module, repeats: Mapping[str, str]) -> None:
     for rep in dict.fromkeys(repeats.values()):
         module = clone.get_submodule(rep)
-        r = Repeater(module.forward)
-        module.__dict__["forward"] = r
-        out.append(r)
-    return out
+        module.__dict__["forward"] = Repeater(module.forward)
 
 
 def plain_pass(model: nn.Module, plan: ShardingPlan, repeats: Mapping[str, str], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, BoundaryRecord]:
@@ -158,18 +156,18 @@ def validate_pass(model, plan, mesh, pre, repeats, args, kwargs, on_arrival=None
 
 
 def production_pass(model, plan, mesh, pre, repeats, args, kwargs, val_records) -> dict[str, BoundaryRecord]:
-    clone, reduced, state = _install_copy(model, plan, mesh, "production", pre, repeats)
+    clone, _, state = _install_copy(model, plan, mesh, "production", pre, repeats)
     records: dict[str, BoundaryRecord] = {}
     for fqn, bf in state.forwards.items():
         rec = records[fqn] = BoundaryRecord(fqn, False)
         if not val_records[fqn].dispatching:
             opaque_fallback(bf, rec)
-        bf.module.__dict__["forward"] = ProductionProbe(bf, rec, fqn, reduced[fqn])
+        bf.module.__dict__["forward"] = ProductionProbe(bf, rec)
     _wrap_repeaters(clone, repeats)
     try:
         _run(clone, args, kwargs, backward=True)
-    except VerificationError:
-        raise
+    except HpError:
+        raise  # a finding of a probe, or a refusal hp's own code raised
     except Exception as e:
         raise ProductionDiffersError(
             f"production mode fails outside every boundary, in the model's own code: {type(e).__name__}: "

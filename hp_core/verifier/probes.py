@@ -16,21 +16,19 @@ verifier compares between the two modes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial
-from torch.distributed.tensor._utils import ExplicitRedistributionContext
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hp_core.errors import HpError
-from hp_core.runtime.boundary import BoundaryForward, UndeclaredCommunicationError, suspects
+from hp_core.runtime.boundary import BoundaryForward
 from hp_core.runtime.fixes import keep_whole_yaml
-from hp_core.spec import PlacementMismatchError
+from hp_core.runtime.nested import tensors_in
 from hp_core.verifier.errors import ProductionDiffersError, RandomOnPartialError, VerificationError
 
 __all__ = [
@@ -43,28 +41,7 @@ __all__ = [
     "declared_shapes",
     "opaque_fallback",
     "positions",
-    "tensors_in",
 ]
-
-
-def tensors_in(x: Any) -> list[torch.Tensor]:
-    """Every tensor in nested tuples/lists/dicts (and HF ``ModelOutput``s), in order."""
-    found: list[torch.Tensor] = []
-
-    def walk(v: Any) -> None:
-        if isinstance(v, torch.Tensor):
-            found.append(v)
-        elif isinstance(v, dict):
-            for item in v.values():
-                walk(item)
-        elif isinstance(v, list | tuple):
-            for item in v:
-                walk(item)
-        elif hasattr(v, "to_tuple"):
-            walk(v.to_tuple())
-
-    walk(x)
-    return found
 
 
 def call_key(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -119,7 +96,6 @@ class BoundaryRecord:
     grads: dict[str, list[tuple[Any, ...]]] = dataclasses.field(default_factory=dict)
     #: declared input name → ((axis, placement), ...) of its DTensor gradient
     input_grads: dict[str, list[tuple[Any, ...]]] = dataclasses.field(default_factory=dict)
-    calls: int = 0
     #: why the region's own code could not run on meta (a local region only)
     skipped: str | None = None
     #: declared input name → local shape, per distinct call
@@ -138,7 +114,7 @@ def opaque_fallback(bf: BoundaryForward, record: BoundaryRecord) -> None:
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
             return compute(*args, **kwargs)
-        except (HpError, PlacementMismatchError):
+        except HpError:
             raise  # a finding inside (a nested boundary's), not a meta limitation
         except Exception as e:
             x = next((t for t in tensors_in((args, kwargs)) if t.is_floating_point()), None)
@@ -171,17 +147,6 @@ class _RandomOnPartial(TorchDispatchMode):
                         "probability to 0, or keep the boundary whole on tp."
                     )
         return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _strict(fqn: str, module_type: str, fix: str, phase: str, culprits: tuple[str, ...] = ()) -> Iterator[None]:
-    try:
-        with ExplicitRedistributionContext(strict=True):
-            yield
-    except RuntimeError as e:
-        if "Implicit redistribution" not in str(e):
-            raise
-        raise UndeclaredCommunicationError(fqn, module_type, str(e), phase=phase, fix=fix, suspects=culprits) from None
 
 
 class ValidateProbe:
@@ -225,14 +190,14 @@ class ValidateProbe:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = call_key(args, kwargs)
         if self.on_arrival is not None and key not in self.seen:
-            self.on_arrival(self.bf.fqn, self.record.calls, declared_shapes(self.bf.spec, self.bf._pos, args, kwargs))
+            self.on_arrival(self.bf.fqn, len(self.record.shapes), declared_shapes(self.bf.spec, self.bf._pos, args, kwargs))
         if self.bf.dispatch and key not in self.seen:
             # The region's own backward, in isolation: its inputs become leaves, so that the
             # gradient of a parameter also used elsewhere (a tied weight) holds only this use.
             args, kwargs = _leaves(args), _leaves(kwargs)
         try:
             out = self.bf(*args, **kwargs)
-        except (HpError, PlacementMismatchError):
+        except HpError:
             raise
         except Exception as e:
             if not self.bf.dispatch:
@@ -246,7 +211,6 @@ class ValidateProbe:
         if key in self.seen:
             return out
         self.seen.add(key)
-        self.record.calls += 1
         self.record.shapes.append(_local_shapes(out))
         if self.bf.dispatch and torch.is_grad_enabled():
             self._backward(out)
@@ -257,9 +221,8 @@ class ValidateProbe:
         names = [n for n, p in self.params.items() if p.requires_grad]
         if not outs:
             return
-        fix = keep_whole_yaml(self.bf.fqn, self.bf.spec, match=self.bf.fix_match)
         self._input_grads = {}
-        with _strict(self.bf.fqn, self.module_type, fix, "backward", suspects(self.bf.spec)):
+        with self.bf.declared_only("backward"):
             grads = torch.autograd.grad(
                 outs,
                 [self.params[n] for n in names],
@@ -277,37 +240,33 @@ class ValidateProbe:
 class ProductionProbe:
     """Wraps one boundary of the production copy: names it when production's code fails."""
 
-    def __init__(self, bf: Any, record: BoundaryRecord, fqn: str, spec: Any) -> None:
+    def __init__(self, bf: BoundaryForward, record: BoundaryRecord) -> None:
         self.bf = bf
         self.record = record
-        self.fqn = fqn
-        self.spec = spec
         self.seen: set[tuple[Any, ...]] = set()
-        self.__signature__ = getattr(bf, "__signature__", None)
+        self.__signature__ = bf.__signature__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = call_key(args, kwargs)
         new = key not in self.seen
         if new:
-            self.record.inputs.append(declared_shapes(self.spec, self.bf._pos, args, kwargs))
+            self.record.inputs.append(declared_shapes(self.bf.spec, self.bf._pos, args, kwargs))
         try:
             out = self.bf(*args, **kwargs)
-        except (HpError, PlacementMismatchError):
+        except HpError:
             raise
         except Exception as e:
-            module = type(self.bf.module).__name__ if hasattr(self.bf, "module") else "module"
             raise ProductionDiffersError(
-                f"{self.fqn} ({module}): production mode fails on this rank's local shards: "
+                f"{self.bf.fqn} ({type(self.bf.module).__name__}): production mode fails on this rank's local shards: "
                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
                 "Validate mode's DTensors would hide it (they re-layout on their own), so the plan does not "
                 "fit this module: a head count or size the module reads from its attributes, or a "
                 "parameter whose layout does not match the activation it meets. Declare the attribute in "
                 "tp_divide_attrs, fix the parameter's layout, or keep the boundary whole on tp:\n"
-                + keep_whole_yaml(self.fqn, self.spec, match=getattr(self.bf, "fix_match", None))
+                + keep_whole_yaml(self.bf.fqn, self.bf.spec, match=self.bf.fix_match)
             ) from e
         if new:
             self.seen.add(key)
-            self.record.calls += 1
             self.record.shapes.append(_local_shapes(out))
         return out
 
@@ -339,7 +298,6 @@ class ShapeRecorder:
             out = x if n_out == 1 else (x, *([None] * (n_out - 1)))
         if new:
             self.seen.add(key)
-            self.record.calls += 1
             self.record.shapes.append(_local_shapes(out))
         return out
 
@@ -375,14 +333,12 @@ class Repeater:
     def __init__(self, forward: Callable[..., Any]) -> None:
         self.forward = forward
         self.passthrough: dict[tuple[Any, ...], bool] = {}
-        self.skipped = 0
         self.__signature__ = getattr(forward, "__signature__", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = call_key(args, kwargs)
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if self.passthrough.get(key) and first is not None:
-            self.skipped += 1
             return first
         out = self.forward(*args, **kwargs)
         if key not in self.passthrough:

@@ -21,7 +21,7 @@ def test_registered_by_the_cp_plugin(plugins_env):
     item = lookup("training_adapter", "cp")
     assert isinstance(item.value, CPTrainingAdapter)
     assert (item.provider, item.distribution) == ("cp", "hp-plugin-cp")
-    assert dict(item.meta) == {"axis": "cp", "methods": ("prepare_model", "shard_batch", "after_backward")}
+    assert dict(item.meta) == {"axis": "cp", "methods": ("prepare_model", "shard_batch")}
 
 
 def test_selected_only_with_an_active_cp_axis(plugins_env):

@@ -35,8 +35,8 @@ class CPTrainingAdapter:
     """The training-loop side of CP, for ``hp_core.training.TrainingAdapters`` (axis ``cp``).
 
     ``prepare_model``: ``enable_cp_loss`` (``.loss`` becomes the global loss);
-    ``shard_batch``: ``shard_batch_for_cp`` (this rank's chunk of every sequence);
-    ``after_backward``: nothing (hp sums the cp-partial gradients itself).
+    ``shard_batch``: ``shard_batch_for_cp`` (this rank's chunk of every sequence). No
+    ``after_backward``: hp's derived reductions sum the cp-partial gradients themselves.
     """
 
     def __init__(self, *, load_balanced: bool = False) -> None:
@@ -47,9 +47,6 @@ class CPTrainingAdapter:
 
     def shard_batch(self, batch: Mapping[str, Any], context: Any) -> dict[str, Any]:
         return shard_batch_for_cp(batch, context.cp_mesh, load_balanced=self.load_balanced)
-
-    def after_backward(self, model: Any, context: Any) -> None:
-        del model, context  # hp's derived reductions already summed the gradients over cp
 
 
 @hookimpl
