@@ -95,12 +95,10 @@ def suspects(spec: ModuleShardingSpec, axis: str = "tp") -> tuple[str, ...]:
     )
 
 
-def _positions(fn: Callable[..., Any]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for i, p in enumerate(inspect.signature(fn).parameters.values()):
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            out[p.name] = i
-    return out
+def positions(fn: Callable[..., Any]) -> dict[str, int]:
+    """Positional index of each parameter of ``fn`` that can be passed positionally."""
+    params = inspect.signature(fn).parameters.values()
+    return {p.name: i for i, p in enumerate(params) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
 
 def _owner(module: nn.Module, rel: str) -> tuple[nn.Module, str]:
@@ -139,7 +137,7 @@ class BoundaryForward:
         sharded = [n for n in (*(spec.params or {}).values(), *(spec.in_dst or {}).values()) if isinstance(n.get("tp"), Shard)]
         self.rng = rng if sharded and rng is not None and rng.active else None
         self.__signature__ = inspect.signature(self.original)
-        self._pos = _positions(self.original)
+        self._pos = positions(self.original)
         in_src, in_dst = spec.in_src or {}, spec.in_dst or {}
         partial_axes = [a for a in mesh.mesh_dim_names if grad_is_partial(spec, a)]
         self.inputs = {

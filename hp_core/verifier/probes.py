@@ -17,7 +17,6 @@ verifier compares between the two modes.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,7 +25,7 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hp_core.errors import HpError
-from hp_core.runtime.boundary import BoundaryForward
+from hp_core.runtime.boundary import BoundaryForward, positions
 from hp_core.runtime.fixes import keep_whole_yaml
 from hp_core.runtime.nested import tensors_in
 from hp_core.verifier.errors import ProductionDiffersError, RandomOnPartialError, VerificationError
@@ -40,7 +39,6 @@ __all__ = [
     "call_key",
     "declared_shapes",
     "opaque_fallback",
-    "positions",
 ]
 
 
@@ -300,15 +298,6 @@ class ShapeRecorder:
             self.seen.add(key)
             self.record.shapes.append(_local_shapes(out))
         return out
-
-
-def positions(fn: Callable[..., Any]) -> dict[str, int]:
-    """Positional index of each parameter of ``fn`` that can be passed positionally."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # pragma: no cover - module forwards are introspectable
-        return {}
-    return {p.name: i for i, p in enumerate(params) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
 
 def declared_shapes(spec: Any, pos: dict[str, int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, tuple[int, ...]]:
