@@ -14,16 +14,18 @@ what a document may cost before it becomes Python data:
 * for JSON, numbers that are not finite (``NaN``, ``Infinity``, ``-Infinity``, ``1e999``)
   and integers too long for Python to read.
 
-Each refusal raises :class:`InputLimitError` (or a class that derives from it and from
-the caller's own error class, see :func:`input_limit_error`) with a message naming the
-source, the path inside the document where it is known, the limit, and the environment
-variable that raises it::
+Each refusal raises :class:`InputLimitError`, or the subclass of it a caller passes as
+``error=`` (one that also derives from the caller's own error class, such as
+``PlanYAMLInputLimitError``, so that ``except PlanYAMLError`` catches it too), with a
+message naming the source, the path inside the document where it is known, the limit,
+and the environment variable that raises it::
 
     plan.yaml: overrides[3].config: nesting depth over 64 (line 12, column 17); hp refuses
     deeper documents. If the document is legitimate, raise the limit: HP_MAX_INPUT_DEPTH=128.
 
 A keyword argument (``max_bytes=``, ``max_depth=``, ``max_nodes=``) overrides the
-environment variable, which overrides the default. The environment is read at each call.
+environment variable, which overrides the default. The environment is read at each call;
+a malformed value there (``HP_MAX_INPUT_DEPTH=lots``) raises the same ``error=`` class.
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ __all__ = [
     "InputLimitError",
     "InputLimits",
     "check_size",
-    "input_limit_error",
     "load_yaml",
     "loads_json",
     "read_bounded",
@@ -97,40 +98,24 @@ class InputLimitError(HpError, ValueError):
         self.env = env
 
 
-_DERIVED: dict[type[BaseException], type[InputLimitError]] = {}
-
-
-def input_limit_error(base: type[Exception] | None = None) -> type[InputLimitError]:
-    """The class a refusal raises: :class:`InputLimitError`, or for ``base`` one class
-    (made once, then reused) that derives from both ``base`` and :class:`InputLimitError`,
-    so ``except base`` and ``except InputLimitError`` both catch it.
-
-    ``input_limit_error(PlanYAMLError).__name__ == "PlanYAMLInputLimitError"``. A ``base``
-    that already derives from :class:`InputLimitError` is returned as it is.
-    """
-    if base is None:
+def _error_class(error: type[InputLimitError] | None) -> type[InputLimitError]:
+    """The class a refusal raises: ``error``, which must derive from :class:`InputLimitError`
+    (default: :class:`InputLimitError` itself)."""
+    if error is None:
         return InputLimitError
-    if issubclass(base, InputLimitError):
-        return base
-    cls = _DERIVED.get(base)
-    if cls is None:
-        name = base.__name__.removesuffix("Error") + "InputLimitError"
-        cls = type(
-            name,
-            (base, InputLimitError),
-            {"__module__": __name__, "__doc__": f"An :class:`InputLimitError` that is also a {base.__name__}."},
+    if not (isinstance(error, type) and issubclass(error, InputLimitError)):
+        raise TypeError(
+            f"error: expected a subclass of InputLimitError, got {error!r}. Declare one that also derives "
+            "from your own error class, e.g. class PlanYAMLInputLimitError(PlanYAMLError, InputLimitError)."
         )
-        cls.__qualname__ = name
-        _DERIVED[base] = cls
-        globals().setdefault(name, cls)  # so that it pickles by name
-    return cls
+    return error
 
 
 def _refuse(
     cls: type[InputLimitError],
     message: str,
     *,
-    source: str,
+    source: str | None,
     path: str | None = None,
     limit: int | None = None,
     env: str | None = None,
@@ -161,7 +146,7 @@ def _positive(value: Any, what: str) -> int:
     return value
 
 
-def _from_env(env: str, default: int) -> int:
+def _from_env(env: str, default: int, error: type[InputLimitError]) -> int:
     raw = os.environ.get(env)
     if raw is None or not raw.strip():
         return default
@@ -170,8 +155,10 @@ def _from_env(env: str, default: int) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise InputLimitError(
+        raise _refuse(
+            error,
             f"{env}={raw!r}: expected a positive integer; unset it to use the default {default}.",
+            source=None,
             env=env,
         )
     return value
@@ -187,19 +174,28 @@ class InputLimits:
 
     @classmethod
     def current(
-        cls, *, max_bytes: int | None = None, max_depth: int | None = None, max_nodes: int | None = None
+        cls,
+        *,
+        max_bytes: int | None = None,
+        max_depth: int | None = None,
+        max_nodes: int | None = None,
+        error: type[InputLimitError] | None = None,
     ) -> InputLimits:
-        """Each cap from its keyword argument, else its environment variable, else its default."""
+        """Each cap from its keyword argument, else its environment variable, else its default.
+
+        A malformed environment value raises ``error`` (default :class:`InputLimitError`).
+        """
+        err = _error_class(error)
         return cls(
             max_bytes=_positive(max_bytes, "max_bytes")
             if max_bytes is not None
-            else _from_env(ENV_MAX_BYTES, DEFAULT_MAX_BYTES),
+            else _from_env(ENV_MAX_BYTES, DEFAULT_MAX_BYTES, err),
             max_depth=_positive(max_depth, "max_depth")
             if max_depth is not None
-            else _from_env(ENV_MAX_DEPTH, DEFAULT_MAX_DEPTH),
+            else _from_env(ENV_MAX_DEPTH, DEFAULT_MAX_DEPTH, err),
             max_nodes=_positive(max_nodes, "max_nodes")
             if max_nodes is not None
-            else _from_env(ENV_MAX_NODES, DEFAULT_MAX_NODES),
+            else _from_env(ENV_MAX_NODES, DEFAULT_MAX_NODES, err),
         )
 
 
@@ -236,10 +232,11 @@ def check_size(
     *,
     source: str = "<input>",
     max_bytes: int | None = None,
-    error: type[Exception] | None = None,
+    error: type[InputLimitError] | None = None,
 ) -> None:
     """Refuse ``data`` if it is over ``max_bytes`` (UTF-8 bytes for text)."""
-    limit = InputLimits.current(max_bytes=max_bytes).max_bytes
+    cls = _error_class(error)
+    limit = InputLimits.current(max_bytes=max_bytes, error=cls).max_bytes
     if isinstance(data, str):
         if len(data) * 4 <= limit:  # no character is more than 4 UTF-8 bytes
             return
@@ -247,7 +244,7 @@ def check_size(
     else:
         size = len(data)
     if size > limit:
-        raise _size_error(input_limit_error(error), source, size, limit)
+        raise _size_error(cls, source, size, limit)
 
 
 def _size_error(cls: type[InputLimitError], source: str, size: int | None, limit: int) -> InputLimitError:
@@ -267,12 +264,13 @@ def read_bounded(
     *,
     source: str | None = None,
     max_bytes: int | None = None,
-    error: type[Exception] | None = None,
+    error: type[InputLimitError] | None = None,
 ) -> bytes:
     """The bytes of the file at ``path``, refused without reading it all if it is over
     ``max_bytes``. ``OSError`` propagates."""
     name = str(path) if source is None else source
-    limit = InputLimits.current(max_bytes=max_bytes).max_bytes
+    cls = _error_class(error)
+    limit = InputLimits.current(max_bytes=max_bytes, error=cls).max_bytes
     with Path(path).open("rb") as f:
         data = f.read(limit + 1)
         if len(data) > limit:
@@ -282,7 +280,7 @@ def read_bounded(
                 size = None
             if size is not None and size <= limit:  # a growing or special file
                 size = None
-            raise _size_error(input_limit_error(error), name, size, limit)
+            raise _size_error(cls, name, size, limit)
     return data
 
 
@@ -366,7 +364,7 @@ def loads_json(
     max_bytes: int | None = None,
     max_depth: int | None = None,
     object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
-    error: type[Exception] | None = None,
+    error: type[InputLimitError] | None = None,
 ) -> Any:
     """``json.loads`` under the size and depth caps, refusing non-finite numbers.
 
@@ -374,10 +372,10 @@ def loads_json(
     ``json.JSONDecodeError`` for text that is not JSON). The depth is checked by a linear
     scan before the parser runs. ``NaN``, ``Infinity``, ``-Infinity``, a float that
     overflows to infinity and an integer too long for Python are refused with the key
-    path where they stand. Refusals raise ``input_limit_error(error)``.
+    path where they stand. Refusals raise ``error`` (default :class:`InputLimitError`).
     """
-    cls = input_limit_error(error)
-    limits = InputLimits.current(max_bytes=max_bytes, max_depth=max_depth)
+    cls = _error_class(error)
+    limits = InputLimits.current(max_bytes=max_bytes, max_depth=max_depth, error=cls)
     check_size(data, source=source, max_bytes=limits.max_bytes, error=cls)
     text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
     offset = _json_too_deep(text, limits.max_depth)
@@ -567,13 +565,13 @@ def load_yaml(
     max_bytes: int | None = None,
     max_depth: int | None = None,
     max_nodes: int | None = None,
-    error: type[Exception] | None = None,
+    error: type[InputLimitError] | None = None,
 ) -> Any:
     """One YAML document read with ``loader`` (default ``yaml.SafeLoader``) under the caps.
 
     The size is checked first; depth and alias expansion while the document is composed,
     before the parser recurses or anything is built. ``yaml.YAMLError`` propagates for
-    text that is not YAML. Refusals raise ``input_limit_error(error)``. ``loader`` must be
+    text that is not YAML. Refusals raise ``error`` (default :class:`InputLimitError`). ``loader`` must be
     a pure-Python loader (``yaml.SafeLoader`` or a subclass): libyaml's ``CParser`` composes
     in C, where the caps cannot reach.
     """
@@ -582,8 +580,8 @@ def load_yaml(
             f"load_yaml: {loader.__name__} does not compose in Python (libyaml's loaders compose in C); "
             "pass yaml.SafeLoader or a subclass of it."
         )
-    cls = input_limit_error(error)
-    limits = InputLimits.current(max_bytes=max_bytes, max_depth=max_depth, max_nodes=max_nodes)
+    cls = _error_class(error)
+    limits = InputLimits.current(max_bytes=max_bytes, max_depth=max_depth, max_nodes=max_nodes, error=cls)
     check_size(text, source=source, max_bytes=limits.max_bytes, error=cls)
     if isinstance(text, (bytes, bytearray)):
         text = text.decode("utf-8")

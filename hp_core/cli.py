@@ -201,7 +201,7 @@ def _check_plugin_items(plan: Any, args: argparse.Namespace, err: Console, verb:
     missing = missing_plan_items(plan)
     if not missing:
         return
-    if getattr(args, "allow_missing_plugins", False):
+    if args.allow_missing_plugins:
         for item in missing:
             err.print(
                 Text(
@@ -599,7 +599,7 @@ def cmd_check(args: argparse.Namespace, out: Console, err: Console) -> int:
     try:
         if not path.is_file():
             raise _Failed(2, f"{args.artifact!r}: no such file.")
-        if getattr(args, "report", None) and args.model is None:
+        if args.report and args.model is None:
             raise _Failed(2, "--report needs --model: the report is the verifier's, and hp verifies only against a model.")
         model = _load_model(args.model) if args.model is not None else None
         try:
@@ -654,7 +654,7 @@ def cmd_check(args: argparse.Namespace, out: Console, err: Console) -> int:
         err.print(Text(f"hp check: problem: {e.message}"), soft_wrap=True)
         return e.code
     out.print(Text(report.summary()), soft_wrap=True)
-    if getattr(args, "report", None):
+    if args.report:
         try:
             Path(args.report).write_text(report.dumps())
         except OSError as e:

@@ -86,13 +86,6 @@ class InjectionCallError(HpError, RuntimeError):
         self.fqn = fqn
         self.kind = kind
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_call_error, (type(self), str(self), self.name, self.provider, self.fqn, self.kind))
-
-
-def _rebuild_call_error(cls: type[InjectionCallError], message: str, name: str, provider: str, fqn: str | None, kind: str) -> InjectionCallError:
-    return cls(message, name=name, provider=provider, fqn=fqn, kind=kind)
-
 
 class TargetError(HpError, ValueError):
     """A ``Target`` (``{_target_: ...}``) that is malformed or cannot be resolved."""

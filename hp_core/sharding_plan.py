@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import re
 import warnings
 from collections.abc import ItemsView, Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any, Union
 
 import yaml
 from torch.distributed.tensor import Placement
 
-from hp_core.bounded import load_yaml
+from hp_core.bounded import InputLimitError, load_yaml, read_bounded
 from hp_core.errors import HpError
 from hp_core.injection import Target, TargetError
 from hp_core.spec import (
@@ -68,6 +68,7 @@ __all__ = [
     "PlanError",
     "PlanTypeError",
     "PlanYAMLError",
+    "PlanYAMLInputLimitError",
     "ShardingPlan",
     "compile_glob",
     "copy_spec",
@@ -97,6 +98,12 @@ class PlanError(HpError, ValueError):
 
 class PlanYAMLError(PlanError):
     """A plan document (YAML text, file or dict) that cannot be read or written."""
+
+
+class PlanYAMLInputLimitError(PlanYAMLError, InputLimitError):
+    """A plan or overrides document over hp's input limits (size, nesting depth, YAML alias
+    expansion; see :mod:`hp_core.bounded`): both a :class:`PlanYAMLError` and an
+    :class:`~hp_core.bounded.InputLimitError`."""
 
 
 class OverrideError(PlanError):
@@ -341,15 +348,37 @@ def _check_keys(
         )
 
 
-def _parse_layout(raw: Any, path: str, err: type[PlanError]) -> dict[str, Placement]:
+def _parse_layout(
+    raw: Any, path: str, err: type[PlanError], module: str | None = None
+) -> dict[str, Placement]:
+    """``{axis: Placement}`` from DSL strings or Placements. ``module`` (an override's
+    ``match``) is named in the refusal of a partial hp cannot lower."""
     try:
-        return parse_named_placement(raw, path=path)
+        named = parse_named_placement(raw, path=path)
+    except UnsupportedPartialError as e:
+        # parse_placement refused a 'partial(op)' string at f"{path}.{axis}": name the module
+        # right after that path (the axis comes from ``raw``, not from splitting the message).
+        message = str(e)
+        if module is not None and isinstance(raw, Mapping):
+            for axis in raw:
+                where = f"{path}.{str(axis).strip()}"
+                if message.startswith(f"{where}: "):
+                    message = f"{where} (module {module!r}){message[len(where) :]}"
+                    break
+        raise err(message) from e
     except PlacementSyntaxError as e:
         raise err(str(e)) from e
+    if module is not None:  # Placement objects (Partial('max')) from Python: check them here, naming the module
+        for axis, p in named.items():
+            try:
+                check_lowerable(p, path=f"{path}.{axis}", module=module)
+            except UnsupportedPartialError as e:
+                raise err(str(e)) from e
+    return named
 
 
 def _parse_layout_map(
-    raw: Any, name: str, path: str, err: type[PlanError], *, sentinels: bool
+    raw: Any, name: str, path: str, err: type[PlanError], *, sentinels: bool, module: str | None = None
 ) -> Any:
     out_like = name in (*_OUT_FIELDS, "inner_out_src")
     if isinstance(raw, str):
@@ -370,7 +399,7 @@ def _parse_layout_map(
             f"Example: {name}: {_EXAMPLE[name]}."
         )
     if out_like and raw and all(isinstance(v, (str, Placement)) for v in raw.values()):
-        return {"output": _parse_layout(raw, path, err)}  # scalar shorthand {tp: ...}
+        return {"output": _parse_layout(raw, path, err, module)}  # scalar shorthand {tp: ...}
     out: dict[str, dict[str, Placement]] = {}
     for key, named in raw.items():
         if not isinstance(key, str) or not key:
@@ -378,7 +407,7 @@ def _parse_layout_map(
                 f"{path}: keys must be non-empty strings (parameter paths or input/output names), "
                 f"got {key!r}. Example: {name}: {_EXAMPLE[name]}."
             )
-        out[key] = _parse_layout(named, f"{path}.{key}", err)
+        out[key] = _parse_layout(named, f"{path}.{key}", err, module)
     return out
 
 
@@ -436,13 +465,13 @@ def _parse_injection(raw: Any, path: str, err: type[PlanError]) -> Any:
     )
 
 
-def _parse_field(name: str, raw: Any, path: str, err: type[PlanError]) -> Any:
+def _parse_field(name: str, raw: Any, path: str, err: type[PlanError], *, module: str | None = None) -> Any:
     if name == "is_boundary":
         return _parse_bool(raw, path, err, optional=False)
     if raw is None:
         return None
     if name in (*_PLACEMENT_MAP_FIELDS, *_OUT_FIELDS):
-        return _parse_layout_map(raw, name, path, err, sentinels=True)
+        return _parse_layout_map(raw, name, path, err, sentinels=True, module=module)
     if name in _NAME_LIST_FIELDS:
         return _parse_names(raw, path, err)
     if name in _OPT_BOOL_FIELDS:
@@ -454,7 +483,7 @@ def _parse_field(name: str, raw: Any, path: str, err: type[PlanError]) -> Any:
     if name == "inner_out_src":
         if raw == "first_input":
             return raw
-        return _parse_layout_map(raw, name, path, err, sentinels=False)
+        return _parse_layout_map(raw, name, path, err, sentinels=False, module=module)
     return _parse_injection(raw, path, err)
 
 
@@ -466,11 +495,17 @@ def _relabel(message: str, path: str) -> str:
 
 
 def _build_spec(
-    raw: Mapping[str, Any], path: str, err: type[PlanError], fields: Sequence[str]
+    raw: Mapping[str, Any],
+    path: str,
+    err: type[PlanError],
+    fields: Sequence[str],
+    *,
+    module: str | None = None,
 ) -> ModuleShardingSpec:
-    kwargs = {
-        name: _parse_field(name, raw[name], f"{path}.{name}", err) for name in fields if name in raw
-    }
+    """The spec ``raw`` describes; ``module`` (an override's ``match``) is named when a
+    placement is a partial hp cannot lower."""
+    parse = _parse_field if module is None else functools.partial(_parse_field, module=module)
+    kwargs = {name: parse(name, raw[name], f"{path}.{name}", err) for name in fields if name in raw}
     try:
         return ModuleShardingSpec(**kwargs)
     except (SpecValidationError, PlacementSyntaxError, TargetError) as e:
@@ -855,7 +890,9 @@ def _read_source(src: Any, what: str) -> tuple[str, str, bool]:
             f"{what}: expected YAML text or a file path, got {_tname(src)} {src!r}."
         )
     try:
-        return Path(path).read_text(encoding="utf-8"), str(path), True
+        # Bounded: a file over the size cap is refused after reading at most the cap.
+        data = read_bounded(path, source=str(path), error=PlanYAMLInputLimitError)
+        return data.decode("utf-8"), str(path), True
     except FileNotFoundError:
         raise PlanYAMLError(f"{path}: no such file (reading {what}).") from None
     except UnicodeDecodeError as e:
@@ -866,9 +903,9 @@ def _read_source(src: Any, what: str) -> tuple[str, str, bool]:
 
 def _yaml_load(text: str, name: str) -> Any:
     # A SafeLoader (plain data only) under hp's input limits: size, depth and alias expansion
-    # are refused with an InputLimitError that is also a PlanYAMLError.
+    # are refused with a PlanYAMLInputLimitError (an InputLimitError that is also a PlanYAMLError).
     try:
-        return load_yaml(text, source=name, loader=_StrictLoader, error=PlanYAMLError)
+        return load_yaml(text, source=name, loader=_StrictLoader, error=PlanYAMLInputLimitError)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f"{name}:{mark.line + 1}:{mark.column + 1}" if mark is not None else name
@@ -907,7 +944,7 @@ def dump_plan(plan: ShardingPlan) -> str:
             f"dump_plan: expected a ShardingPlan, got {_tname(plan)} {_short(plan)}. Pass the plan "
             "that hp_core.plan(...) or load_plan returned."
         )
-    return _yaml_dump(plan_to_dict(plan), PlanYAMLError)
+    return _yaml_dump(_plan_data(plan, strict=True), PlanYAMLError)
 
 
 def load_plan(text_or_path: str | os.PathLike[str]) -> ShardingPlan:
@@ -1018,13 +1055,7 @@ def _entry_from_mapping(raw: Any, path: str) -> OverrideEntry:
             f"{path}.match: expected a module FQN or glob string, got {_tname(match)} {match!r}."
         )
     when = _check_when(raw.get("when"), f"{path}.when")
-    try:
-        spec = _build_spec(raw, path, err, OVERRIDE_FIELDS)
-    except OverrideError as e:
-        if isinstance(e.__cause__, UnsupportedPartialError):  # name the module too
-            where, sep, rest = str(e).partition(": ")
-            raise err(f"{where} (module {match!r}){sep}{rest}") from e.__cause__
-        raise
+    spec = _build_spec(raw, path, err, OVERRIDE_FIELDS, module=match)
     return OverrideEntry(match, spec, when, source=path)
 
 
@@ -1068,49 +1099,6 @@ def load_overrides(text_or_path_or_list: OverridesLike) -> list[OverrideEntry]:
     :class:`DuplicateOverrideError`: merge them into one entry. Entries with different
     ``when`` conditions may name the same module; those that apply merge in list order.
     """
-    return _load_entries(text_or_path_or_list)
-
-
-def _entry_text(entry: OverrideEntry) -> str:
-    """One line of an entry's content, for messages (YAML flow style where it can be written)."""
-    item: dict[str, Any] = {"match": entry.match}
-    if entry.when is not None:
-        item["when"] = entry.when
-    try:
-        item.update(
-            _spec_to_data(
-                entry.spec, entry.source or "overrides", OverrideError, fields=OVERRIDE_FIELDS, internals=False, strict=False
-            )
-        )
-        return yaml.safe_dump(item, default_flow_style=True, sort_keys=False, width=1 << 16, allow_unicode=True).strip()
-    except (PlanError, yaml.YAMLError):
-        return f"{item!r} {entry.spec!r}"
-
-
-def _check_duplicates(entries: Sequence[OverrideEntry]) -> None:
-    seen: dict[tuple[str, str | None], tuple[int, OverrideEntry]] = {}
-    for i, entry in enumerate(entries):
-        if is_glob(entry.match):
-            continue
-        key = (entry.match, entry.when)
-        if key not in seen:
-            seen[key] = (i, entry)
-            continue
-        j, first = seen[key]
-        a, b = first.source or f"overrides[{j}]", entry.source or f"overrides[{i}]"
-        cond = f"when: {entry.when}" if entry.when is not None else "no 'when'"
-        raise DuplicateOverrideError(
-            f"{a} and {b} are both exact overrides for module {entry.match!r} ({cond}); the second would "
-            "silently replace every field the first also sets.\n"
-            f"  {a} (entry {j}): {_entry_text(first)}\n"
-            f"  {b} (entry {i}): {_entry_text(entry)}\n"
-            f"Fix: merge them into one entry for {entry.match!r} (for a field both set, keep the value you "
-            "want). Entries with different 'when:' conditions may name the same module; those that apply "
-            "merge in list order."
-        )
-
-
-def _load_entries(text_or_path_or_list: OverridesLike) -> list[OverrideEntry]:
     src = text_or_path_or_list
     if src is None:
         return []
@@ -1160,6 +1148,45 @@ def _load_entries(text_or_path_or_list: OverridesLike) -> list[OverrideEntry]:
             out.append(_entry_from_mapping(item, path))
     _check_duplicates(out)
     return out
+
+
+def _entry_text(entry: OverrideEntry) -> str:
+    """One line of an entry's content, for messages (YAML flow style where it can be written)."""
+    item: dict[str, Any] = {"match": entry.match}
+    if entry.when is not None:
+        item["when"] = entry.when
+    try:
+        item.update(
+            _spec_to_data(
+                entry.spec, entry.source or "overrides", OverrideError, fields=OVERRIDE_FIELDS, internals=False, strict=False
+            )
+        )
+        return yaml.safe_dump(item, default_flow_style=True, sort_keys=False, width=1 << 16, allow_unicode=True).strip()
+    except (PlanError, yaml.YAMLError):
+        return f"{item!r} {entry.spec!r}"
+
+
+def _check_duplicates(entries: Sequence[OverrideEntry]) -> None:
+    seen: dict[tuple[str, str | None], tuple[int, OverrideEntry]] = {}
+    for i, entry in enumerate(entries):
+        if is_glob(entry.match):
+            continue
+        key = (entry.match, entry.when)
+        if key not in seen:
+            seen[key] = (i, entry)
+            continue
+        j, first = seen[key]
+        a, b = first.source or f"overrides[{j}]", entry.source or f"overrides[{i}]"
+        cond = f"when: {entry.when}" if entry.when is not None else "no 'when'"
+        raise DuplicateOverrideError(
+            f"{a} and {b} are both exact overrides for module {entry.match!r} ({cond}); the second would "
+            "silently replace every field the first also sets.\n"
+            f"  {a} (entry {j}): {_entry_text(first)}\n"
+            f"  {b} (entry {i}): {_entry_text(entry)}\n"
+            f"Fix: merge them into one entry for {entry.match!r} (for a field both set, keep the value you "
+            "want). Entries with different 'when:' conditions may name the same module; those that apply "
+            "merge in list order."
+        )
 
 
 def overrides_to_list(entries: OverridesLike) -> list[dict[str, Any]]:

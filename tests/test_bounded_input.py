@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import subprocess
 import sys
 import time
 
@@ -19,13 +21,13 @@ from hp_core.bounded import (
     ENV_MAX_NODES,
     InputLimitError,
     InputLimits,
-    input_limit_error,
     load_yaml,
     loads_json,
     read_bounded,
 )
 from hp_core.codegen import (
     ArtifactFormatError,
+    ArtifactLimitError,
     ArtifactSchemaError,
     ArtifactVersionError,
     canonical_json,
@@ -35,11 +37,10 @@ from hp_core.codegen import (
     make_artifact,
     read_artifact,
 )
-from hp_core.codegen.artifact import ArtifactLimitError
 from hp_core.planner import plan
-from hp_core.sharding_plan import PlanYAMLError, load_overrides, load_plan
+from hp_core.sharding_plan import PlanYAMLError, PlanYAMLInputLimitError, load_overrides, load_plan
 from hp_core.testing.models import build_model, tiny_config
-from hp_core.verifier.report import ReportFormatError, VerifyReport
+from hp_core.verifier.report import ReportFormatError, ReportFormatInputLimitError, VerifyReport
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("builtin_only")
@@ -96,19 +97,58 @@ def test_default_limits_and_env_names():
     assert InputLimits.current() == InputLimits(8 * 1024 * 1024, 64, 100_000)
 
 
+#: Unpickles the bytes on stdin in a fresh interpreter and prints what came back.
+_UNPICKLE = (
+    "import json, pickle, sys\n"
+    "errors = pickle.loads(sys.stdin.buffer.read())\n"
+    "print(json.dumps([[type(e).__module__, type(e).__qualname__, str(e), e.source, e.path, e.limit, e.env]"
+    " for e in errors]))\n"
+)
+
+
+def _unpickled_elsewhere(errors: list[InputLimitError]) -> list[list]:
+    """``errors`` pickled here and unpickled in another process (as the distributed test
+    worlds pass errors between ranks): a class made at run time would fail there."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run(
+        [sys.executable, "-c", _UNPICKLE], input=pickle.dumps(errors), capture_output=True, env=env, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    return json.loads(done.stdout)
+
+
 def test_the_error_classes():
-    plan_error = input_limit_error(PlanYAMLError)
-    assert plan_error.__name__ == "PlanYAMLInputLimitError"
-    assert issubclass(plan_error, PlanYAMLError) and issubclass(plan_error, InputLimitError)
-    assert input_limit_error(PlanYAMLError) is plan_error  # made once
-    assert input_limit_error(None) is InputLimitError and input_limit_error(ArtifactLimitError) is ArtifactLimitError
+    for cls, base in (
+        (PlanYAMLInputLimitError, PlanYAMLError),
+        (ReportFormatInputLimitError, ReportFormatError),
+        (ArtifactLimitError, ArtifactFormatError),
+    ):
+        assert issubclass(cls, base) and issubclass(cls, InputLimitError), cls
+        # declared where its base is, so pickle finds it by name in any process
+        assert cls.__module__ == base.__module__ and cls.__qualname__ == cls.__name__
+        assert getattr(sys.modules[cls.__module__], cls.__name__) is cls
     assert issubclass(InputLimitError, ValueError)
-    assert issubclass(ArtifactLimitError, ArtifactFormatError) and issubclass(ArtifactLimitError, InputLimitError)
     assert issubclass(ArtifactSchemaError, ArtifactFormatError)
-    with pytest.raises(plan_error) as info:
+    with pytest.raises(TypeError, match="expected a subclass of InputLimitError"):
+        load_yaml("a: 1", error=PlanYAMLError)  # a plain base class is no longer turned into one
+
+
+def test_limit_errors_survive_a_round_trip_through_another_process():
+    with pytest.raises(PlanYAMLInputLimitError) as plan_info:
         load_plan("[" * 100 + "]" * 100)
-    copy = pickle.loads(pickle.dumps(info.value))
-    assert type(copy) is plan_error and str(copy) == str(info.value) and copy.env == ENV_MAX_DEPTH
+    with pytest.raises(ReportFormatInputLimitError) as report_info:
+        VerifyReport.loads('{"mesh": [["tp", NaN]]}', source="r.json")
+    with pytest.raises(ArtifactLimitError) as artifact_info:
+        loads_artifact(b"[" * 100 + b"]" * 100, source="a.json")
+    errors = [plan_info.value, report_info.value, artifact_info.value]
+    back = _unpickled_elsewhere(errors)
+    assert [row[:2] for row in back] == [
+        ["hp_core.sharding_plan", "PlanYAMLInputLimitError"],
+        ["hp_core.verifier.report", "ReportFormatInputLimitError"],
+        ["hp_core.codegen.artifact", "ArtifactLimitError"],
+    ]
+    assert back == [[type(e).__module__, type(e).__name__, str(e), e.source, e.path, e.limit, e.env] for e in errors]
+    assert plan_info.value.env == ENV_MAX_DEPTH and report_info.value.path == "mesh[0][1]"
 
 
 # ------------------------------------------------------------------------ YAML
@@ -185,11 +225,45 @@ def test_yaml_syntax_errors_stay_plan_yaml_errors():
 def test_an_oversize_yaml_document_is_refused(tmp_path):
     path = tmp_path / "big.yaml"
     path.write_text("# padding\n" * (DEFAULT_MAX_BYTES // 10 + 1))
-    with pytest.raises(InputLimitError) as info:
+    with pytest.raises(PlanYAMLInputLimitError) as info:
         load_overrides(path)
-    assert isinstance(info.value, PlanYAMLError)
+    assert isinstance(info.value, PlanYAMLError) and isinstance(info.value, InputLimitError)
     assert str(info.value).startswith(f"{path}: 8388610 bytes, over the input limit of 8388608 bytes; hp refuses larger documents.")
     assert "HP_MAX_INPUT_BYTES=8388610" in str(info.value)
+
+
+@pytest.mark.parametrize("load", [load_overrides, load_plan], ids=["overrides", "plan"])
+def test_an_oversize_plan_file_is_refused_without_reading_it_whole(tmp_path, monkeypatch, load):
+    path = tmp_path / "huge.yaml"
+    with path.open("wb") as f:
+        f.truncate(256 * 1024 * 1024)  # sparse: 256 MiB that cost no disk
+    monkeypatch.setenv("HP_MAX_INPUT_BYTES", "1000")
+
+    def whole(*args, **kwargs):
+        raise AssertionError("the whole file was read before the size cap was applied")
+
+    for name in ("read_text", "read_bytes"):
+        monkeypatch.setattr(type(path), name, whole)
+    start = time.perf_counter()
+    with pytest.raises(PlanYAMLInputLimitError) as info:
+        load(path)
+    assert time.perf_counter() - start < 5
+    # the size comes from the file's metadata: hp read at most the cap (plus one byte)
+    assert str(info.value).startswith(f"{path}: 268435456 bytes, over the input limit of 1000 bytes")
+    assert (info.value.limit, info.value.env) == (1000, ENV_MAX_BYTES)
+
+
+def test_a_bad_env_value_raises_the_callers_class(monkeypatch):
+    monkeypatch.setenv(ENV_MAX_NODES, "lots")
+    with pytest.raises(PlanYAMLInputLimitError, match=r"^HP_MAX_YAML_NODES='lots': expected a positive integer"):
+        load_overrides("- match: a\n")
+    with pytest.raises(PlanYAMLInputLimitError, match=r"^HP_MAX_YAML_NODES='lots'"):
+        load_plan("version: 1\n")
+    monkeypatch.setenv(ENV_MAX_BYTES, "0")
+    with pytest.raises(ReportFormatInputLimitError, match=r"^HP_MAX_INPUT_BYTES='0'"):
+        VerifyReport.loads("{}")
+    with pytest.raises(ArtifactLimitError, match=r"^HP_MAX_INPUT_BYTES='0'"):
+        loads_artifact(b"{}")
 
 
 # ------------------------------------------------------------------------ JSON

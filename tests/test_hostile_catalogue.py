@@ -6,8 +6,9 @@ module FQN or placement text that was passed), and whether a model is involved. 
 checks that the model (parameter objects and values, buffers, module attributes), the
 plugin registries and the plugin manager's report are exactly as they were.
 
-A case marked ``xfail(strict=True)`` documents a bug: the input is refused (or accepted)
-in a way the contract forbids (a bare builtin exception, a silently accepted bad value).
+A CLI case runs ``hp`` in process and checks its exit code and its one error line; its
+error type is the class that line names (``hp plan: error: DivisibilityError: ...``), or
+``None`` for a refusal of the command line itself (exit 2), whose line names no class.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -93,6 +95,7 @@ from hp_core.sharding_plan import (
     OverridesTypeError,
     PlanTypeError,
     PlanYAMLError,
+    PlanYAMLInputLimitError,
 )
 from hp_core.spec import (
     PlacementSyntaxError,
@@ -115,12 +118,11 @@ class Case:
     id: str
     category: str
     call: Callable[[Any, Any], Any]  # (ctx, model) -> anything; must raise
-    error: type[BaseException]
+    error: type[BaseException] | None  # None only for a CLI case whose error line names no class
     fragments: tuple[str, ...] = ()
     model: str | None = None  # "llama" (shared, must stay untouched) or a toy factory name
     fresh: bool = False  # build the model for this case only (apply cases)
     env: tuple[tuple[str, str], ...] = ()
-    bug: str | None = None  # an xfail(strict=True) reason: what hp does wrong today
 
 
 CASES: list[Case] = []
@@ -256,11 +258,11 @@ case("overrides_file_line", "yaml", lambda ctx, m: load_overrides(ctx.write("syn
 case("overrides_huge_file", "yaml", lambda ctx, m: load_overrides(ctx.write("big.yaml", ENTRY + "#" * 200 + "\n")),
      PlanYAMLError, "{tmp}/big.yaml", "over the input limit of 100 bytes", "HP_MAX_INPUT_BYTES=221",
      env=((ENV_MAX_BYTES, "100"),))
-case("overrides_bad_env_bytes", "yaml", lambda ctx, m: load_overrides(ENTRY), InputLimitError,
+case("overrides_bad_env_bytes", "yaml", lambda ctx, m: load_overrides(ENTRY), PlanYAMLInputLimitError,
      "HP_MAX_INPUT_BYTES='abc'", "positive integer", env=((ENV_MAX_BYTES, "abc"),))
-case("overrides_bad_env_depth", "yaml", lambda ctx, m: load_overrides(ENTRY), InputLimitError,
+case("overrides_bad_env_depth", "yaml", lambda ctx, m: load_overrides(ENTRY), PlanYAMLInputLimitError,
      "HP_MAX_INPUT_DEPTH='-1'", env=((ENV_MAX_DEPTH, "-1"),))
-case("overrides_bad_env_nodes", "yaml", lambda ctx, m: load_overrides(ENTRY), InputLimitError,
+case("overrides_bad_env_nodes", "yaml", lambda ctx, m: load_overrides(ENTRY), PlanYAMLInputLimitError,
      "HP_MAX_YAML_NODES='0'", env=((ENV_MAX_NODES, "0"),))
 case("overrides_env_depth_3", "yaml", lambda ctx, m: load_overrides(ENTRY + "  params: {a: {tp: [[1]]}}\n"), PlanYAMLError,
      "[0].params.a", "nesting depth over 3", "HP_MAX_INPUT_DEPTH=6", env=((ENV_MAX_DEPTH, "3"),))
@@ -564,56 +566,60 @@ class CliCall:
 
 
 P = ("plan", "--model", "llama")
-for label, argv, code, fragments in [
-    ("plan_bad_mesh", (*P, "--mesh", "tp=x"), 2, ("--mesh", "'tp=x'")),
-    ("plan_empty_mesh", (*P, "--mesh", ""), 2, ("--mesh", "got ''")),
-    ("plan_mesh_indivisible", (*P, "--mesh", "tp=4"), 1, ("DivisibilityError", "model.layers.0.self_attn")),
-    ("plan_unknown_preset", ("plan", "--model", "nosuch", "--mesh", "tp=2"), 2, ("--model", "'nosuch'")),
-    ("plan_config_negative_size", ("plan", "--model", "{tmp}/cfg_neg.json", "--mesh", "tp=2"), 2,
+for label, argv, code, error, fragments in [
+    ("plan_bad_mesh", (*P, "--mesh", "tp=x"), 2, None, ("--mesh", "'tp=x'")),
+    ("plan_empty_mesh", (*P, "--mesh", ""), 2, None, ("--mesh", "got ''")),
+    ("plan_mesh_indivisible", (*P, "--mesh", "tp=4"), 1, DivisibilityError, ("model.layers.0.self_attn",)),
+    ("plan_unknown_preset", ("plan", "--model", "nosuch", "--mesh", "tp=2"), 2, None, ("--model", "'nosuch'")),
+    ("plan_config_negative_size", ("plan", "--model", "{tmp}/cfg_neg.json", "--mesh", "tp=2"), 2, None,
      ("{tmp}/cfg_neg.json", "hidden_size")),
-    ("plan_config_bad_json", ("plan", "--model", "{tmp}/cfg_bad.json", "--mesh", "tp=2"), 2, ("{tmp}/cfg_bad.json", "JSON")),
-    ("plan_config_unknown_type", ("plan", "--model", "{tmp}/cfg_type.json", "--mesh", "tp=2"), 2,
+    ("plan_config_bad_json", ("plan", "--model", "{tmp}/cfg_bad.json", "--mesh", "tp=2"), 2, None,
+     ("{tmp}/cfg_bad.json", "JSON")),
+    ("plan_config_unknown_type", ("plan", "--model", "{tmp}/cfg_type.json", "--mesh", "tp=2"), 2, None,
      ("{tmp}/cfg_type.json", "nosuchtype")),
-    ("plan_config_missing", ("plan", "--model", "{tmp}/none.json", "--mesh", "tp=2"), 2, ("{tmp}/none.json", "no such file")),
-    ("plan_overrides_bad_match", (*P, "--mesh", "tp=2", "--overrides", "{tmp}/bad_match.yaml"), 1,
-     ("OverrideError", "'model.nrom'")),
-    ("plan_overrides_syntax", (*P, "--mesh", "tp=2", "--overrides", "{tmp}/syntax.yaml"), 1, ("{tmp}/syntax.yaml:2:1",)),
-    ("plan_overrides_missing", (*P, "--mesh", "tp=2", "--overrides", "{tmp}/gone.yaml"), 2, ("{tmp}/gone.yaml", "no such file")),
-    ("check_not_an_artifact", ("check", "{tmp}/empty_art.json"), 1, ("ArtifactFormatError", "{tmp}/empty_art.json")),
-    ("check_missing_artifact", ("check", "{tmp}/gone.json"), 2, ("{tmp}/gone.json", "no such file")),
-    ("freeze_bad_mesh", ("freeze", "--model", "llama", "--mesh", "tp=x", "-o", "{tmp}/o.json"), 2, ("--mesh", "'tp=x'")),
+    ("plan_config_missing", ("plan", "--model", "{tmp}/none.json", "--mesh", "tp=2"), 2, None,
+     ("{tmp}/none.json", "no such file")),
+    ("plan_overrides_bad_match", (*P, "--mesh", "tp=2", "--overrides", "{tmp}/bad_match.yaml"), 1, OverrideError,
+     ("'model.nrom'",)),
+    ("plan_overrides_syntax", (*P, "--mesh", "tp=2", "--overrides", "{tmp}/syntax.yaml"), 1, PlanYAMLError,
+     ("{tmp}/syntax.yaml:2:1",)),
+    ("plan_overrides_missing", (*P, "--mesh", "tp=2", "--overrides", "{tmp}/gone.yaml"), 2, None,
+     ("{tmp}/gone.yaml", "no such file")),
+    ("check_not_an_artifact", ("check", "{tmp}/empty_art.json"), 1, ArtifactFormatError, ("{tmp}/empty_art.json",)),
+    ("check_missing_artifact", ("check", "{tmp}/gone.json"), 2, None, ("{tmp}/gone.json", "no such file")),
+    ("freeze_bad_mesh", ("freeze", "--model", "llama", "--mesh", "tp=x", "-o", "{tmp}/o.json"), 2, None, ("--mesh", "'tp=x'")),
 ]:
-    case(f"cli_{label}", "cli", CliCall(argv, code), hp_core.HpError, *fragments)
+    case(f"cli_{label}", "cli", CliCall(argv, code), error, *fragments)
 for label, argv, fragments in [
     ("plan_ep_zero", (*P, "--mesh", "tp=2", "--ep", "0"), ("--ep", "got 0")),
     ("unknown_command", ("nosuchcmd",), ("'nosuchcmd'",)),
     ("plan_without_mesh", P, ("--mesh",)),
 ]:
-    case(f"cli_{label}", "cli", CliCall(argv, 2, usage=True), hp_core.HpError, *fragments)
+    case(f"cli_{label}", "cli", CliCall(argv, 2, usage=True), None, *fragments)
 
 # ------------------------------------------------------------------ apply preflight (one-process gloo world)
 
 A = hp_core.apply
-for label, call, error, fragments, bug in [
-    ("plan_dict", lambda ctx, m: A(m, {"modules": {}}, ctx.mesh), PreflightError, ("expects a ShardingPlan", "got dict"), None),
-    ("plan_string", lambda ctx, m: A(m, "tp=1", ctx.mesh), PreflightError, ("got str",), None),
-    ("mode_typo", lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, mode="fast"), PreflightError, ("mode='fast'",), None),
-    ("mode_int", lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, mode=3), PreflightError, ("mode=3",), None),
+for label, call, error, fragments in [
+    ("plan_dict", lambda ctx, m: A(m, {"modules": {}}, ctx.mesh), PreflightError, ("expects a ShardingPlan", "got dict")),
+    ("plan_string", lambda ctx, m: A(m, "tp=1", ctx.mesh), PreflightError, ("got str",)),
+    ("mode_typo", lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, mode="fast"), PreflightError, ("mode='fast'",)),
+    ("mode_int", lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, mode=3), PreflightError, ("mode=3",)),
     ("mesh_spec", lambda ctx, m: A(m, ctx.plan(m, "tp"), hp_core.MeshSpec.parse("tp=1")), MeshMismatchError,
-     ("DeviceMesh", "got MeshSpec"), None),
-    ("mesh_string", lambda ctx, m: A(m, ctx.plan(m, "tp"), "tp=1"), MeshMismatchError, ("got str",), None),
-    ("mesh_missing_axis", lambda ctx, m: A(m, ctx.plan(m, "tp=1,cp=1"), ctx.mesh), MeshMismatchError, ("lacks ['cp']",), None),
-    ("mesh_size_differs", lambda ctx, m: A(m, ctx.plan(m, "tp=2"), ctx.mesh), MeshMismatchError, ("tp: plan 2, mesh 1",), None),
+     ("DeviceMesh", "got MeshSpec")),
+    ("mesh_string", lambda ctx, m: A(m, ctx.plan(m, "tp"), "tp=1"), MeshMismatchError, ("got str",)),
+    ("mesh_missing_axis", lambda ctx, m: A(m, ctx.plan(m, "tp=1,cp=1"), ctx.mesh), MeshMismatchError, ("lacks ['cp']",)),
+    ("mesh_size_differs", lambda ctx, m: A(m, ctx.plan(m, "tp=2"), ctx.mesh), MeshMismatchError, ("tp: plan 2, mesh 1",)),
     ("model_other", lambda ctx, m: A(nn.Linear(2, 2), ctx.plan(m, "tp"), ctx.mesh), PreflightError,
-     ("'model.embed_tokens'", "does not have"), None),
-    ("verify_str", lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, verify="yes"), PreflightError, ("verify='yes'",), None),
-    ("timeout_negative", lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, timeout=-1), RankTimeoutError, ("timeout=-1",), None),
-    ("timeout_str", lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, timeout="x"), RankTimeoutError, ("timeout='x'",), None),
-    ("model_none", lambda ctx, m: A(None, ctx.plan(m, "tp"), ctx.mesh), PreflightError, ("model", "NoneType"), None),
+     ("'model.embed_tokens'", "does not have")),
+    ("verify_str", lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, verify="yes"), PreflightError, ("verify='yes'",)),
+    ("timeout_negative", lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, timeout=-1), RankTimeoutError, ("timeout=-1",)),
+    ("timeout_str", lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, timeout="x"), RankTimeoutError, ("timeout='x'",)),
+    ("model_none", lambda ctx, m: A(None, ctx.plan(m, "tp"), ctx.mesh), PreflightError, ("model", "NoneType")),
     ("check_inputs_str", lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, check_inputs="no"), PreflightError,
-     ("check_inputs='no'",), None),
+     ("check_inputs='no'",)),
 ]:
-    case(f"apply_{label}", "apply", call, error, *fragments, model="llama", fresh=True, bug=bug)
+    case(f"apply_{label}", "apply", call, error, *fragments, model="llama", fresh=True)
 
 
 # ------------------------------------------------------------------ context and snapshots
@@ -734,17 +740,16 @@ def plugin_state() -> Any:
 
 
 def _params() -> list[Any]:
-    out = []
-    for c in CASES:
-        marks = [pytest.mark.xfail(strict=True, reason=c.bug)] if c.bug else []
-        out.append(pytest.param(c, id=f"{c.category}-{c.id}", marks=marks))
-    return out
+    return [pytest.param(c, id=f"{c.category}-{c.id}") for c in CASES]
 
 
 def test_catalogue_is_large_and_ids_are_unique():
     ids = [f"{c.category}-{c.id}" for c in CASES]
     assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
     assert len(CASES) >= 120, len(CASES)
+    for c in CASES:  # every declared error type is an HpError; only CLI cases may declare none
+        assert c.error is not None or c.category == "cli", c.id
+        assert c.error is None or issubclass(c.error, hp_core.HpError), c.id
 
 
 @pytest.mark.parametrize("c", _params())
@@ -772,6 +777,11 @@ def test_hostile_input(c: Case, ctx: Ctx, request, monkeypatch):
             assert lines and "error:" in lines[-1], err
         else:
             assert len(lines) == 1, err
+        named = re.match(r"hp(?: \w+)?: error: (\w+Error): ", lines[-1])
+        if c.error is None:  # a refusal of the command line: the line names no error class
+            assert lines[-1].startswith("hp") and named is None, err
+        else:
+            assert named is not None and named.group(1) == c.error.__name__, (c.error.__name__, err)
         message = err
     else:
         with pytest.raises(BaseException) as info:

@@ -45,7 +45,12 @@ from hp_core.bounded import InputLimitError, loads_json, read_bounded
 from hp_core.codegen.freeze import FreezeError, freeze, json_value
 from hp_core.codegen.rebuild import MetaError, rebuild
 from hp_core.errors import HpError
-from hp_core.injection import Target
+from hp_core.plugins._plan_items import (
+    INJECTION_FIELDS,
+    is_import_path,
+    missing_plan_items,
+    named_injections,
+)
 from hp_core.sharding_plan import OverridesLike, PlanError, ShardingPlan, overrides_to_list
 
 __all__ = [
@@ -81,11 +86,9 @@ _KEYS = ("format", "format_version", "inputs", "meta", "signature")
 _INPUT_KEYS = ("hp_version", "mesh", "model", "overrides", "plugins")
 #: Config keys that record where or with what a config was saved, not what the model is.
 _CONFIG_BOOKKEEPING = ("transformers_version", "_name_or_path", "_commit_hash")
-#: Injection field → the registry its plain names refer to.
-INJECTION_REGISTRIES: Mapping[str, str] = {
-    "inner_wrapper": "inner_wrapper",
-    "local_compute_fn": "compute_factory",
-}
+#: Injection field → the registry its plain names refer to (from the one table the plan-time
+#: check uses too, :data:`hp_core.plugins._plan_items.INJECTION_FIELDS`).
+INJECTION_REGISTRIES: Mapping[str, str] = {field: registry for field, (_, registry) in INJECTION_FIELDS.items()}
 _REFREEZE = "Re-create it with this hp: hp freeze --model ... --mesh ... -o ARTIFACT."
 
 
@@ -376,28 +379,26 @@ def _hp_version() -> str:
 
 def missing_registry_items(plan: ShardingPlan) -> list[str]:
     """One line per injection whose registry name is not registered (or whose dotted path's
-    package is not installed). Nothing is imported."""
+    package is not installed). Nothing is imported.
+
+    Whether a name is registered is decided by the finder ``hp plan`` / ``hp freeze`` use
+    (:func:`hp_core.plugins._plan_items.missing_plan_items`, which resolves it as
+    ``hp_core.apply`` does); this renders one line per module that names it.
+    """
     from hp_core.plugins import PluginRegistry
 
+    missing = {(item.field, item.name) for item in missing_plan_items(plan)}
     problems = []
-    for fqn, spec in plan.items():
-        for field, kind in INJECTION_REGISTRIES.items():
-            value = getattr(spec, field)
-            name = value.target if isinstance(value, Target) else value
-            if not isinstance(name, str):
-                continue
-            where = f"modules[{fqn!r}].{field}"
-            if "." in name or ":" in name:
-                top = name.split(":", 1)[0].split(".", 1)[0]
-                if importlib.util.find_spec(top) is None:
-                    problems.append(f"{where}: {name!r}: package {top!r} is not installed")
-                continue
-            registry = PluginRegistry(kind)
-            if name not in registry:
-                known = ", ".join(sorted(registry)) or "none"
-                problems.append(
-                    f"{where}: {name!r} is not a registered {kind.replace('_', ' ')} (registered: {known})"
-                )
+    for fqn, field, name in named_injections(plan):
+        where = f"modules[{fqn!r}].{field}"
+        if is_import_path(name):
+            top = name.split(":", 1)[0].split(".", 1)[0]
+            if importlib.util.find_spec(top) is None:
+                problems.append(f"{where}: {name!r}: package {top!r} is not installed")
+        elif (field, name) in missing:
+            kind = INJECTION_REGISTRIES[field]
+            known = ", ".join(sorted(PluginRegistry(kind))) or "none"
+            problems.append(f"{where}: {name!r} is not a registered {kind.replace('_', ' ')} (registered: {known})")
     return problems
 
 

@@ -79,13 +79,6 @@ class TemplateBuildError(PlanningError):
         self.provider = provider
         self.fqn = fqn
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_template_error, (type(self), str(self), self.template, self.provider, self.fqn))
-
-
-def _rebuild_template_error(cls: type[TemplateBuildError], message: str, template: str, provider: str, fqn: str) -> TemplateBuildError:
-    return cls(message, template=template, provider=provider, fqn=fqn)
-
 
 class MeshTypeError(ArgumentTypeError, MeshSpecError):
     """``plan(model, mesh)`` with a mesh of a type hp cannot read (None, a number, a list...)."""

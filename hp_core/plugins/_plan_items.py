@@ -7,19 +7,46 @@ a ``Target``. ``hp_core.apply`` resolves them in its preflight with
 the plan right after planning, so a name no installed plugin provides is refused with
 the message ``apply`` would give, before anything is written or launched. Dotted import
 paths (``pkg.module.attr``) are not registry items and are left to ``apply``.
+
+This is the one finder of missing registry items: ``hp plan`` / ``hp freeze`` use it, and
+so does :func:`hp_core.codegen.artifact.missing_registry_items` (``read_artifact``,
+``hp check``), with the table below.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from hp_core.plugins._errors import UnknownRegistryItemError
 
-__all__ = ["MissingPlanItem", "missing_plan_items"]
+__all__ = ["INJECTION_FIELDS", "MissingPlanItem", "is_import_path", "missing_plan_items", "named_injections"]
 
-#: Plan field → ``resolve_injection`` kind (the same pairs preflight resolves).
-_FIELDS = (("inner_wrapper", "inner_wrapper"), ("local_compute_fn", "local_compute"))
+#: Injection field of a spec → (the ``resolve_injection`` kind preflight resolves it as,
+#: the registry a plain name there refers to).
+INJECTION_FIELDS: Mapping[str, tuple[str, str]] = {
+    "inner_wrapper": ("inner_wrapper", "inner_wrapper"),
+    "local_compute_fn": ("local_compute", "compute_factory"),
+}
+
+
+def is_import_path(name: str) -> bool:
+    """``pkg.module.attr`` or ``pkg.module:attr``: imported by ``apply``, not a registry name."""
+    return "." in name or ":" in name
+
+
+def named_injections(plan: Any) -> Iterator[tuple[str, str, str]]:
+    """``(fqn, field, name)`` for every injection written as a string (a registry name or an
+    import path; a ``Target``'s target included), in plan order. Imports nothing."""
+    from hp_core.injection import Target
+
+    for fqn, spec in plan.items():
+        for field in INJECTION_FIELDS:
+            value = getattr(spec, field, None)
+            ref = value.target if isinstance(value, Target) else value
+            if isinstance(ref, str):
+                yield fqn, field, ref
 
 
 @dataclasses.dataclass
@@ -47,34 +74,29 @@ class MissingPlanItem:
 
 
 def missing_plan_items(plan: Any) -> list[MissingPlanItem]:
-    """Every distinct registry name in ``plan``'s boundaries that does not resolve.
+    """Every distinct registry name in ``plan``'s specs that does not resolve.
 
     Uses :func:`hp_core.injection.resolve_injection`, so a missing name gets exactly the
     :class:`UnknownRegistryItemError` (closest name, providing distribution, ``pip
     install`` hint) that ``hp_core.apply`` raises. Imports nothing.
     """
-    from hp_core.injection import Target, resolve_injection
+    from hp_core.injection import resolve_injection
 
     found: dict[tuple[str, str], MissingPlanItem] = {}
     resolved: set[tuple[str, str]] = set()
-    for fqn, spec in plan.items():
-        if not spec.is_boundary:
+    for fqn, field, ref in named_injections(plan):
+        if is_import_path(ref):
+            continue  # not a registry name
+        key = (field, ref)
+        if key in resolved:
             continue
-        for field, kind in _FIELDS:
-            value = getattr(spec, field, None)
-            ref = value.target if isinstance(value, Target) else value
-            if not isinstance(ref, str) or "." in ref or ":" in ref:
-                continue  # a callable, or an import path: not a registry name
-            key = (field, ref)
-            if key in resolved:
-                continue
-            if key in found:
-                found[key].modules.append(fqn)
-                continue
-            try:
-                # The name alone: a Target's config is checked by apply, against the item.
-                resolve_injection(ref, kind, source=f"plan[{fqn!r}].{field}")
-                resolved.add(key)
-            except UnknownRegistryItemError as e:
-                found[key] = MissingPlanItem(field, ref, [fqn], e)
+        if key in found:
+            found[key].modules.append(fqn)
+            continue
+        try:
+            # The name alone: a Target's config is checked by apply, against the item.
+            resolve_injection(ref, INJECTION_FIELDS[field][0], source=f"plan[{fqn!r}].{field}")
+            resolved.add(key)
+        except UnknownRegistryItemError as e:
+            found[key] = MissingPlanItem(field, ref, [fqn], e)
     return list(found.values())

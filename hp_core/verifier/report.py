@@ -18,7 +18,7 @@ from hp_core.bounded import InputLimitError, loads_json
 from hp_core.errors import HpError
 from hp_core.runtime.grads import GradReduction
 
-__all__ = ["ReportFormatError", "VerifyReport"]
+__all__ = ["ReportFormatError", "ReportFormatInputLimitError", "VerifyReport"]
 
 _FORMAT = "hp-verify-report"
 _VERSION = 1
@@ -26,6 +26,12 @@ _VERSION = 1
 
 class ReportFormatError(HpError, ValueError):
     """A saved verifier report that cannot be read back (edited, truncated, another version)."""
+
+
+class ReportFormatInputLimitError(ReportFormatError, InputLimitError):
+    """A saved verifier report over hp's input limits (size, nesting depth) or holding
+    NaN/Infinity (see :mod:`hp_core.bounded`): both a :class:`ReportFormatError` and an
+    :class:`~hp_core.bounded.InputLimitError`."""
 
 
 def _canonical(data: Any) -> bytes:
@@ -68,16 +74,16 @@ class VerifyReport:
         """Read a report written by :meth:`dumps`; refuses anything edited or malformed.
 
         The text is read under hp's input limits (:mod:`hp_core.bounded`): too large, too
-        deeply nested or holding NaN/Infinity raises an ``InputLimitError`` that is also a
-        :class:`ReportFormatError`.
+        deeply nested or holding NaN/Infinity raises :class:`ReportFormatInputLimitError`
+        (an ``InputLimitError`` that is also a :class:`ReportFormatError`).
         """
         if not isinstance(text, str | bytes):
             raise ReportFormatError(f"{source}: expected the report's text (from VerifyReport.dumps()), got {type(text).__name__}.")
         try:
-            body = loads_json(text, source=source, error=ReportFormatError)
+            body = loads_json(text, source=source, error=ReportFormatInputLimitError)
         except InputLimitError:
             raise
-        except (ValueError, RecursionError) as e:
+        except ValueError as e:
             raise ReportFormatError(f"{source}: not a verifier report (invalid JSON: {e}).") from None
         if not isinstance(body, dict) or body.get("format") != _FORMAT:
             raise ReportFormatError(f"{source}: not a verifier report (write one with VerifyReport.dumps()).")
