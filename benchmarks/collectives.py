@@ -14,11 +14,11 @@ planner:
 * CP: per layer one all-gather of K and V together forward, one reduce-scatter backward;
   plus one scalar all-reduce of the loss and one bucketed gradient all-reduce (hp runs it
   itself at the end of backward).
+* EP: per MoE layer an all-to-all of counts, of tokens and back forward; tokens and back
+  backward.
 
 Measured with ``apply(check_inputs=False)``: the input check (one small all-reduce per
 non-dp axis and forward) guards against mismatched batches and is not part of a scheme.
-* EP: per MoE layer an all-to-all of counts, of tokens and back forward; tokens and back
-  backward.
 
     python benchmarks/collectives.py [--json out.json]
 """
@@ -36,12 +36,12 @@ import torch
 from hp_core.testing.probe import CollectiveCounter
 
 LAYERS = 2
-def _step(model: Any, batch: dict[str, Any], after_backward: Any = None) -> tuple[dict[str, int], int]:
+
+
+def _step(model: Any, batch: dict[str, Any]) -> tuple[dict[str, int], int]:
     with CollectiveCounter() as probe:
         loss = model(**batch, use_cache=False).loss
         loss.backward()
-        if after_backward is not None:
-            after_backward()
     return probe.calls, probe.bytes
 
 
@@ -70,7 +70,6 @@ def run_case(case: str) -> dict[str, Any]:
     if case == "EP":  # experts over the two dp ranks only: a dp-only dense mesh
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
         ep = 2
-    after = None
     plan = hp_core.plan(model, mesh, sequence_parallel=sp, ep_size=ep, overrides=overrides)
     # Without the input check: its one small all-reduce per axis and forward is a safety
     # check, not part of the scheme (step_overhead.py times the default, check included).
@@ -80,9 +79,9 @@ def run_case(case: str) -> dict[str, Any]:
 
         enable_cp_loss(model, mesh["cp"])
         batch = shard_batch_for_cp(batch, mesh["cp"])
-    _step(model, batch, after)  # warm-up (first-call setup)
+    _step(model, batch)  # warm-up (first-call setup)
     model.zero_grad(set_to_none=True)
-    calls, sent = _step(model, batch, after)
+    calls, sent = _step(model, batch)
     return {"rank": dist.get_rank(), "calls": calls, "bytes": sent}
 
 

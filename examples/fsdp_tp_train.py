@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import hp_core
+from hp_core.testing.compare import nan_safe_max
 from hp_core.testing.families import build_family, family_batch
 
 
@@ -101,7 +102,8 @@ def train(args: argparse.Namespace, device: str) -> bool:
             ref_loss = ref_loss.detach()
             ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), args.max_norm)
             ref_opt.step()
-            diff = max(abs(float(mean) - float(ref_loss)), abs(float(norm) - float(ref_norm)))
+            # nan_safe_max: a NaN loss or norm is an infinite difference (max(0.0, nan) is 0.0)
+            diff = nan_safe_max([abs(float(mean) - float(ref_loss)), abs(float(norm) - float(ref_norm))])
             ok &= diff <= 1e-5 * (1 + abs(float(ref_loss)))
             line += f"  {float(ref_loss):>10.6f}  {diff:>9.2e}"
         if rank == 0:

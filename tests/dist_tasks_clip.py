@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 import hp_core
 from hp_core.runtime import clip
-from hp_core.testing.compare import allclose_excess, gather_full_grads, nan_safe_max
+from hp_core.testing.compare import gather_full_grads, grads_excess
 from hp_core.testing.families import build_family, family_batch
 
 RTOL = 1e-5
@@ -60,12 +60,6 @@ def _ref_grads(ref: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
 
 
-def _excess(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    if set(got) != set(ref):
-        return math.inf
-    return nan_safe_max(allclose_excess(got[n], ref[n], rtol=RTOL) for n in ref)
-
-
 def _local(g: torch.Tensor) -> torch.Tensor:
     return g.to_local() if isinstance(g, DTensor) else g
 
@@ -98,7 +92,7 @@ def _run(
         ref(**ref_batch, use_cache=False).loss.backward()
         par_forward().backward()
         expected = _ref_grads(ref)
-        pre = _excess(gather(), expected)
+        pre = grads_excess(gather(), expected, rtol=RTOL)
         ref_norm = float(torch.nn.utils.get_total_norm([g for g in expected.values()], p))
         max_norm = 0.25 * ref_norm
         naive = _naive_norm(par, naive_group) if p == 2.0 and naive_group is not None else None
@@ -106,7 +100,7 @@ def _run(
         got = hp_core.clip_grad_norm_(clip_target if clip_target is not None else par, max_norm, p)
         norms = [torch.zeros(()) for _ in range(dist.get_world_size())]
         dist.all_gather_object(norms, got.detach().clone())
-        post = _excess(gather(), _ref_grads(ref))
+        post = grads_excess(gather(), _ref_grads(ref), rtol=RTOL)
         out[str(p)] = {
             "ref": float(got_ref),
             "par": float(got),

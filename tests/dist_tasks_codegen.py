@@ -3,24 +3,15 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from hp_core.codegen import dumps_artifact, loads_artifact, make_artifact, plan_differences
 from hp_core.planner import plan as make_plan
 from hp_core.runtime import apply
 from hp_core.testing.compare import gather_full_grads, max_abs_diff, nan_safe_max
-from hp_core.testing.families import build_family
-
-
-def family_model(name: str, **config: Any) -> nn.Module:
-    """``build_family(name, seed=0)``: every weight shifted by seeded noise (no zero bias, no
-    unit norm weight), without a padding id (as ``build_model``'s configs): the embedding
-    then has no ``padding_idx`` row, whose gradient would be zero on both sides."""
-    return build_family(name, seed=0, **{"pad_token_id": None, **config})
+from hp_core.testing.families import family_model
 
 
 def rebuilt_vs_live(family: str = "llama") -> dict:

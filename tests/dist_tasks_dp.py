@@ -14,9 +14,10 @@ from hp_core.testing.compare import (
     GradientCheckError,
     allclose_excess,
     gather_full_grads,
+    grads_excess,
     nan_safe_max,
     snapshot_params,
-    weights_changed,
+    unmoved_params,
 )
 from hp_core.testing.families import build_family, family_batch
 
@@ -56,7 +57,8 @@ def train(
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6, foreach=False) for m in (ref, par)]
     dp = mesh.get_local_rank("dp")
     worst = {"loss": 0.0, "grad": 0.0}
-    moved = []
+    unmoved: set[str] = set()
+    checked = []
     reductions = []
     for step in range(steps):
         batches = [family_batch(family, seed=100 * step + r) for r in range(2)]
@@ -73,17 +75,17 @@ def train(
             grads = gather_full_grads(inner, ref, mesh)
         except GradientCheckError as e:  # e.g. replicated gradients that differ across tp ranks
             return {**worst, "grad": float("inf"), "problems": str(e)}
-        worst["grad"] = nan_safe_max(
-            [worst["grad"], *(allclose_excess(grads[n], p.grad, rtol=RTOL) for n, p in ref.named_parameters())]
-        )
-        before = snapshot_params(inner, only_with_grad=True)
+        ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        worst["grad"] = nan_safe_max([worst["grad"], grads_excess(grads, ref_grads, rtol=RTOL)])
+        # (FSDP2 may leave a rank an empty shard of a small parameter: nothing to move there)
+        before = {n: t for n, t in snapshot_params(inner, only_with_grad=True).items() if t.numel()}
         for o in opts:
             o.step()
-        # (FSDP2 may leave a rank an empty shard of a small parameter: nothing to move there)
-        moved.append(min(v for n, v in weights_changed(before, inner).items() if before[n].numel()))
+        unmoved.update(unmoved_params(before, inner))  # not moved, or moved to NaN/inf
+        checked.append(len(before))
         reducer = inner._hp_applied.grad_reducer
         reductions.append(reducer.reductions if reducer else 0)
-    return {**worst, "min_moved": min(moved), "reductions": reductions, "n_grads": len(grads)}
+    return {**worst, "unmoved": sorted(unmoved), "min_checked": min(checked), "reductions": reductions, "n_grads": len(grads)}
 
 
 def ddp_over_validate() -> dict[str, Any]:

@@ -27,13 +27,14 @@ from hp_core.testing.compare import (
     allclose_excess,
     full_tensor,
     gather_full_grads,
+    grads_excess,
     max_abs_diff,
     nan_safe_max,
     run_excess,
     snapshot_params,
-    weights_changed,
+    unmoved_params,
 )
-from hp_core.testing.families import build_family
+from hp_core.testing.families import family_model, perturb_
 from hp_core.testing.models import build_model
 
 VOCAB = 128
@@ -42,13 +43,6 @@ RTOL = 1e-5
 FAULTS = (None, "nan_grad", "lr0", "swap_heads")
 #: The attention of layer 0: its tp shards are swapped across ranks by the ``swap_heads`` fault.
 ATTN0 = "model.layers.0.self_attn"
-
-
-def family_model(name: str, **config: Any) -> nn.Module:
-    """``build_family(name, seed=0)``: every weight shifted by seeded noise (no zero bias, no
-    unit norm weight), without a padding id (as ``build_model``'s configs): the embedding
-    then has no ``padding_idx`` row, whose gradient would be zero on both sides."""
-    return build_family(name, seed=0, **{"pad_token_id": None, **config})
 
 
 def _batch(step: int, batch: int = 2, seq: int = 16) -> torch.Tensor:
@@ -67,22 +61,6 @@ def _logits(out: Any, loss_parallel: bool, mesh: Any) -> torch.Tensor:
 
 def _ref_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _grad_excess(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    """The worst allclose excess over every gradient (NaN-safe); other name sets raise."""
-    zero = torch.zeros(())
-    return run_excess((zero, zero, got), (zero, zero, ref), rtol=RTOL)["grad"]
-
-
-def perturb_(model: nn.Module, seed: int = 0, scale: float = 0.02) -> nn.Module:
-    """Add ``scale * randn`` (seeded) to every floating parameter, as ``build_family`` does."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.is_floating_point():
-                p.add_(torch.randn(p.shape, generator=gen), alpha=scale)
-    return model
 
 
 def _swap_tp_shards(model: nn.Module, fqn: str, mesh: Any) -> list[str]:
@@ -151,9 +129,8 @@ def train_compare(family: str, mesh_shape, mesh_names, *, sp: bool = True, loss_
         for opt in opts.values():
             opt.step()
         for k, m in models.items():
-            changes = weights_changed(before[k], m)
-            not_stepped[k] |= {n for n, d in changes.items() if not 0.0 < d < math.inf}
-            if not changes:
+            not_stepped[k].update(unmoved_params(before[k], m))
+            if not before[k]:
                 not_stepped[k].add("<no parameter had a gradient>")
     return {
         "excess": excess,
@@ -282,7 +259,7 @@ def head_attrs_compare() -> dict:
         "prod_heads": (attn(prod).num_heads, attn(prod).num_key_value_heads),
         "val_heads": (attn(val).num_heads, attn(val).num_key_value_heads),
         "logits": nan_safe_max(allclose_excess(res[k][0], res["ref"][0]) for k in ("prod", "val")),
-        "grad": nan_safe_max(_grad_excess(res[k][1], res["ref"][1]) for k in ("prod", "val")),
+        "grad": nan_safe_max(grads_excess(res[k][1], res["ref"][1], rtol=RTOL) for k in ("prod", "val")),
         "n_grads": len(res["ref"][1]),
     }
 

@@ -10,10 +10,12 @@ import torch
 from hp_core.testing.compare import (
     allclose_excess,
     assert_weights_changed,
+    grads_excess,
     max_abs_diff,
     nan_safe_max,
     run_excess,
     snapshot_params,
+    unmoved_params,
     weights_changed,
 )
 
@@ -126,8 +128,46 @@ def test_weights_changed_compares_local_snapshots():
     assert all(0.0 < d < 2e-3 for d in changes.values())
     with pytest.raises(AssertionError, match=r"did not change by more than 0.01"):
         assert_weights_changed(before, model, min_change=1e-2)
+    assert unmoved_params(before, model) == []
+    assert unmoved_params(before, model, min_change=1e-2) == ["0.weight", "1.weight"]
     with torch.no_grad():
         model[1].weight[0, 0] = float("nan")
+    # a weight that became NaN did not "move": inf (never NaN, never a pass)
     assert weights_changed(before, model)["1.weight"] == math.inf
+    assert unmoved_params(before, model) == ["1.weight"]
+    with pytest.raises(AssertionError, match=r"1 of 2 parameter\(s\) .*\['1.weight'\]"):
+        assert_weights_changed(before, model)
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("inf")
+    assert unmoved_params(before, model) == ["1.weight"]
+    with pytest.raises(AssertionError, match=r"\['1.weight'\]"):
+        assert_weights_changed(before, model)
+    # a NaN in the snapshot: inf, not NaN (a NaN change would compare false both ways)
+    with torch.no_grad():
+        model[1].weight[0, 0] = 0.5
+    nan_before = {**before, "1.weight": torch.full_like(before["1.weight"], float("nan"))}
+    assert weights_changed(nan_before, model)["1.weight"] == math.inf
+    assert unmoved_params(nan_before, model) == ["1.weight"]
+    with pytest.raises(AssertionError, match=r"\['1.weight'\]"):
+        assert_weights_changed(nan_before, model)
     with pytest.raises(KeyError, match="gone since the snapshot"):
         weights_changed({**before, "2.weight": torch.ones(1)}, model)
+    with pytest.raises(KeyError, match="gone since the snapshot"):
+        unmoved_params({**before, "2.weight": torch.ones(1)}, model)
+
+
+def test_grads_excess_is_nan_safe_and_refuses_different_gradient_sets():
+    ref = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0])}
+    assert grads_excess(ref, ref, rtol=1e-5) <= 0.0
+    assert grads_excess({}, {}, rtol=1e-5) == 0.0
+    off = {**ref, "b": torch.tensor([3.5])}
+    assert grads_excess(off, ref, rtol=0.0) == pytest.approx(0.5)
+    assert grads_excess(off, ref, rtol=1e-5) == max(
+        allclose_excess(off[n], ref[n], rtol=1e-5) for n in ref
+    )
+    for bad in (float("nan"), float("inf")):
+        assert grads_excess({**ref, "a": torch.tensor([1.0, bad])}, ref, rtol=1e-5) == math.inf
+        assert grads_excess(ref, {**ref, "a": torch.tensor([1.0, bad])}, rtol=1e-5) == math.inf
+    assert grads_excess({"a": ref["a"]}, ref, rtol=1e-5) == math.inf  # a gradient missing
+    assert grads_excess({**ref, "c": torch.zeros(1)}, ref, rtol=1e-5) == math.inf  # one extra
+    assert grads_excess({**ref, "a": torch.zeros(3)}, ref, rtol=1e-5) == math.inf  # a shape

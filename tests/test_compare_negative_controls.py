@@ -36,7 +36,8 @@ def test_positive_control_correct_tp2_run_passes_in_both_modes():
         assert r["prod:agree"] == 0.0 and r["val:agree"] == 0.0
         assert r["n_grads"] > 0 and r["n_gathered"] == {"prod": r["n_grads"], "val": r["n_grads"]}
         # Every parameter moved in every step, in the reference and in both parallel copies.
-        assert all(r[f"{k}:min_change"] > 0.0 for k in ("ref", "prod", "val"))
+        # (to finite values: a weight made NaN/inf would be listed as unmoved)
+        assert all(r[f"{k}:unmoved"] == [] and r[f"{k}:checked"] > 0 for k in ("ref", "prod", "val"))
         # Replicated gradients were checked across the tp ranks and agree far inside the tolerance.
         assert tasks.NORM in r["replica_checked"] and tasks.Q_PROJ not in r["replica_checked"]
         assert r["replica_spread"] <= 1e-7
@@ -57,18 +58,22 @@ def test_a_no_op_optimizer_is_flagged():
         noop, real = r[0.0], r[1e-3]
         assert noop["losses_differ"]  # the old check: it holds even with lr=0 ...
         assert noop["max_change"] == 0.0  # ... but nothing moved
+        assert noop["unmoved"] == noop["params"] and len(noop["params"]) == noop["n_params"] > 0
         assert (
             noop["flagged"]
             and f"{noop['n_params']} of {noop['n_params']} parameter(s) did not change"
             in noop["flagged"]
         )
-        assert real["min_change"] > 0.0 and real["flagged"] is None
+        assert real["unmoved"] == [] and real["flagged"] is None and real["n_params"] > 0
+        assert 0.0 < real["max_change"] < math.inf
 
 
 def test_shards_swapped_across_ranks_are_a_mismatch():
     for r in _run(tasks.permuted_layout_control):
         assert r["before"] <= TOL
         assert r["after"] > 10 * TOL and r["run_grad"] > 10 * TOL  # caught, far above the tolerance
+        # hp's table-driven full_grads gathers the swapped shards in the same wrong order: caught too
+        assert r["table_gather"] > 10 * TOL
         assert r["is_the_swap"] == 0.0  # it gathered exactly the swapped tensor, canonically
         assert r["others"] <= TOL  # and nothing else moved
 

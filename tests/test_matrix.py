@@ -33,17 +33,94 @@ def check(r: dict) -> str:
     assert "caught" not in r, r
     bad = {k: v for k, v in r["excess"].items() if not v <= TOL}
     assert not bad, f"mismatches above {TOL}: {bad}"
-    assert r["n_grads"] > 0 and all(v > 0 for v in r["moved"].values()), r["moved"]
+    assert r["n_grads"] > 0 and not any(r["unmoved"].values()), f"weights the optimizer did not move: {r['unmoved']}"
     assert r["collectives"] == 0, "the verifier issued a collective"
     return "matched"
+
+
+UNAIDED, FIXED, REFUSED = "matched unaided", "matched after following the proposed fixes", "refused"
+
+#: What the matrix produces today, per family (one outcome, or one per sequence parallel on,
+#: off). Each family must keep its outcome: one slipping from matched to refused (or from
+#: unaided to needing a fix) fails; one that improves fails too, until this table says so.
+EXPECTED: dict[str, str | tuple[str, str]] = {
+    "llama": UNAIDED,
+    "mistral": UNAIDED,
+    "qwen2": UNAIDED,
+    "qwen3": UNAIDED,
+    "qwen3_moe": UNAIDED,
+    "qwen2_moe": UNAIDED,
+    "mixtral": UNAIDED,
+    "gemma": UNAIDED,
+    "gemma2": UNAIDED,
+    "gemma3": UNAIDED,
+    "olmo2": FIXED,
+    "olmoe": FIXED,
+    "deepseek_v2": FIXED,
+    "deepseek_v3": (REFUSED, FIXED),  # sequence parallel on, off
+    "gpt2": REFUSED,
+    "gpt_neox": REFUSED,
+    "falcon": REFUSED,
+    "phi": UNAIDED,
+    "phi3": REFUSED,
+    "glm4": FIXED,
+    "starcoder2": UNAIDED,
+    "cohere": FIXED,
+    "granite": UNAIDED,
+    "stablelm": UNAIDED,
+    "smollm3": UNAIDED,
+    "olmo": UNAIDED,
+    "olmo3": FIXED,
+    "glm": FIXED,
+    "cohere2": UNAIDED,
+    "granitemoe": UNAIDED,
+    "helium": UNAIDED,
+    "ernie4_5": UNAIDED,
+    "arcee": UNAIDED,
+    "seed_oss": UNAIDED,
+    "ministral": UNAIDED,
+    "exaone4": UNAIDED,
+    "nemotron": UNAIDED,
+    "persimmon": REFUSED,
+    "gptj": REFUSED,
+    "codegen": REFUSED,
+    "bloom": REFUSED,
+    "opt": REFUSED,
+    "biogpt": REFUSED,
+    "dbrx": REFUSED,
+    "jetmoe": REFUSED,
+    "gpt_oss": FIXED,
+    "qwen3_next": FIXED,
+    "apertus": FIXED,
+    "hunyuan_v1_dense": UNAIDED,
+}
+
+
+def outcome(r: dict) -> str:
+    """One of UNAIDED, FIXED, REFUSED; asserts everything else (see :func:`check`)."""
+    if check(r) == "refused":
+        return REFUSED
+    return UNAIDED if len(r["rounds"]) == 1 else FIXED
+
+
+def expected(family: str, sp: bool) -> str:
+    want = EXPECTED[family]
+    return want if isinstance(want, str) else want[0 if sp else 1]
+
+
+def test_the_expected_outcomes_cover_every_family():
+    assert set(EXPECTED) == set(FAMILY_NAMES)
+    assert all(w in (UNAIDED, FIXED, REFUSED) for v in EXPECTED.values() for w in ((v,) if isinstance(v, str) else v))
 
 
 @pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_family_matches_or_is_refused_clearly(family, sp):
     results = get_world(2).run(tasks.family_case, family, sp)
-    outcomes = {check(r) for r in results}
+    outcomes = {outcome(r) for r in results}
     assert len(outcomes) == 1, "ranks disagree"
+    (got,) = outcomes
+    assert got == expected(family, sp), f"{family} (sp={sp}): {got}, expected {expected(family, sp)}: {results[0]['rounds']}"
 
 
 REQUIRED_TO_MATCH = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma", "gemma2", "gemma3"]
@@ -54,11 +131,18 @@ def test_these_families_match_without_help(family):
     """The first families the issue lists: no refusal, no fix needed."""
     r = get_world(2).run(tasks.family_case, family, True)[0]
     assert len(r["rounds"]) == 1 and check(r) == "matched"
+    assert EXPECTED[family] == UNAIDED
 
 
 @pytest.mark.parametrize("control", ["no_reductions", "lie_about_input"])
 def test_negative_controls_are_caught_in_both_modes(control):
     """A runtime that forgets the derived gradient sums, or a plan that lies about an input's
-    layout, must be caught — by the comparison, validate's own checks, or the verifier."""
+    layout, must be caught — by the comparison, validate's own checks, or the verifier.
+
+    ``no_reductions`` is applied after plan and verify succeeded, so only the comparison or
+    validate can catch it: a refusal there would be a refusal of the honest plan."""
     for r in get_world(2).run(tasks.family_case, "llama", True, control):
-        assert r.get("caught") or r.get("refused"), r
+        if control == "no_reductions":
+            assert r.get("caught"), r
+        else:
+            assert r.get("caught") or r.get("refused") == "verify", r

@@ -2,7 +2,8 @@
 
 Two families of helpers live here:
 
-* excesses (:func:`allclose_excess`, :func:`run_excess`, :func:`max_abs_diff`): how far one
+* excesses (:func:`allclose_excess`, :func:`grads_excess`, :func:`run_excess`,
+  :func:`max_abs_diff`): how far one
   tensor is from another. Every one of them is NaN-safe: a NaN or an infinity anywhere, or
   two shapes that differ, is an infinite excess, never a pass.
 * gatherers: the whole gradient behind each rank's local shard.
@@ -11,8 +12,9 @@ Two families of helpers live here:
   :func:`full_grads` reuses the runtime's own placement tables (a layout bug of the
   runtime is then gathered with the same wrong table); prefer the independent one.
 
-And :func:`snapshot_params` / :func:`weights_changed` / :func:`assert_weights_changed`,
-which check that an optimizer step really moved the weights.
+And :func:`snapshot_params` / :func:`weights_changed` / :func:`unmoved_params` /
+:func:`assert_weights_changed`, which check that an optimizer step really moved the weights
+(to finite values: a weight that became NaN/inf did not "move").
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ __all__ = [
     "full_grads",
     "full_tensor",
     "gather_full_grads",
+    "grads_excess",
     "is_data_axis",
     "max_abs_diff",
     "nan_safe_max",
     "run_excess",
     "snapshot_params",
+    "unmoved_params",
     "weights_changed",
 ]
 
@@ -91,6 +95,19 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict
         k: allclose_excess(a[k], b[k], rtol=0.0) if k in a and k in b else math.inf
         for k in sorted(set(a) | set(b))
     }
+
+
+def grads_excess(
+    got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor], *, rtol: float
+) -> float:
+    """The worst :func:`allclose_excess` over every gradient of ``ref`` (NaN-safe).
+
+    ``inf`` when ``got`` and ``ref`` name different gradients (a gradient missing on either
+    side is never a pass), or when any gradient holds a NaN/inf; 0.0 when both are empty.
+    """
+    if set(got) != set(ref):
+        return math.inf
+    return nan_safe_max(allclose_excess(got[n], ref[n], rtol=rtol) for n in ref)
 
 
 def run_excess(
@@ -197,7 +214,8 @@ def weights_changed(before: Mapping[str, torch.Tensor], model: nn.Module) -> dic
     """Per parameter of ``before``, max |now - before| of this rank's local data.
 
     Each rank compares its own shard with its own snapshot (no collective). A parameter
-    that became NaN/inf, or whose local shape changed, maps to inf; one that is gone raises.
+    that is NaN/inf now or was in the snapshot, or whose local shape changed, maps to inf
+    (never NaN); one that is gone raises.
     """
     now = dict(model.named_parameters())
     missing = sorted(set(before) - set(now))
@@ -206,11 +224,26 @@ def weights_changed(before: Mapping[str, torch.Tensor], model: nn.Module) -> dic
     out: dict[str, float] = {}
     for n, old in before.items():
         cur = _local(now[n].detach())
-        if tuple(cur.shape) != tuple(old.shape) or not _finite(cur):
+        if tuple(cur.shape) != tuple(old.shape) or not _finite(cur) or not _finite(old):
             out[n] = math.inf
         else:
             out[n] = float((cur.double() - old.double()).abs().max()) if cur.numel() else 0.0
     return out
+
+
+def unmoved_params(
+    before: Mapping[str, torch.Tensor], model: nn.Module, *, min_change: float = 0.0
+) -> list[str]:
+    """The parameters of ``before`` that the optimizer step did not really move, sorted.
+
+    A parameter moved when ``min_change < max |now - before| < inf`` on this rank: one that
+    did not change by more than ``min_change``, or that is (or was) NaN/inf, is listed.
+    """
+    return _unmoved(weights_changed(before, model), min_change)
+
+
+def _unmoved(changes: Mapping[str, float], min_change: float) -> list[str]:
+    return sorted(n for n, d in changes.items() if not min_change < d < math.inf)  # NaN: unmoved
 
 
 def assert_weights_changed(
@@ -218,14 +251,15 @@ def assert_weights_changed(
 ) -> dict[str, float]:
     """:func:`weights_changed`, raising ``AssertionError`` unless every parameter moved.
 
-    A parameter moved when its max |change| exceeds ``min_change``; the error lists the
-    ones that did not (an optimizer with ``lr=0``, a step on the wrong parameters, ...).
+    A parameter moved as :func:`unmoved_params` says (by more than ``min_change``, to a
+    finite value); the error lists the ones that did not (an optimizer with ``lr=0``, a
+    step on the wrong parameters, a step that made a weight NaN, ...).
     """
     changes = weights_changed(before, model)
-    still = sorted(n for n, d in changes.items() if not d > min_change)
+    still = _unmoved(changes, min_change)  # what unmoved_params(before, model) lists
     if still:
         raise AssertionError(
             f"{len(still)} of {len(changes)} parameter(s) did not change by more than "
-            f"{min_change:g} in the optimizer step: {still[:8]}"
+            f"{min_change:g} (to a finite value) in the optimizer step: {still[:8]}"
         )
     return changes

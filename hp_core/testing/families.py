@@ -47,6 +47,8 @@ __all__ = [
     "UnknownFamilyError",
     "build_family",
     "family_batch",
+    "family_model",
+    "perturb_",
     "tiny_family_config",
 ]
 
@@ -458,13 +460,9 @@ def build_family(
     torch.manual_seed(seed)
     with torch.device("meta" if on_meta else "cpu"):
         model = AutoModelForCausalLM.from_config(cfg)
+    if not on_meta and perturb:
+        perturb_(model, seed=seed, scale=perturb)
     with torch.no_grad():
-        if not on_meta and perturb:
-            gen = torch.Generator(device="cpu").manual_seed(seed)
-            for param in model.parameters():
-                if param.is_floating_point():
-                    noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-                    param.add_(noise.to(param.dtype), alpha=perturb)
         if dtype != torch.float32:
             for param in model.parameters():
                 if param.is_floating_point():
@@ -473,6 +471,31 @@ def build_family(
     if not on_meta and device.type != "cpu":
         model.to(device)
     return model
+
+
+def perturb_(model: nn.Module, *, seed: int = 0, scale: float = 0.02) -> nn.Module:
+    """Add ``scale * randn`` to every floating-point parameter in place; returns ``model``.
+
+    The noise is drawn in fp32 from a CPU ``torch.Generator`` seeded with ``seed``, in
+    parameter order, then cast to each parameter's dtype and device: the same model and
+    arguments give bit-identical weights in any process. This is the perturbation
+    :func:`build_family` applies (``perturb=scale``), so zero biases and unit norm weights
+    make no comparison trivially equal. Buffers are left alone.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+                param.add_(noise.to(device=param.device, dtype=param.dtype), alpha=scale)
+    return model
+
+
+def family_model(name: str, **config: Any) -> nn.Module:
+    """``build_family(name, seed=0)``: every weight shifted by seeded noise (no zero bias, no
+    unit norm weight), without a padding id (as ``build_model``'s configs): the embedding
+    then has no ``padding_idx`` row, whose gradient would be zero on both sides."""
+    return build_family(name, seed=0, **{"pad_token_id": None, **config})
 
 
 def family_batch(name: str, *, batch: int = 2, seq: int = 16, seed: int = 0) -> torch.Tensor:

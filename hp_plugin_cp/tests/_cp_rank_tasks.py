@@ -14,7 +14,6 @@ The plan's CP override is the YAML block of ``docs/cp.md``, verbatim.
 from __future__ import annotations
 
 import copy
-import math
 import os
 import re
 import warnings
@@ -33,14 +32,13 @@ from hp_core.testing.compare import (
     nan_safe_max,
     run_excess,
     snapshot_params,
-    weights_changed,
+    unmoved_params,
 )
-from hp_core.testing.families import build_family
+from hp_core.testing.families import family_model, perturb_
 from hp_core.testing.models import build_model
 from hp_plugin_cp import (
     enable_cp_loss,
     gather_sequence,
-    reduce_cp_gradients,
     reduce_loss_over_cp,
     shard_batch_for_cp,
 )
@@ -50,28 +48,11 @@ VOCAB = 128
 RTOL = 1e-5
 
 
-def family_model(name: str, **config: Any) -> nn.Module:
-    """``build_family(name, seed=0)``: every weight shifted by seeded noise (no zero bias, no
-    unit norm weight), without a padding id (as ``build_model``'s configs): the embedding
-    then has no ``padding_idx`` row, whose gradient would be zero on both sides."""
-    return build_family(name, seed=0, **{"pad_token_id": None, **config})
-
-
 def doc_python(marker: str) -> str:
     """The python block of docs/cp.md that contains ``marker``."""
     blocks = re.findall(r"^```python\n(.*?)^```", DOC.read_text(), re.MULTILINE | re.DOTALL)
     (block,) = [b for b in blocks if marker in b]
     return block
-
-
-def perturb_(model: nn.Module, seed: int = 0, scale: float = 0.02) -> nn.Module:
-    """Add ``scale * randn`` (seeded) to every floating parameter, as ``build_family`` does."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.is_floating_point():
-                p.add_(torch.randn(p.shape, generator=gen), alpha=scale)
-    return model
 
 
 class _Stepped:
@@ -85,9 +66,8 @@ class _Stepped:
     def step(self) -> None:
         before = snapshot_params(self.model, only_with_grad=True)  # after backward, before step
         self.opt.step()
-        changes = weights_changed(before, self.model)
-        self.not_stepped |= {n for n, d in changes.items() if not 0.0 < d < math.inf}
-        if not changes:
+        self.not_stepped.update(unmoved_params(before, self.model))  # not moved, or to NaN/inf
+        if not before:
             self.not_stepped.add("<no parameter had a gradient>")
         self.steps += 1
 
@@ -184,7 +164,6 @@ def hf_equivalence(family: str, mesh_shape: tuple[int, ...], mesh_names: tuple[s
             m.zero_grad(set_to_none=True)
             o = m(**sharded, use_cache=False)
             o.loss.backward()
-            reduce_cp_gradients(m, cp_mesh)
             logits = gather_sequence(o.logits, cp_mesh, load_balanced=lb)
             results[mode] = (o.loss.detach(), logits, gather_full_grads(m, ref, mesh))
             _compare(expected, results[mode], f"{tag}:{mode}-ref", worst)
@@ -299,7 +278,6 @@ def qkv_equivalence(cases: list[tuple[bool, bool]]) -> dict[str, Any]:
             share = _toy_loss(out, sharded["shift_labels"], sharded["num_items_in_batch"])
             total = reduce_loss_over_cp(share, cp_mesh)
             total.backward()
-            reduce_cp_gradients(m, cp_mesh)
             results[mode] = (total.detach(), gather_sequence(out, cp_mesh, load_balanced=lb), gather_full_grads(m, ref, mesh))
             _compare(expected, results[mode], f"{tag}:{mode}-ref", worst)
             worst[f"{tag}:{mode}:resolved"] = m._hp_applied.plan["layers.0.self_attn"]._resolved_inner_target
@@ -617,7 +595,6 @@ def loss_parallel_check() -> dict[str, float]:
     expected.loss.backward()
     out = m(**shard_batch_for_cp(full, mesh["cp"], load_balanced=True), use_cache=False)
     out.loss.backward()
-    reduce_cp_gradients(m, mesh["cp"])
     logits = gather_sequence(full_tensor(out.logits, {"tp": Shard(2)}, mesh), mesh["cp"], load_balanced=True)
     got = (out.loss.detach(), logits, gather_full_grads(m, ref, mesh))
     return {

@@ -15,7 +15,6 @@ gradients are stacked from the reference's own per-expert names, not from hp's p
 from __future__ import annotations
 
 import copy
-import math
 import re
 import warnings
 from collections.abc import Sequence
@@ -39,9 +38,9 @@ from hp_core.testing.compare import (
     nan_safe_max,
     run_excess,
     snapshot_params,
-    weights_changed,
+    unmoved_params,
 )
-from hp_core.testing.families import build_family
+from hp_core.testing.families import family_model, perturb_
 from hp_core.testing.models import build_model
 
 RTOL = 1e-5
@@ -55,13 +54,6 @@ PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
 
 #: Computes bound by ``spy`` in this process (cleared by each task that uses it).
 SPIES: list[Any] = []
-
-
-def family_model(name: str, **config: Any) -> nn.Module:
-    """``build_family(name, seed=0)``: every weight shifted by seeded noise (no zero bias, no
-    unit norm weight), without a padding id (as ``build_model``'s configs): the embedding
-    then has no ``padding_idx`` row, whose gradient would be zero on both sides."""
-    return build_family(name, seed=0, **{"pad_token_id": None, **config})
 
 
 @local_compute
@@ -92,16 +84,6 @@ def deepseek_v3(seed: int = 0, **config: Any) -> nn.Module:
             layer.mlp.gate.weight.normal_(0.0, 0.3)
             layer.mlp.gate.e_score_correction_bias.uniform_(-0.05, 0.05)
     return model.eval()
-
-
-def perturb_(model: nn.Module, seed: int = 0, scale: float = 0.02) -> nn.Module:
-    """Add ``scale * randn`` (seeded) to every floating parameter, as ``build_family`` does."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.is_floating_point():
-                p.add_(torch.randn(p.shape, generator=gen), alpha=scale)
-    return model
 
 
 def build(family: str, *, perturbed: bool = False, **config: Any) -> nn.Module:
@@ -251,9 +233,8 @@ def train_compare(
         for opt in opts.values():
             opt.step()
         for k, m in stepped.items():
-            changes = weights_changed(before[k], m)
-            not_stepped[k] |= {n for n, d in changes.items() if not 0.0 < d < math.inf}
-            if not changes:
+            not_stepped[k].update(unmoved_params(before[k], m))  # not moved, or to NaN/inf
+            if not before[k]:
                 not_stepped[k].add("<no parameter had a gradient>")
     n_expert = sum(1 for n in res["ref"][2] if ".experts." in n)
     return {
