@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hp_core.errors import HpError
-from hp_core.spec import close_matches
+from hp_core.spec import close_matches, keyword_checked
 
 __all__ = [
     "MeshSpec",
@@ -32,6 +32,7 @@ class MeshSpecError(HpError, ValueError):
     """A mesh description that cannot be understood."""
 
 
+@keyword_checked
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
     """Axis names and sizes of a device mesh, outermost first."""

@@ -82,8 +82,10 @@ def _noop_build(ctx):
         (lambda: OverrideEntry("m", ModuleShardingSpec(), wen="tp"), "wen", "when"),
         (lambda: ShardingPlan(modules={}, mesh_axis_name=("tp",)), "mesh_axis_name", "mesh_axis_names"),
         (lambda: InjectionMeta("local_compute", (), config_key=()), "config_key", "config_keys"),
+        (lambda: hp_core.MeshSpec(axis_name=("tp",), sizes=(2,)), "axis_name", "axis_names"),
+        (lambda: hp_core.VerifyReport(fingerprint="x", mesh=(), reducions=()), "reducions", "reductions"),
     ],
-    ids=["spec", "spec-injection", "rolerule", "rolerule-kw", "template", "target", "override-entry", "plan", "meta"],
+    ids=["spec", "spec-injection", "rolerule", "rolerule-kw", "template", "target", "override-entry", "plan", "meta", "mesh", "report"],
 )
 def test_unknown_keyword_suggests_the_field(construct, typo, meant):
     with pytest.raises(UnknownFieldError) as e:

@@ -17,6 +17,7 @@ from typing import Any
 from hp_core.bounded import InputLimitError, loads_json
 from hp_core.errors import HpError
 from hp_core.runtime.grads import GradReduction
+from hp_core.spec import keyword_checked
 
 __all__ = ["ReportFormatError", "ReportFormatInputLimitError", "VerifyReport"]
 
@@ -38,6 +39,7 @@ def _canonical(data: Any) -> bytes:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+@keyword_checked
 @dataclasses.dataclass
 class VerifyReport:
     """What the verifier proved about one plan on one mesh."""
