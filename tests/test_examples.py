@@ -32,3 +32,19 @@ def test_fsdp_tp_example_under_torchrun_matches_single_device(extra):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "every step matches the single-device run" in out.stdout
+
+
+def _torchrun(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", *argv],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+
+
+def test_hf_trainer_example_matches_single_device():
+    """HpTrainer (Hugging Face Trainer) on dp=2 x tp=2: every step's gradient norm and the trained
+    model's loss and logits match one device training on the union of the dp batches."""
+    out = _torchrun(str(ROOT / "examples" / "hf_trainer_train.py"), "--check")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "every step matches the single-device run" in out.stdout
+

@@ -87,7 +87,10 @@ def test_transformers_is_the_hf_extra():
     extras = CORE["optional-dependencies"]
     (hf,) = [Requirement(d) for d in extras["hf"]]
     assert hf.name == "transformers" and str(hf.specifier) == str(Requirement("transformers>=5.0,<6").specifier)
+    (transformers, accelerate) = [Requirement(d) for d in extras["trainer"]]  # HpTrainer
+    assert (transformers.name, transformers.specifier, accelerate.name) == ("transformers", hf.specifier, "accelerate")
     test = [Requirement(d) for d in extras["test"]]
+    assert any(r.name == "accelerate" for r in test), extras["test"]
     assert any(r.name == "transformers" and r.specifier == hf.specifier for r in test) or any(
         r.name == "hp-core" and "hf" in r.extras for r in test
     ), extras["test"]

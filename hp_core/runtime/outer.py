@@ -80,6 +80,6 @@ class OuterWrapperCheck:
                     f"include rank(s) {shared} of this rank's {axis} group: DDP would broadcast and average "
                     f"shards that differ by design, and train wrongly without an error. Wrap it over the "
                     f"data-parallel ranks only: DistributedDataParallel(model, process_group={dp}), or use "
-                    "FSDP2 (fully_shard(model, mesh=mesh['dp'])). With HF Trainer see docs/training.md."
+                    "FSDP2 (fully_shard(model, mesh=mesh['dp'])). With HF Trainer use hp_core.hf_trainer.HpTrainer(..., mesh=mesh) (docs/training.md)."
                 )
         self.checked.add(id(wrapper))
