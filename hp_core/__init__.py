@@ -19,6 +19,15 @@ from hp_core.injection import (
     trust_packages,
 )
 from hp_core.mesh import MeshSpec
+from hp_core.plan.errors import (
+    ArgumentTypeError,
+    DuplicateOverrideError,
+    OverridesTypeError,
+    PlanTypeError,
+)
+from hp_core.plan.model import ShardingPlan
+from hp_core.plan.overrides import OverrideEntry, dump_overrides, load_overrides
+from hp_core.plan.yaml_io import dump_plan, load_plan
 from hp_core.planner import MeshTypeError, TemplateBuildError, plan
 from hp_core.plugins import (
     register_compute_factory,
@@ -29,28 +38,12 @@ from hp_core.plugins import (
 )
 from hp_core.runtime import ApplyFailedError, RankTimeoutError, apply, finalize_grads
 from hp_core.runtime.clip import clip_grad_norm_
-from hp_core.sharding_plan import (
-    ArgumentTypeError,
-    DuplicateOverrideError,
-    OverrideEntry,
-    OverridesTypeError,
-    PlanTypeError,
-    ShardingPlan,
-    dump_overrides,
-    dump_plan,
-    load_overrides,
-    load_plan,
-)
-from hp_core.spec import (
-    CP,
-    DP,
-    EP,
-    TP,
-    MeshAxisName,
-    ModuleShardingSpec,
+from hp_core.spec.axes import CP, DP, EP, TP, MeshAxisName
+from hp_core.spec.keywords import UnknownFieldError
+from hp_core.spec.module_spec import ModuleShardingSpec
+from hp_core.spec.placements import (
     NamedPlacement,
     PlacementMismatchError,
-    UnknownFieldError,
     UnsupportedPartialError,
     format_named_placement,
     format_placement,

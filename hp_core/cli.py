@@ -320,7 +320,7 @@ def _load_config(model: str) -> Any:
     from pathlib import Path
 
     from hp_core.bounded import InputLimitError, loads_json, read_bounded
-    from hp_core.spec import close_matches
+    from hp_core.spec.keywords import close_matches
     from hp_core.testing.models import PRESETS, UnknownModelPresetError, preset_config
 
     path = Path(model)
@@ -470,7 +470,7 @@ def cmd_plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     collectives per step then count the verified gradient reductions
     (``explain(report)``), and the verifier's summary follows the plan.
     """
-    from hp_core.sharding_plan import dump_plan
+    from hp_core.plan.yaml_io import dump_plan
 
     try:
         result, model = _plan_from_args(args, err)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 from hp_core.errors import HpError
-from hp_core.spec import close_matches, keyword_checked
+from hp_core.spec.keywords import close_matches, keyword_checked
 
 __all__ = [
     "CONTEXT_NAMES",

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hp_core.errors import HpError
-from hp_core.spec import close_matches, keyword_checked
+from hp_core.spec.keywords import close_matches, keyword_checked
 
 __all__ = [
     "MeshSpec",

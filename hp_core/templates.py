@@ -15,7 +15,7 @@ from enum import StrEnum
 from typing import Any
 
 from hp_core.errors import HpError
-from hp_core.spec import keyword_checked
+from hp_core.spec.keywords import keyword_checked
 
 __all__ = [
     "BOUNDARY_KINDS",

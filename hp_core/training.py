@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from hp_core.sharding_plan import ShardingPlan
+from hp_core.plan.model import ShardingPlan
 
 __all__ = ["TrainingAdapters", "TrainingContext", "active_axes"]
 

@@ -37,8 +37,8 @@ from hp_core.codegen import (
     make_artifact,
     read_artifact,
 )
+from hp_core.plan import PlanYAMLError, PlanYAMLInputLimitError, load_overrides, load_plan
 from hp_core.planner import plan
-from hp_core.sharding_plan import PlanYAMLError, PlanYAMLInputLimitError, load_overrides, load_plan
 from hp_core.testing.models import build_model, tiny_config
 from hp_core.verifier.report import ReportFormatError, ReportFormatInputLimitError, VerifyReport
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
@@ -143,7 +143,7 @@ def test_limit_errors_survive_a_round_trip_through_another_process():
     errors = [plan_info.value, report_info.value, artifact_info.value]
     back = _unpickled_elsewhere(errors)
     assert [row[:2] for row in back] == [
-        ["hp_core.sharding_plan", "PlanYAMLInputLimitError"],
+        ["hp_core.plan.errors", "PlanYAMLInputLimitError"],
         ["hp_core.verifier.report", "ReportFormatInputLimitError"],
         ["hp_core.codegen.artifact", "ArtifactLimitError"],
     ]

@@ -23,9 +23,7 @@ from hp_core.injection import (
     resolve_injection,
 )
 from hp_core.mesh import MeshSpecError
-from hp_core.planner import MeshTypeError, PlanningError, TemplateBuildError, plan
-from hp_core.plugins import TEMPLATE_REGISTRY, register_compute_factory, register_template
-from hp_core.sharding_plan import (
+from hp_core.plan import (
     ArgumentTypeError,
     DuplicateOverrideError,
     OverrideEntry,
@@ -38,6 +36,8 @@ from hp_core.sharding_plan import (
     load_overrides,
     load_plan,
 )
+from hp_core.planner import MeshTypeError, PlanningError, TemplateBuildError, plan
+from hp_core.plugins import TEMPLATE_REGISTRY, register_compute_factory, register_template
 from hp_core.spec import (
     ModuleShardingSpec,
     PlacementSyntaxError,

@@ -55,6 +55,16 @@ from hp_core.codegen.artifact import (
 )
 from hp_core.injection import InjectionDefinitionError, TargetError
 from hp_core.mesh import MeshSpecError
+from hp_core.plan import (
+    ArgumentTypeError,
+    DuplicateOverrideError,
+    IncompleteOverrideError,
+    OverrideError,
+    OverridesTypeError,
+    PlanTypeError,
+    PlanYAMLError,
+    PlanYAMLInputLimitError,
+)
 from hp_core.planner.lints import (
     DivisibilityError,
     FusedProjectionError,
@@ -87,16 +97,6 @@ from hp_core.plugins import (
 )
 from hp_core.runtime.preflight import MeshMismatchError, PreflightError
 from hp_core.runtime.verdict import RankTimeoutError
-from hp_core.sharding_plan import (
-    ArgumentTypeError,
-    DuplicateOverrideError,
-    IncompleteOverrideError,
-    OverrideError,
-    OverridesTypeError,
-    PlanTypeError,
-    PlanYAMLError,
-    PlanYAMLInputLimitError,
-)
 from hp_core.spec import (
     PlacementSyntaxError,
     SpecValidationError,

@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-import hp_core.sharding_plan as plan_mod
 from hp_core.injection import Target, inner_wrapper
-from hp_core.sharding_plan import (
+from hp_core.plan import (
     PlanError,
     PlanYAMLError,
     ShardingPlan,
@@ -552,13 +551,3 @@ def test_internal_none_values_load_as_defaults():
 
 def test_plan_yaml_errors_are_value_errors():
     assert issubclass(PlanYAMLError, PlanError) and issubclass(PlanError, ValueError)
-
-
-def test_spec_constructor_errors_are_relabelled(monkeypatch):
-    """A value that slips past the field parsers is still reported at its YAML path."""
-    monkeypatch.setattr(plan_mod, "_parse_field", lambda name, raw, path, err: raw)
-    with pytest.raises(
-        PlanYAMLError, match=r"^modules\['a'\]\.region_dispatch: expected True, False or None"
-    ):
-        plan_from_dict(_doc(modules={"a": {"region_dispatch": "maybe"}}))
-    assert plan_mod._relabel("other", "x") == "x: other"

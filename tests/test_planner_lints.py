@@ -9,6 +9,7 @@ from transformers import Phi3Config, Phi3ForCausalLM
 
 from hp_core import planner as planner_pkg
 from hp_core.mesh import MeshSpecError
+from hp_core.plan import IncompleteOverrideError, OverrideError, PlanError
 from hp_core.planner import (
     CoverageError,
     DivisibilityError,
@@ -19,7 +20,6 @@ from hp_core.planner import (
     plan,
 )
 from hp_core.plugins import register_template
-from hp_core.sharding_plan import IncompleteOverrideError, OverrideError, PlanError
 from hp_core.spec import ModuleShardingSpec
 from hp_core.templates import BoundaryTemplate
 from hp_core.testing.models import build_model

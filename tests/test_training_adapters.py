@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hp_core import cli, register_training_adapter
+from hp_core.plan import ShardingPlan
 from hp_core.plugins import (
     TRAINING_ADAPTER_REGISTRY,
     DuplicateRegistrationError,
@@ -14,7 +15,6 @@ from hp_core.plugins import (
     reset_plugins,
     unregister,
 )
-from hp_core.sharding_plan import ShardingPlan
 from hp_core.training import TrainingAdapters, TrainingContext, active_axes
 from tests._plugin_fakes import clean_plugin_env
 

@@ -45,13 +45,15 @@ from hp_core.bounded import InputLimitError, loads_json, read_bounded
 from hp_core.codegen.freeze import FreezeError, freeze, json_value
 from hp_core.codegen.rebuild import MetaError, rebuild
 from hp_core.errors import HpError
+from hp_core.plan.errors import PlanError
+from hp_core.plan.model import ShardingPlan
+from hp_core.plan.overrides import OverridesLike, overrides_to_list
 from hp_core.plugins._plan_items import (
     INJECTION_FIELDS,
     is_import_path,
     missing_plan_items,
     named_injections,
 )
-from hp_core.sharding_plan import OverridesLike, PlanError, ShardingPlan, overrides_to_list
 
 __all__ = [
     "FORMAT",

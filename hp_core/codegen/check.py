@@ -7,7 +7,7 @@ from torch import nn
 from hp_core.codegen.artifact import Artifact, model_digest
 from hp_core.codegen.rebuild import restore_model_metadata
 from hp_core.mesh import MeshSpec
-from hp_core.spec import close_matches
+from hp_core.spec.keywords import close_matches
 
 __all__ = ["check_against_model"]
 

@@ -21,7 +21,7 @@ from typing import Any
 from hp_core.codegen.freeze import FreezeError, callable_target
 from hp_core.codegen.spec_fields import FROZEN_FIELDS, SpecField
 from hp_core.injection import Target
-from hp_core.sharding_plan import ShardingPlan
+from hp_core.plan.model import ShardingPlan
 
 __all__ = ["plan_differences", "same_plan"]
 

@@ -25,8 +25,9 @@ from typing import Any
 from hp_core.codegen.spec_fields import FROZEN_GROUPS, MATCH_KEY, PARAM_PLAN, fields_in_group
 from hp_core.errors import HpError
 from hp_core.injection import InjectionMeta, Target
-from hp_core.sharding_plan import ShardingPlan
-from hp_core.spec import ModuleShardingSpec, PlacementSyntaxError, format_placement, parse_placement
+from hp_core.plan.model import ShardingPlan
+from hp_core.spec.module_spec import ModuleShardingSpec
+from hp_core.spec.placements import PlacementSyntaxError, format_placement, parse_placement
 
 __all__ = ["FREEZERS", "FreezeError", "callable_target", "freeze", "json_value"]
 

@@ -31,14 +31,11 @@ from hp_core.codegen.spec_fields import (
 from hp_core.errors import HpError
 from hp_core.injection import Target, TargetError
 from hp_core.mesh import MeshSpec
-from hp_core.sharding_plan import PlanError, ShardingPlan
-from hp_core.spec import (
-    ModuleShardingSpec,
-    PlacementSyntaxError,
-    SpecValidationError,
-    close_matches,
-    parse_named_placement,
-)
+from hp_core.plan.errors import PlanError
+from hp_core.plan.model import ShardingPlan
+from hp_core.spec.keywords import close_matches
+from hp_core.spec.module_spec import ModuleShardingSpec
+from hp_core.spec.placements import PlacementSyntaxError, SpecValidationError, parse_named_placement
 
 __all__ = [
     "MISSING",

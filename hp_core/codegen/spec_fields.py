@@ -27,7 +27,8 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from hp_core.spec import ModuleShardingSpec, close_matches
+from hp_core.spec.keywords import close_matches
+from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = [
     "EXEMPT_FIELDS",

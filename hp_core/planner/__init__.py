@@ -12,6 +12,9 @@ from typing import Any
 from torch import nn
 
 from hp_core.mesh import MeshSpec
+from hp_core.plan.errors import ArgumentTypeError, PlanError
+from hp_core.plan.model import ShardingPlan
+from hp_core.plan.overrides import OverridesLike, resolve_overrides
 from hp_core.planner.comms import (
     Collective,
     boundary_collectives,
@@ -40,14 +43,7 @@ from hp_core.planner.structure import (
     analyse,
     check_unclaimed,
 )
-from hp_core.sharding_plan import (
-    ArgumentTypeError,
-    OverridesLike,
-    PlanError,
-    ShardingPlan,
-    resolve_overrides,
-)
-from hp_core.spec import ModuleShardingSpec
+from hp_core.spec.module_spec import ModuleShardingSpec
 from hp_core.templates import BoundaryTemplate, RoleRule
 
 __all__ = [

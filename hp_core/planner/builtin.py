@@ -11,7 +11,7 @@ from torch.distributed.tensor import Shard
 
 from hp_core.planner.context import TemplateContext
 from hp_core.planner.lints import FusedProjectionError
-from hp_core.spec import ModuleShardingSpec
+from hp_core.spec.module_spec import ModuleShardingSpec
 from hp_core.templates import BoundaryTemplate, Role
 
 __all__ = ["DEFAULT_BOUNDARY_TEMPLATES", "FusedProjectionError"]

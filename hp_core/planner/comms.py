@@ -27,7 +27,7 @@ from typing import Any
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from hp_core.mesh import is_data_axis
-from hp_core.spec import ModuleShardingSpec
+from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = [
     "Collective",

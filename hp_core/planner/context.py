@@ -8,7 +8,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from hp_core.mesh import MeshSpec
 from hp_core.planner.structure import Block, first_input_name, returns_tuple
-from hp_core.spec import NamedPlacement
+from hp_core.spec.placements import NamedPlacement
 
 __all__ = ["TemplateContext"]
 

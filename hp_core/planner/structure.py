@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hp_core.planner.lints import CoverageError
-from hp_core.spec import ModuleShardingSpec
+from hp_core.spec.module_spec import ModuleShardingSpec
 from hp_core.templates import Role, RoleRule, classify_param
 
 __all__ = [

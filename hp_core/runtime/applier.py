@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from hp_core.errors import HpError
+from hp_core.plan.model import ShardingPlan
 from hp_core.plugins import plugin_report
 from hp_core.runtime.install import install
 from hp_core.runtime.journal import Journal
@@ -29,7 +30,6 @@ from hp_core.runtime.verdict import (
     failures,
     resolve_timeout,
 )
-from hp_core.sharding_plan import ShardingPlan
 from hp_core.verifier.meta import meta_clone
 from hp_core.verifier.repeats import find_repeats
 from hp_core.verifier.report import VerifyReport

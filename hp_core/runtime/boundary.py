@@ -35,7 +35,8 @@ from hp_core.planner.comms import grad_is_partial
 from hp_core.runtime.fixes import keep_whole_yaml
 from hp_core.runtime.layouts import Transition, same_placement, to_placements
 from hp_core.runtime.partial import contract_partial_axes, is_expert_param
-from hp_core.spec import ModuleShardingSpec, PlacementMismatchError
+from hp_core.spec.module_spec import ModuleShardingSpec
+from hp_core.spec.placements import PlacementMismatchError
 
 __all__ = ["BoundaryForward", "InnerOutputCheck", "UndeclaredCommunicationError", "suspects"]
 

@@ -36,12 +36,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
 
 from hp_core.mesh import MeshSpec, is_data_axis
+from hp_core.plan.model import ShardingPlan
 from hp_core.runtime.grads import GradReduction
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.partial import data_axes, is_expert_param
 from hp_core.runtime.preflight import PreflightError
-from hp_core.sharding_plan import ShardingPlan
-from hp_core.spec import ModuleShardingSpec
+from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = [
     "EXPERT_MESH_AXES",
@@ -132,7 +132,7 @@ def expert_matches(plan: ShardingPlan, fqn: str) -> list[str]:
     One glob (``model.layers.*.mlp``) when it matches no other boundary; otherwise (dense
     MLPs between MoE layers, as in DeepSeek-V3) the blocks' FQNs one by one.
     """
-    from hp_core.sharding_plan import compile_glob
+    from hp_core.plan.overrides import compile_glob
 
     blocks = [f for f, s in plan.items() if s.is_boundary and s._ep_size > 1]
     glob = every_layer(fqn)

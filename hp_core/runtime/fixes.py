@@ -13,8 +13,8 @@ from collections.abc import Mapping
 
 from torch.distributed.tensor import Placement, Replicate
 
-from hp_core.sharding_plan import dump_overrides
-from hp_core.spec import ModuleShardingSpec
+from hp_core.plan.overrides import dump_overrides
+from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = ["fix_match", "keep_whole", "keep_whole_yaml"]
 

@@ -30,7 +30,7 @@ from hp_core.runtime.journal import Journal
 from hp_core.runtime.layouts import InputLayoutError
 from hp_core.runtime.nested import tensors_in
 from hp_core.runtime.partial import activations_on, is_data_axis
-from hp_core.spec import ModuleShardingSpec
+from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = ["InputGuard", "InputMismatchError"]
 

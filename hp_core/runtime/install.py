@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from hp_core.injection import InjectionBindingError, check_forward_compatible
+from hp_core.plan.model import ShardingPlan
 from hp_core.runtime.boundary import BoundaryForward, InnerOutputCheck
 from hp_core.runtime.experts import expert_grad_reductions
 from hp_core.runtime.fixes import fix_match
@@ -31,7 +32,6 @@ from hp_core.runtime.preflight import PreflightResult
 from hp_core.runtime.rng import RngStreams
 from hp_core.runtime.sequence import SequenceFallback, SequenceSwitch
 from hp_core.runtime.vocab import VocabParallelCausalLMLoss, VocabParallelLookup
-from hp_core.sharding_plan import ShardingPlan
 
 __all__ = ["AppliedModel", "install", "vocab_axis"]
 

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from hp_core.errors import HpError
 from hp_core.mesh import is_data_axis
 from hp_core.runtime import collectives as C
-from hp_core.spec import resolve_placements
+from hp_core.spec.placements import resolve_placements
 
 __all__ = ["InputLayoutError", "Transition", "dense_mesh", "same_placement", "to_placements"]
 

@@ -26,7 +26,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from hp_core.errors import HpError
 from hp_core.mesh import is_data_axis
-from hp_core.spec import ModuleShardingSpec
+from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = [
     "AmbiguousGradientError",

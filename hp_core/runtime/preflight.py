@@ -26,10 +26,11 @@ from hp_core.injection import (
     resolve_injection,
 )
 from hp_core.mesh import MeshSpec
+from hp_core.plan.model import ShardingPlan
 from hp_core.planner.lints import PlanningError, lint_plan
 from hp_core.runtime.verdict import Verdict, VerdictExchange, failures, mismatches, resolve_timeout
-from hp_core.sharding_plan import ShardingPlan
-from hp_core.spec import ModuleShardingSpec, close_matches
+from hp_core.spec.keywords import close_matches
+from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = [
     "InjectionPlan",

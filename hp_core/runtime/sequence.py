@@ -19,7 +19,8 @@ from typing import Any
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from hp_core.sharding_plan import ShardingPlan, copy_spec
+from hp_core.plan.model import ShardingPlan
+from hp_core.spec.module_spec import copy_spec
 
 __all__ = ["SequenceFallback", "SequenceSwitch", "whole_sequence_plan"]
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from hp_core.errors import HpError
-from hp_core.spec import close_matches
+from hp_core.spec.keywords import close_matches
 
 __all__ = [
     "FAMILIES",

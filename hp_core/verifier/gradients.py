@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate
 
+from hp_core.plan.model import ShardingPlan
 from hp_core.runtime.grads import GradReduction
 from hp_core.runtime.partial import (
     AmbiguousGradientError,
@@ -23,7 +24,6 @@ from hp_core.runtime.partial import (
     is_data_axis,
     is_expert_param,
 )
-from hp_core.sharding_plan import ShardingPlan
 from hp_core.verifier.errors import MixedGradientError
 from hp_core.verifier.passes import map_to_rep, prefixes
 from hp_core.verifier.probes import BoundaryRecord

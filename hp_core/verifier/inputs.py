@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_core.mesh import MeshSpec
+from hp_core.plan.model import ShardingPlan
 from hp_core.runtime.partial import activations_on, is_data_axis
-from hp_core.sharding_plan import ShardingPlan
 from hp_core.verifier.errors import UnverifiableError
 
 __all__ = ["default_inputs", "to_meta_inputs", "verification_mesh", "whole_inputs"]

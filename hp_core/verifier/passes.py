@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from hp_core.errors import HpError
+from hp_core.plan.model import ShardingPlan
 from hp_core.runtime.install import install
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.partial import is_expert_param
 from hp_core.runtime.preflight import InjectionPlan, PreflightResult
-from hp_core.sharding_plan import ShardingPlan
 from hp_core.verifier.errors import ProductionDiffersError
 from hp_core.verifier.meta import adapt_for_meta, meta_clone
 from hp_core.verifier.probes import (

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from hp_core.spec import ModuleShardingSpec
+from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = ["find_repeats", "spec_signature"]
 

@@ -17,7 +17,7 @@ from typing import Any
 from hp_core.bounded import InputLimitError, loads_json
 from hp_core.errors import HpError
 from hp_core.runtime.grads import GradReduction
-from hp_core.spec import keyword_checked
+from hp_core.spec.keywords import keyword_checked
 
 __all__ = ["ReportFormatError", "ReportFormatInputLimitError", "VerifyReport"]
 

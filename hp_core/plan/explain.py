@@ -21,10 +21,11 @@ from hp_core.planner.comms import (
     sp_grad_params,
     step_collectives,
 )
-from hp_core.spec import ModuleShardingSpec, PlacementSyntaxError, format_placement
+from hp_core.spec.module_spec import ModuleShardingSpec
+from hp_core.spec.placements import PlacementSyntaxError, format_placement
 
 if TYPE_CHECKING:
-    from hp_core.sharding_plan import ShardingPlan
+    from hp_core.plan.model import ShardingPlan
 
 __all__ = ["explain"]
 
@@ -157,7 +158,8 @@ def _on_off(flag: bool) -> str:
 def explain(plan: ShardingPlan, report: Any = None) -> str:
     """The plan as plain text: per boundary its params, transitions, injections, attrs; then
     the predicted collectives of one training step (forward + backward)."""
-    from hp_core.sharding_plan import PlanError, ShardingPlan
+    from hp_core.plan.errors import PlanError
+    from hp_core.plan.model import ShardingPlan
 
     if not isinstance(plan, ShardingPlan):
         raise PlanError(f"explain: expected a ShardingPlan, got {type(plan).__name__}.")

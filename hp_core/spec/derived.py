@@ -1,0 +1,46 @@
+"""``Derived``: what templates and the planner derive for one spec, in one record.
+
+A user writes the contract fields of a ``ModuleShardingSpec``; the planner adds facts it
+derived from the model (the tp-local attribute plan, the deferred biases, whether the
+module is the terminal head, needs context-parallel attention, stacks expert
+parameters). They live here rather than as loose private attributes, and are written
+through one door: ``spec.with_derived(...)``. The spec's ``_tp_local_attr_plan``,
+``_deferred_bias_params``, ... attributes read (and, for compatibility, replace) the
+record's values. The field order is the key order under a plan document's ``_internal:``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Derived"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Derived:
+    """The planner-derived facts of one spec (see the module docstring)."""
+
+    #: ``attribute -> (global, local)`` values of head counts divided by tp.
+    tp_local_attr_plan: dict[str, tuple[int, int]] | None = None
+    #: Biases added after the reduction of a partial output (once, not per rank).
+    deferred_bias_params: tuple[str, ...] = ()
+    #: The module is the model's output head (loss parallel applies here).
+    is_terminal: bool = False
+    #: The module's attention must run context-parallel.
+    needs_cp_attn: bool = False
+    #: ``stacked parameter path -> [source expert parameter paths]``.
+    ep_stack: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    #: Expert-parallel degree the stack was made for (0: none).
+    ep_size: int = 0
+
+    def copy(self) -> Derived:
+        """A record whose containers are independent of this one's."""
+        plan = self.tp_local_attr_plan
+        return Derived(
+            tp_local_attr_plan=dict(plan) if plan is not None else None,
+            deferred_bias_params=tuple(self.deferred_bias_params),
+            is_terminal=self.is_terminal,
+            needs_cp_attn=self.needs_cp_attn,
+            ep_stack={k: list(v) for k, v in self.ep_stack.items()},
+            ep_size=self.ep_size,
+        )
