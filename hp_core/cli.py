@@ -518,7 +518,7 @@ def cmd_freeze(args: argparse.Namespace, out: Console, err: Console) -> int:
     ``--allow-missing-plugins``)."""
     from pathlib import Path
 
-    from hp_core.codegen import FreezeError, make_artifact, write_artifact
+    from hp_core.artifact import FreezeError, make_artifact, write_artifact
 
     target = Path(args.output)
     try:
@@ -593,7 +593,7 @@ def cmd_check(args: argparse.Namespace, out: Console, err: Console) -> int:
     verifier proves its plan for it."""
     from pathlib import Path
 
-    from hp_core.codegen import ArtifactError, check_against_model, read_artifact, version_drift
+    from hp_core.artifact import ArtifactError, check_against_model, read_artifact, version_drift
 
     path = Path(args.artifact)
     try:

@@ -12,6 +12,18 @@ import time
 import pytest
 
 from hp_core import cli
+from hp_core.artifact import (
+    ArtifactFormatError,
+    ArtifactLimitError,
+    ArtifactSchemaError,
+    ArtifactVersionError,
+    canonical_json,
+    content_signature,
+    dumps_artifact,
+    loads_artifact,
+    make_artifact,
+    read_artifact,
+)
 from hp_core.bounded import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_DEPTH,
@@ -24,18 +36,6 @@ from hp_core.bounded import (
     load_yaml,
     loads_json,
     read_bounded,
-)
-from hp_core.codegen import (
-    ArtifactFormatError,
-    ArtifactLimitError,
-    ArtifactSchemaError,
-    ArtifactVersionError,
-    canonical_json,
-    content_signature,
-    dumps_artifact,
-    loads_artifact,
-    make_artifact,
-    read_artifact,
 )
 from hp_core.plan import PlanYAMLError, PlanYAMLInputLimitError, load_overrides, load_plan
 from hp_core.planner import plan
@@ -145,7 +145,7 @@ def test_limit_errors_survive_a_round_trip_through_another_process():
     assert [row[:2] for row in back] == [
         ["hp_core.plan.errors", "PlanYAMLInputLimitError"],
         ["hp_core.verifier.report", "ReportFormatInputLimitError"],
-        ["hp_core.codegen.artifact", "ArtifactLimitError"],
+        ["hp_core.artifact.signed", "ArtifactLimitError"],
     ]
     assert back == [[type(e).__module__, type(e).__name__, str(e), e.source, e.path, e.limit, e.env] for e in errors]
     assert plan_info.value.env == ENV_MAX_DEPTH and report_info.value.path == "mesh[0][1]"

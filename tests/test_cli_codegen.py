@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import hp_core.codegen
+import hp_core.artifact
 from hp_core import cli
-from hp_core.codegen import canonical_json, content_signature, freeze, read_artifact, same_plan
+from hp_core.artifact import canonical_json, content_signature, freeze, read_artifact, same_plan
 from hp_core.planner import plan
 from hp_core.testing.families import tiny_family_config
 from hp_core.testing.models import build_model
@@ -111,7 +111,7 @@ def test_freeze_problems_exit_1(capsys, tmp_path, monkeypatch):
     def full_disk(artifact, path):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(hp_core.codegen, "write_artifact", full_disk)
+    monkeypatch.setattr(hp_core.artifact, "write_artifact", full_disk)
     code, _, err = run(capsys, "freeze", "--model", "llama", "--mesh", "tp=2", "-o", str(tmp_path / "a.json"))
     assert code == 1 and err == f"hp freeze: error: cannot write {str(tmp_path / 'a.json')!r}: No space left on device\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml", "order.yaml"]
@@ -176,7 +176,7 @@ def test_check_with_another_model(capsys, frozen):
 def test_check_reports_lint_problems(capsys, tmp_path):
     model = build_model("llama", device="meta")
     live = plan(model, "tp=2")
-    from hp_core.codegen import make_artifact, write_artifact
+    from hp_core.artifact import make_artifact, write_artifact
     from hp_core.plan import ShardingPlan
 
     holed = ShardingPlan({f: s for f, s in live.items() if f != "model.norm"}, ("tp",), (2,), sequence_parallel=True)
@@ -242,7 +242,7 @@ def test_check_usage_and_read_errors(capsys, frozen, monkeypatch):
     def unreadable(path, **kwargs):
         raise PermissionError("Permission denied")
 
-    monkeypatch.setattr(hp_core.codegen, "read_artifact", unreadable)
+    monkeypatch.setattr(hp_core.artifact, "read_artifact", unreadable)
     assert run(capsys, "check", str(frozen)) == (1, "", f"hp check: error: cannot read {str(frozen)!r}: Permission denied\n")
 
 

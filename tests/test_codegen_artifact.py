@@ -11,7 +11,7 @@ import torch
 
 import hp_core
 from hp_core import ModuleShardingSpec, ShardingPlan, Target, inner_wrapper, register_inner_wrapper
-from hp_core.codegen import (
+from hp_core.artifact import (
     FORMAT_VERSION,
     Artifact,
     ArtifactFormatError,
@@ -267,7 +267,7 @@ def test_registry_check_on_targets_and_dotted_paths():
     spec = ModuleShardingSpec(
         inner_wrapper=Target("missing_wrapper"), inner_target="self", local_compute_fn="nonexistent_pkg_xyz.compute.factory", region_dispatch=False
     )
-    p = ShardingPlan({"m": spec, "n": ModuleShardingSpec(local_compute_fn="hp_core.codegen.freeze", region_dispatch=False)}, ("tp",), (2,))
+    p = ShardingPlan({"m": spec, "n": ModuleShardingSpec(local_compute_fn="hp_core.artifact.freeze", region_dispatch=False)}, ("tp",), (2,))
     assert missing_registry_items(p) == [
         "modules['m'].inner_wrapper: 'missing_wrapper' is not a registered inner wrapper (registered: none)",
         "modules['m'].local_compute_fn: 'nonexistent_pkg_xyz.compute.factory': package 'nonexistent_pkg_xyz' is not installed",

@@ -8,7 +8,7 @@ import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from hp_core import ModuleShardingSpec, ShardingPlan, Target, inner_wrapper, local_compute
-from hp_core.codegen import (
+from hp_core.artifact import (
     FreezeError,
     canonical_json,
     freeze,

@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from hp_core import ModuleShardingSpec, ShardingPlan
-from hp_core.codegen import (
+from hp_core.artifact import (
     MetaError,
     ModelMismatchError,
     freeze,

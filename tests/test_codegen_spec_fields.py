@@ -6,10 +6,11 @@ import dataclasses
 
 import pytest
 
-from hp_core.codegen import spec_fields as sf
-from hp_core.codegen.freeze import FREEZERS
-from hp_core.codegen.rebuild import REBUILDERS
+from hp_core.artifact.freeze import FREEZERS
+from hp_core.artifact.rebuild import REBUILDERS
 from hp_core.spec import ModuleShardingSpec
+from hp_core.spec import fields as sf
+from hp_core.spec.module_spec import table_problems
 
 # SPEC §8, copied by hand: (field, meta key, group, freeze kind, rebuild kind, post_init).
 SPEC_TABLE = [
@@ -39,7 +40,7 @@ SPEC_TABLE = [
 
 
 def test_table_is_spec_section_8_row_by_row():
-    assert [dataclasses.astuple(r) for r in sf.SPEC_FIELDS] == SPEC_TABLE
+    assert [(r.name, r.key, r.group, r.freeze, r.rebuild, r.post_init) for r in sf.SPEC_FIELDS] == SPEC_TABLE
 
 
 def test_write_conditions_are_the_spec_ones():
@@ -52,12 +53,12 @@ def test_write_conditions_are_the_spec_ones():
 def test_every_kind_has_exactly_one_implementation():
     assert set(FREEZERS) == set(sf.FREEZE_KINDS)
     assert set(REBUILDERS) == set(sf.REBUILD_KINDS)
-    assert {r.freeze_kind for r in sf.FROZEN_FIELDS} == set(sf.FREEZE_KINDS)
-    assert {r.rebuild_kind for r in sf.FROZEN_FIELDS} == set(sf.REBUILD_KINDS)
+    assert {r.freeze for r in sf.FROZEN_FIELDS} == set(sf.FREEZE_KINDS)
+    assert {r.rebuild for r in sf.FROZEN_FIELDS} == set(sf.REBUILD_KINDS)
 
 
 def test_derived_views():
-    names = lambda rows: [r.field for r in rows]  # noqa: E731
+    names = lambda rows: [r.name for r in rows]  # noqa: E731
     assert names(sf.PARAM_PLAN_FIELDS) == [r[0] for r in SPEC_TABLE[:11]]
     assert names(sf.INJECTION_FIELDS) == [r[0] for r in SPEC_TABLE[11:17]]
     assert names(sf.EXEMPT_FIELDS) == [r[0] for r in SPEC_TABLE[17:]]
@@ -66,7 +67,7 @@ def test_derived_views():
     assert sf.FROZEN_META_KEYS == {r[1] for r in SPEC_TABLE if r[1]}
     assert "match" not in sf.FROZEN_META_KEYS
     assert sf.fields_in_group("exempt") == sf.EXEMPT_FIELDS
-    assert sf.SPEC_FIELDS_BY_NAME["_ep_size"].meta_key == "ep_size"
+    assert sf.SPEC_FIELDS_BY_NAME["_ep_size"].key == "ep_size"
     assert sf.FROZEN_GROUPS == ("param_plan", "injections")
 
 
@@ -89,7 +90,7 @@ def test_should_write_follows_the_freeze_kind():
 
 
 def test_the_table_classifies_the_dataclass_exactly():
-    assert sf.table_problems() == []
+    assert table_problems() == []
 
 
 def test_reflection_catches_a_new_field_without_a_row():
@@ -97,21 +98,21 @@ def test_reflection_catches_a_new_field_without_a_row():
     class Grown(ModuleShardingSpec):
         new_knob: int = 0
 
-    assert sf.table_problems(Grown) == [
+    assert table_problems(Grown) == [
         "Grown.new_knob has no row in SPEC_FIELDS: classify it (a frozen group with its meta key "
-        "and kinds, or exempt) in hp_core/codegen/spec_fields.py"
+        "and kinds, or exempt) in hp_core/spec/fields.py"
     ]
 
 
 def test_reflection_catches_a_row_without_a_field_and_a_bad_post_init():
     rows = [*sf.SPEC_FIELDS, sf.SpecField("ghost", "ghost", "param_plan", "scalar", "opt_scalar")]
-    assert sf.table_problems(rows=rows) == [
+    assert table_problems(rows=rows) == [
         "SPEC_FIELDS row 'ghost' names no field of ModuleShardingSpec: remove the row or fix its name"
     ]
     rows = [
-        dataclasses.replace(r, post_init=True) if r.field == "params" else r for r in sf.SPEC_FIELDS
+        dataclasses.replace(r, post_init=True) if r.name == "params" else r for r in sf.SPEC_FIELDS
     ]
-    assert sf.table_problems(rows=rows) == [
+    assert table_problems(rows=rows) == [
         "SPEC_FIELDS row 'params' is post_init but ModuleShardingSpec.params is a constructor argument"
     ]
 
@@ -138,4 +139,4 @@ def test_duplicate_fields_or_meta_keys_are_refused():
     with pytest.raises(ValueError, match=r"SPEC_FIELDS: field 'params' has more than one row\."):
         sf._check_unique([row, row])
     with pytest.raises(ValueError, match=r"SPEC_FIELDS: meta key 'params' is used by more than one row\."):
-        sf._check_unique([row, dataclasses.replace(row, field="other")])
+        sf._check_unique([row, dataclasses.replace(row, name="other")])

@@ -453,7 +453,7 @@ def test_the_module_walk_covers_every_layer():
     for expected in (
         "hp_core.bounded",
         "hp_core.cli",
-        "hp_core.codegen.artifact",
+        "hp_core.artifact.signed",
         "hp_core.plugins._registry",
         "hp_core.runtime.preflight",
         "hp_core.verifier.report",

@@ -39,8 +39,7 @@ from hp_core import (
 )
 from hp_core import inner_wrapper as iw
 from hp_core import local_compute as lc
-from hp_core.bounded import ENV_MAX_BYTES, ENV_MAX_DEPTH, ENV_MAX_NODES, InputLimitError
-from hp_core.codegen.artifact import (
+from hp_core.artifact.signed import (
     ArtifactFormatError,
     ArtifactLimitError,
     ArtifactSchemaError,
@@ -53,6 +52,7 @@ from hp_core.codegen.artifact import (
     make_artifact,
     read_artifact,
 )
+from hp_core.bounded import ENV_MAX_BYTES, ENV_MAX_DEPTH, ENV_MAX_NODES, InputLimitError
 from hp_core.injection import InjectionDefinitionError, TargetError
 from hp_core.mesh import MeshSpecError
 from hp_core.plan import (

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-FULL = ("hp_core/spec.py", "hp_core/injection.py", "hp_core/codegen/spec_fields.py")
+FULL = ("hp_core/spec/module_spec.py", "hp_core/injection.py", "hp_core/spec/fields.py")
 FLOOR = 90.0
 
 

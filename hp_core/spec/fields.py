@@ -57,6 +57,7 @@ __all__ = [
     "LAYOUT_FIELDS",
     "MATCH_KEY",
     "NONE",
+    "PARAM_PLAN",
     "PARAM_PLAN_FIELDS",
     "POST_INIT_FIELDS",
     "REBUILD_KINDS",

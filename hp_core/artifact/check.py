@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from hp_core.codegen.artifact import Artifact, model_digest
-from hp_core.codegen.rebuild import restore_model_metadata
+from hp_core.artifact.rebuild import restore_model_metadata
+from hp_core.artifact.signed import Artifact, model_digest
 from hp_core.mesh import MeshSpec
+from hp_core.planner.lints import lint_plan
 from hp_core.spec.keywords import close_matches
 
 __all__ = ["check_against_model"]
@@ -20,8 +21,6 @@ def check_against_model(artifact: Artifact, model: nn.Module) -> list[str]:
     mesh axes, parameter shapes and divisibility, head counts, every trainable parameter
     covered by exactly one boundary).
     """
-    from hp_core.planner.lints import lint_plan
-
     problems: list[str] = []
     recorded = artifact.inputs.get("model", {}).get("digest")
     actual = model_digest(model)

@@ -18,10 +18,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hp_core.codegen.freeze import FreezeError, callable_target
-from hp_core.codegen.spec_fields import FROZEN_FIELDS, SpecField
+from hp_core.artifact.freeze import FreezeError, callable_target
 from hp_core.injection import Target
 from hp_core.plan.model import ShardingPlan
+from hp_core.spec.fields import FROZEN_FIELDS, SpecField
 
 __all__ = ["plan_differences", "same_plan"]
 
@@ -36,7 +36,7 @@ def _canonical(row: SpecField, value: Any) -> Any:
         return _UNSET
     if callable(value):
         try:
-            return Target(callable_target(value, row.field))
+            return Target(callable_target(value, row.name))
         except FreezeError:
             return value
     return value
@@ -59,9 +59,9 @@ def plan_differences(a: ShardingPlan, b: ShardingPlan) -> list[str]:
         if fqn not in b:
             continue
         for row in FROZEN_FIELDS:
-            mine, theirs = (_canonical(row, getattr(s, row.field)) for s in (spec, b[fqn]))
+            mine, theirs = (_canonical(row, getattr(s, row.name)) for s in (spec, b[fqn]))
             if mine != theirs:
-                diffs.append(f"modules[{fqn!r}].{row.field}: {mine!r} != {theirs!r}")
+                diffs.append(f"modules[{fqn!r}].{row.name}: {mine!r} != {theirs!r}")
     return diffs
 
 

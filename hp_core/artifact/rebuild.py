@@ -20,19 +20,21 @@ from typing import Any
 
 from torch import nn
 
-from hp_core.codegen.freeze import FreezeError, freeze, json_value
-from hp_core.codegen.spec_fields import (
+from hp_core.artifact.freeze import FreezeError, freeze, json_value
+from hp_core.errors import HpError
+from hp_core.injection import Target, TargetError
+from hp_core.mesh import MeshSpec
+from hp_core.plan.errors import PlanError
+from hp_core.plan.model import ShardingPlan
+from hp_core.planner.lints import compute_tp_local_attrs
+from hp_core.spec.fields import (
+    DERIVED_FIELDS,
     FROZEN_GROUPS,
     MATCH_KEY,
     PARAM_PLAN,
     SpecField,
     fields_in_group,
 )
-from hp_core.errors import HpError
-from hp_core.injection import Target, TargetError
-from hp_core.mesh import MeshSpec
-from hp_core.plan.errors import PlanError
-from hp_core.plan.model import ShardingPlan
 from hp_core.spec.keywords import close_matches
 from hp_core.spec.module_spec import ModuleShardingSpec
 from hp_core.spec.placements import PlacementSyntaxError, SpecValidationError, parse_named_placement
@@ -176,6 +178,7 @@ REBUILDERS: Mapping[str, Callable[[Any, str], Any]] = {
 }
 
 _CONSTRUCTOR_ARGS = frozenset(f.name for f in dataclasses.fields(ModuleShardingSpec) if f.init)
+_DERIVED_NAMES = {r.name: r.record_name for r in DERIVED_FIELDS}
 
 
 # ------------------------------------------------------------------ the walk
@@ -187,7 +190,7 @@ def _rules(meta: Mapping[str, Any], group: str) -> dict[str, tuple[str, Mapping[
     if not isinstance(raw, list):
         raise MetaError(f"{group}: expected a list of {{{MATCH_KEY}: FQN, ...}} rules, got {raw!r}.")
     rows = fields_in_group(group)
-    valid = (MATCH_KEY, *(str(r.meta_key) for r in rows))
+    valid = (MATCH_KEY, *(str(r.key) for r in rows))
     out: dict[str, tuple[str, Mapping[str, Any]]] = {}
     for i, rule in enumerate(raw):
         where = f"{group}[{i}]"
@@ -214,7 +217,7 @@ def _rules(meta: Mapping[str, Any], group: str) -> dict[str, tuple[str, Mapping[
 def _key_hint(key: Any, group: str, valid: tuple[str, ...]) -> str:
     """Where a misplaced meta key belongs, or the closest valid one."""
     for other in FROZEN_GROUPS:
-        if other != group and any(r.meta_key == key for r in fields_in_group(other)):
+        if other != group and any(r.key == key for r in fields_in_group(other)):
             return f" It belongs in {other}."
     best = close_matches(str(key), valid, n=1)
     return f" Did you mean {best[0]!r}?" if best else ""
@@ -222,8 +225,8 @@ def _key_hint(key: Any, group: str, valid: tuple[str, ...]) -> str:
 
 def _fill(values: dict[str, Any], rows: tuple[SpecField, ...], rule: Mapping[str, Any], where: str) -> None:
     for row in rows:
-        raw = rule.get(str(row.meta_key), MISSING)
-        values[row.field] = REBUILDERS[str(row.rebuild_kind)](raw, f"{where}.{row.meta_key}")
+        raw = rule.get(str(row.key), MISSING)
+        values[row.name] = REBUILDERS[str(row.rebuild)](raw, f"{where}.{row.key}")
 
 
 def _spec(values: Mapping[str, Any], where: str) -> ModuleShardingSpec:
@@ -232,9 +235,7 @@ def _spec(values: Mapping[str, Any], where: str) -> ModuleShardingSpec:
     except (SpecValidationError, PlacementSyntaxError, TargetError) as e:
         message = str(e).removeprefix("ModuleShardingSpec.")
         raise MetaError(f"{where}: {message}") from None
-    for name, value in values.items():
-        if name not in _CONSTRUCTOR_ARGS:
-            setattr(spec, name, value)
+    spec.with_derived(**{_DERIVED_NAMES[k]: v for k, v in values.items() if k in _DERIVED_NAMES})
     return spec
 
 
@@ -273,7 +274,7 @@ def _path(keys: tuple[Any, ...]) -> str:
 
 
 def rebuild(meta: Mapping[str, Any], *, model: nn.Module | None = None) -> ShardingPlan:
-    """The plan a meta describes (inverse of :func:`hp_core.codegen.freeze`).
+    """The plan a meta describes (inverse of :func:`hp_core.artifact.freeze`).
 
     With ``model``, also re-derives the model-dependent exempt metadata
     (:func:`restore_model_metadata`).
@@ -347,8 +348,6 @@ def restore_model_metadata(plan: ShardingPlan, model: nn.Module) -> ShardingPlan
     ``(global, local)`` per attribute), computed by the planner's own function. Returns
     ``plan``.
     """
-    from hp_core.planner.lints import compute_tp_local_attrs
-
     names = {n for n, _ in model.named_modules()}
     absent = [fqn for fqn in plan if fqn not in names]
     if absent:
@@ -362,5 +361,5 @@ def restore_model_metadata(plan: ShardingPlan, model: nn.Module) -> ShardingPlan
     mesh = MeshSpec(plan.mesh_axis_names, plan.mesh_shape)
     if mesh.size("tp") > 1:
         for fqn, spec in plan.items():
-            spec._tp_local_attr_plan = compute_tp_local_attrs(model, fqn, spec, mesh)
+            spec.with_derived(tp_local_attr_plan=compute_tp_local_attrs(model, fqn, spec, mesh))
     return plan

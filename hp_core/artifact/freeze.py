@@ -22,10 +22,10 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hp_core.codegen.spec_fields import FROZEN_GROUPS, MATCH_KEY, PARAM_PLAN, fields_in_group
 from hp_core.errors import HpError
 from hp_core.injection import InjectionMeta, Target
 from hp_core.plan.model import ShardingPlan
+from hp_core.spec.fields import FROZEN_GROUPS, MATCH_KEY, PARAM_PLAN, fields_in_group
 from hp_core.spec.module_spec import ModuleShardingSpec
 from hp_core.spec.placements import PlacementSyntaxError, format_placement, parse_placement
 
@@ -190,18 +190,18 @@ def _check_output_order(fqn: str, spec: ModuleShardingSpec) -> None:
 def _rule(fqn: str, spec: ModuleShardingSpec, group: str) -> dict[str, Any]:
     rule: dict[str, Any] = {}
     for row in fields_in_group(group):
-        value = getattr(spec, row.field)
+        value = getattr(spec, row.name)
         if row.should_write(value):
-            path = f"modules[{fqn!r}].{row.field}"
-            rule[str(row.meta_key)] = FREEZERS[str(row.freeze_kind)](value, path)
+            path = f"modules[{fqn!r}].{row.name}"
+            rule[str(row.key)] = FREEZERS[str(row.freeze)](value, path)
     return rule
 
 
 def freeze(plan: ShardingPlan) -> dict[str, Any]:
-    """The plan as a JSON-safe meta; :func:`hp_core.codegen.rebuild` is its inverse.
+    """The plan as a JSON-safe meta; :func:`hp_core.artifact.rebuild` is its inverse.
 
     Deterministic: the same plan always gives an equal meta (and, through
-    :func:`hp_core.codegen.canonical_json`, the same bytes).
+    :func:`hp_core.artifact.canonical_json`, the same bytes).
     """
     if not isinstance(plan, ShardingPlan):
         raise FreezeError(f"freeze: expected a ShardingPlan, got {type(plan).__name__}.")

@@ -1,4 +1,6 @@
-"""Codegen: freeze a plan into a signed, byte-stable artifact and rebuild it (SPEC §8).
+"""Artifacts: freeze a plan into a signed, byte-stable file and rebuild it (SPEC §8).
+
+Upstream hyper-parallel calls this ``codegen/plan``; it generates no code.
 
 ``freeze(plan)`` and ``rebuild(meta)`` walk one table, :data:`SPEC_FIELDS`, that
 classifies every ``ModuleShardingSpec`` field. An artifact adds the inputs that produced
@@ -8,7 +10,11 @@ See ``docs/artifacts.md``.
 
 from __future__ import annotations
 
-from hp_core.codegen.artifact import (
+from hp_core.artifact.check import check_against_model
+from hp_core.artifact.compare import plan_differences, same_plan
+from hp_core.artifact.freeze import FreezeError, freeze
+from hp_core.artifact.rebuild import MetaError, ModelMismatchError, rebuild, restore_model_metadata
+from hp_core.artifact.signed import (
     FORMAT_VERSION,
     Artifact,
     ArtifactError,
@@ -29,11 +35,7 @@ from hp_core.codegen.artifact import (
     version_drift,
     write_artifact,
 )
-from hp_core.codegen.check import check_against_model
-from hp_core.codegen.compare import plan_differences, same_plan
-from hp_core.codegen.freeze import FreezeError, freeze
-from hp_core.codegen.rebuild import MetaError, ModelMismatchError, rebuild, restore_model_metadata
-from hp_core.codegen.spec_fields import SPEC_FIELDS, SpecField
+from hp_core.spec.fields import SPEC_FIELDS, SpecField
 
 __all__ = [
     "FORMAT_VERSION",

@@ -41,9 +41,9 @@ from typing import Any
 
 from torch import nn
 
+from hp_core.artifact.freeze import FreezeError, freeze, json_value
+from hp_core.artifact.rebuild import MetaError, rebuild
 from hp_core.bounded import InputLimitError, loads_json, read_bounded
-from hp_core.codegen.freeze import FreezeError, freeze, json_value
-from hp_core.codegen.rebuild import MetaError, rebuild
 from hp_core.errors import HpError
 from hp_core.plan.errors import PlanError
 from hp_core.plan.model import ShardingPlan
