@@ -29,6 +29,12 @@ from hp_core.plan.model import ShardingPlan
 from hp_core.plan.overrides import OverrideEntry, dump_overrides, load_overrides
 from hp_core.plan.yaml_io import dump_plan, load_plan
 from hp_core.planner import MeshTypeError, TemplateBuildError, plan
+from hp_core.planner.templates.roles import (
+    BoundaryTemplate,
+    Role,
+    RoleRule,
+    TemplateDefinitionError,
+)
 from hp_core.plugins import (
     register_compute_factory,
     register_inner_wrapper,
@@ -51,7 +57,6 @@ from hp_core.spec.placements import (
     parse_placement,
     resolve_placements,
 )
-from hp_core.templates import BoundaryTemplate, Role, RoleRule, TemplateDefinitionError
 from hp_core.verifier import VerificationError, VerifyReport, verify
 
 __version__ = "0.1.0"

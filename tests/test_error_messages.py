@@ -37,6 +37,7 @@ from hp_core.plan import (
     load_plan,
 )
 from hp_core.planner import MeshTypeError, PlanningError, TemplateBuildError, plan
+from hp_core.planner.templates import BoundaryTemplate, Role, RoleRule
 from hp_core.plugins import TEMPLATE_REGISTRY, register_compute_factory, register_template
 from hp_core.spec import (
     ModuleShardingSpec,
@@ -46,7 +47,6 @@ from hp_core.spec import (
     UnsupportedPartialError,
     parse_placement,
 )
-from hp_core.templates import BoundaryTemplate, Role, RoleRule
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 from tests._plugin_fakes import FakePlugins, clean_plugin_env
 from tests._toy_models import head_attention_lm
@@ -295,7 +295,7 @@ def test_user_rule_named_user_family_n_registers():
 
 
 _BOOM = """
-from hp_core.templates import BoundaryTemplate
+from hp_core.planner.templates import BoundaryTemplate
 
 def _boom(ctx):
     raise KeyError("hidden_size")

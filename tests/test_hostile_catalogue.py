@@ -73,6 +73,7 @@ from hp_core.planner.lints import (
     PlanningError,
 )
 from hp_core.planner.structure import UncoveredParameterError
+from hp_core.planner.templates import Role, RoleRule, TemplateDefinitionError
 from hp_core.plugins import (
     COMPUTE_FACTORY_REGISTRY,
     INNER_WRAPPER_REGISTRY,
@@ -103,7 +104,6 @@ from hp_core.spec import (
     UnknownFieldError,
     UnsupportedPartialError,
 )
-from hp_core.templates import Role, RoleRule, TemplateDefinitionError
 from hp_core.verifier.report import ReportFormatError
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 

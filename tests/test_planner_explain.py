@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from hp_core.planner.explain import explain
+from hp_core.plan.explain import explain
 from torch.distributed.tensor import Partial, Replicate
 
 from hp_core.injection import local_compute

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 
 import pytest
 
-from hp_core import injection, templates
+from hp_core import injection
+from hp_core.planner import templates
 from hp_core.hookspecs import hookimpl
 from hp_core.injection import InjectionDefinitionError, inner_wrapper, local_compute
 from hp_core.plugins import (
@@ -99,7 +100,7 @@ def test_discovery_is_lazy_and_runs_once(monkeypatch):
 
 
 def test_builtin_plugin_registers_default_role_rules_through_the_hook():
-    from hp_core.planner.builtin import DEFAULT_BOUNDARY_TEMPLATES
+    from hp_core.planner.templates.builtin import DEFAULT_BOUNDARY_TEMPLATES
 
     names = [r.name for r in (*templates.DEFAULT_ROLE_RULES, *DEFAULT_BOUNDARY_TEMPLATES)]
     builtin = [i for i in TEMPLATE_REGISTRY.values() if i.provider == "builtin"]

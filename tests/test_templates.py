@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hp_core.templates import DEFAULT_ROLE_RULES, Role, RoleRule, classify_param
+from hp_core.planner.templates import DEFAULT_ROLE_RULES, Role, RoleRule, classify_param
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,6 @@ from hp_core.planner.comms import (
     sp_grad_params,
     step_collectives,
 )
-from hp_core.planner.context import TemplateContext
 from hp_core.planner.lints import (
     CoverageError,
     DivisibilityError,
@@ -43,8 +42,9 @@ from hp_core.planner.structure import (
     analyse,
     check_unclaimed,
 )
+from hp_core.planner.templates.context import TemplateContext
+from hp_core.planner.templates.roles import BoundaryTemplate, RoleRule
 from hp_core.spec.module_spec import ModuleShardingSpec
-from hp_core.templates import BoundaryTemplate, RoleRule
 
 __all__ = [
     "Block",

@@ -16,11 +16,11 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from hp_core.mesh import MeshSpec, MeshSpecError
 from hp_core.plan.errors import ArgumentTypeError, PlanError
+from hp_core.planner.templates.roles import Role
 from hp_core.spec.axes import CANONICAL_AXES
 from hp_core.spec.keywords import close_matches
 from hp_core.spec.module_spec import ModuleShardingSpec
 from hp_core.spec.placements import format_placement
-from hp_core.templates import Role
 
 __all__ = [
     "HEAD_COUNT_ATTRS",

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from hp_core.planner.lints import CoverageError
+from hp_core.planner.templates.roles import Role, RoleRule, classify_param
 from hp_core.spec.module_spec import ModuleShardingSpec
-from hp_core.templates import Role, RoleRule, classify_param
 
 __all__ = [
     "Block",

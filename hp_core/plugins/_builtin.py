@@ -16,8 +16,8 @@ from hp_core.hookspecs import hookimpl
 @hookimpl
 def hp_register_templates(register: Callable[[Any], None]) -> None:
     """Register the default role rules (in precedence order) and boundary templates."""
-    from hp_core.planner.builtin import DEFAULT_BOUNDARY_TEMPLATES
-    from hp_core.templates import DEFAULT_ROLE_RULES
+    from hp_core.planner.templates.builtin import DEFAULT_BOUNDARY_TEMPLATES
+    from hp_core.planner.templates.roles import DEFAULT_ROLE_RULES
 
     for rule in DEFAULT_ROLE_RULES:
         register(rule)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import Phi3Config, Phi3ForCausalLM
 
+from hp_core.planner.templates import Role, classify_param
 from hp_core.plugins import TEMPLATE_REGISTRY, plugin_report, reset_plugins
-from hp_core.templates import Role, classify_param
 
 HERE = Path(__file__).resolve().parent.parent
 ARCH = "Phi3ForCausalLM"

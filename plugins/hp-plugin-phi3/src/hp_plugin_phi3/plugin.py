@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hp_core.hookspecs import hookimpl
-from hp_core.templates import Role, RoleRule
+from hp_core.planner.templates import Role, RoleRule
 
 __all__ = ["ARCHITECTURE", "PHI3_ROLE_RULES", "hp_register_templates"]
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Shard
 
-from hp_core.planner.context import TemplateContext
 from hp_core.planner.lints import FusedProjectionError
+from hp_core.planner.templates.context import TemplateContext
+from hp_core.planner.templates.roles import BoundaryTemplate, Role
 from hp_core.spec.module_spec import ModuleShardingSpec
-from hp_core.templates import BoundaryTemplate, Role
 
 __all__ = ["DEFAULT_BOUNDARY_TEMPLATES", "FusedProjectionError"]
 
@@ -43,7 +43,7 @@ def attention(ctx: TemplateContext) -> ModuleShardingSpec:
         out_dst=ctx.io(out, ctx.hidden),
         out_names=[out, "attn_weights"] if ctx.returns_tuple() else None,
     )
-    spec._needs_cp_attn = True
+    spec.with_derived(needs_cp_attn=True)
     return spec
 
 
@@ -86,7 +86,7 @@ def lm_head(ctx: TemplateContext) -> ModuleShardingSpec:
         out_src=ctx.io("output", vocab),
         out_dst=ctx.io("output", vocab if ctx.loss_parallel else ctx.gathered),
     )
-    spec._is_terminal = True
+    spec.with_derived(is_terminal=True)
     return spec
 
 
@@ -136,8 +136,10 @@ def moe(ctx: TemplateContext) -> ModuleShardingSpec:
         region_dispatch=False,
     )
     if ctx.ep_size > 1:
-        spec._ep_size = ctx.ep_size
-        spec._ep_stack = {k: sorted(v, key=_expert_index) for k, v in stack.items()}
+        spec.with_derived(
+            ep_size=ctx.ep_size,
+            ep_stack={k: sorted(v, key=_expert_index) for k, v in stack.items()},
+        )
     return spec
 
 
