@@ -6,11 +6,11 @@ import re
 
 import pytest
 import torch
-from hp_core.plan.explain import explain
 from torch.distributed.tensor import Partial, Replicate
 
 from hp_core.injection import local_compute
 from hp_core.plan import PlanError, ShardingPlan
+from hp_core.plan.explain import explain
 from hp_core.planner import plan
 from hp_core.spec import ModuleShardingSpec
 from hp_core.testing.models import build_model

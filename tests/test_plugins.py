@@ -8,9 +8,9 @@ from collections.abc import Mapping
 import pytest
 
 from hp_core import injection
-from hp_core.planner import templates
 from hp_core.hookspecs import hookimpl
 from hp_core.injection import InjectionDefinitionError, inner_wrapper, local_compute
+from hp_core.planner import templates
 from hp_core.plugins import (
     COMPUTE_FACTORY_REGISTRY,
     INNER_WRAPPER_REGISTRY,
