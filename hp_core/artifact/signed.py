@@ -48,6 +48,7 @@ from hp_core.errors import HpError
 from hp_core.plan.errors import PlanError
 from hp_core.plan.model import ShardingPlan
 from hp_core.plan.overrides import OverridesLike, overrides_to_list
+from hp_core.plugins import PluginRegistry, plugin_report
 from hp_core.plugins._plan_items import (
     INJECTION_FIELDS,
     is_import_path,
@@ -176,7 +177,6 @@ def model_digest(model: nn.Module) -> str:
 def installed_versions() -> dict[str, Any]:
     """hp's version and every loaded plugin's ``{distribution, version}`` (the built-in included)."""
     import hp_core
-    from hp_core.plugins import plugin_report
 
     plugins = {
         info.name: {"distribution": info.distribution, "version": info.version}
@@ -387,8 +387,6 @@ def missing_registry_items(plan: ShardingPlan) -> list[str]:
     (:func:`hp_core.plugins._plan_items.missing_plan_items`, which resolves it as
     ``hp_core.apply`` does); this renders one line per module that names it.
     """
-    from hp_core.plugins import PluginRegistry
-
     missing = {(item.field, item.name) for item in missing_plan_items(plan)}
     problems = []
     for fqn, field, name in named_injections(plan):

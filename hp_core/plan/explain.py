@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.tensor import Placement
 
+from hp_core.injection import Target
+from hp_core.plan.errors import PlanError
 from hp_core.planner.comms import (
     Transition,
     boundary_transitions,
@@ -46,8 +48,6 @@ def _layout(named: Mapping[str, Any]) -> str:
 
 
 def _injection(value: Any) -> str:
-    from hp_core.injection import Target  # local: keeps this module import-light
-
     if isinstance(value, str):
         return value
     if isinstance(value, Target):
@@ -158,10 +158,7 @@ def _on_off(flag: bool) -> str:
 def explain(plan: ShardingPlan, report: Any = None) -> str:
     """The plan as plain text: per boundary its params, transitions, injections, attrs; then
     the predicted collectives of one training step (forward + backward)."""
-    from hp_core.plan.errors import PlanError
-    from hp_core.plan.model import ShardingPlan
-
-    if not isinstance(plan, ShardingPlan):
+    if type(plan).__name__ != "ShardingPlan" or not hasattr(plan, "modules"):  # model imports us
         raise PlanError(f"explain: expected a ShardingPlan, got {type(plan).__name__}.")
     n_boundaries = sum(1 for s in plan.modules.values() if s.is_boundary)
     try:
