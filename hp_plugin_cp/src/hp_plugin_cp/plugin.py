@@ -15,6 +15,10 @@ from hp_plugin_cp.batch import shard_batch_for_cp
 from hp_plugin_cp.loss import enable_cp_loss
 from hp_plugin_cp.wrappers import flex_hf, flex_qkv, sdpa_hf, sdpa_qkv
 
+#: The hp plugin API (hook specs + injection signatures) this plugin is built for: a
+#: literal, so an hp-core speaking another version refuses it instead of misusing it.
+HP_PLUGIN_API = 2
+
 #: name → (wrapper, forward style), in registration order.
 WRAPPERS = {
     "sdpa_qkv": (sdpa_qkv, "qkv"),

@@ -14,7 +14,11 @@ from collections.abc import Callable
 from hp_core.hookspecs import hookimpl
 from hp_core.templates import Role, RoleRule
 
-__all__ = ["ARCHITECTURE", "PHI3_ROLE_RULES", "hp_register_templates"]
+__all__ = ["ARCHITECTURE", "HP_PLUGIN_API", "PHI3_ROLE_RULES", "hp_register_templates"]
+
+#: The hp plugin API (hook specs + injection signatures) this plugin is built for: a
+#: literal, so an hp-core speaking another version refuses it instead of misusing it.
+HP_PLUGIN_API = 2
 
 ARCHITECTURE = "Phi3ForCausalLM"
 
