@@ -86,8 +86,7 @@ def _describe_item(item: RegisteredItem) -> str:
 
 def cmd_plugins(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Print the plugin table and the item table; with ``--strict`` fail on broken plugins."""
-    from hp_core.plugins import RegistryKind
-    from hp_core.plugins import current_state, strict_from_env
+    from hp_core.plugins import RegistryKind, current_state, strict_from_env
 
     # The diagnostic view never raises for a broken plugin: it is how you find it.
     state = current_state(strict=False)

@@ -55,8 +55,8 @@ def check_architecture_claims(state: PluginState, staged: Iterable[RegisteredIte
             if other is not None and other is not item:
                 raise DuplicateRegistrationError(
                     f"compute factory {item.name!r} from {item.describe_provider()} claims "
-                    f"architecture {arch!r}, already claimed by compute factory {other.name!r} from "
-                    f"{other.describe_provider()}.\n"
+                    f"architecture {arch!r}, already claimed by compute factory {other.name!r} "
+                    f"from {other.describe_provider()}.\n"
                     "Each architecture has one suggested compute factory.\n"
                     "Fix: drop the architecture from one of them; users can still name either "
                     "factory explicitly."

@@ -6,12 +6,12 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, overload
 
 from hp_core.errors import HpError
+from hp_core.plugins._conflicts import check_conflicts
 from hp_core.plugins._errors import (
     UnknownRegistryItemError,
     UnknownRegistryKindError,
     _UnknownRegistryKeyError,
 )
-from hp_core.plugins._conflicts import check_conflicts
 from hp_core.plugins._items import (
     USER_PROVIDER,
     Provider,

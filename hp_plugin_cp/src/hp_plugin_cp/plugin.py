@@ -1,8 +1,9 @@
 """The hp plugin object of hp-plugin-cp (entry point ``cp`` in group ``hp_core``).
 
-Registers the four CP inner wrappers and the ``cp`` training adapter. Each is ``needs_cp=True`` (preflight refuses it on
-a mesh without an active cp axis) and ``region_dispatch=False`` (it communicates, so the
-attention region runs on local tensors in both modes).
+Registers the four CP inner wrappers and the ``cp`` training adapter. Each wrapper is
+``needs_cp=True`` (preflight refuses it on a mesh without an active cp axis) and
+``region_dispatch=False`` (it communicates, so the attention region runs on local tensors
+in both modes).
 """
 
 from __future__ import annotations

@@ -23,8 +23,15 @@ HP_PLUGIN_API = 2
 ARCHITECTURE = "Phi3ForCausalLM"
 
 PHI3_ROLE_RULES: tuple[RoleRule, ...] = (
-    RoleRule("phi3.fused_qkv", r"(^|\.)self_attn\.qkv_proj\.weight$", Role.FUSED_QKV, (ARCHITECTURE,)),
-    RoleRule("phi3.fused_gate_up", r"(^|\.)mlp\.gate_up_proj\.weight$", Role.FUSED_GATE_UP, (ARCHITECTURE,)),
+    RoleRule(
+        "phi3.fused_qkv", r"(^|\.)self_attn\.qkv_proj\.weight$", Role.FUSED_QKV, (ARCHITECTURE,)
+    ),
+    RoleRule(
+        "phi3.fused_gate_up",
+        r"(^|\.)mlp\.gate_up_proj\.weight$",
+        Role.FUSED_GATE_UP,
+        (ARCHITECTURE,),
+    ),
     RoleRule("phi3.o_proj", r"(^|\.)self_attn\.o_proj\.weight$", Role.ROWWISE, (ARCHITECTURE,)),
     RoleRule("phi3.down_proj", r"(^|\.)mlp\.down_proj\.weight$", Role.ROWWISE, (ARCHITECTURE,)),
 )
