@@ -23,7 +23,8 @@ refuses a plugin that declares another version or none.
 Items are validated before anything is committed; a plugin whose items are all
 valid is committed as a whole, otherwise none of its items are (see
 ``docs/plugins.md``). Each hook fills one registry kind; the kinds are declared once,
-in ``hp_core.plugins._kinds``.
+as the rows of ``hp_core.plugins.REGISTRY_KINDS`` (a test checks each hook's
+``Callback:`` line below against its row).
 """
 
 from __future__ import annotations
