@@ -8,7 +8,7 @@ with the communication its contract implies.
 from __future__ import annotations
 
 from hp_core.errors import HpError
-from hp_core.hookspecs import hookimpl
+from hp_core.hookspecs import PLUGIN_API_VERSION, hookimpl
 from hp_core.injection import (
     InjectionCallError,
     InjectionMeta,
@@ -65,6 +65,7 @@ __all__ = [
     "CP",
     "DP",
     "EP",
+    "PLUGIN_API_VERSION",
     "TP",
     "ApplyFailedError",
     "ArgumentTypeError",

@@ -86,8 +86,7 @@ def _describe_item(item: RegisteredItem) -> str:
 
 def cmd_plugins(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Print the plugin table and the item table; with ``--strict`` fail on broken plugins."""
-    from hp_core.plugins import RegistryKind
-    from hp_core.plugins._manager import current_state, strict_from_env
+    from hp_core.plugins import RegistryKind, current_state, strict_from_env
 
     # The diagnostic view never raises for a broken plugin: it is how you find it.
     state = current_state(strict=False)
@@ -196,7 +195,7 @@ def _check_plugin_items(plan: Any, args: argparse.Namespace, err: Console, verb:
     The message is ``hp_core.apply``'s: the items are resolved with the function its
     preflight uses (``hp_core.injection.resolve_injection``).
     """
-    from hp_core.plugins._plan_items import missing_plan_items
+    from hp_core.plan_items import missing_plan_items
 
     missing = missing_plan_items(plan)
     if not missing:

@@ -29,6 +29,8 @@ HEADER = """\
 from hp_core.hookspecs import hookimpl
 from hp_core.injection import inner_wrapper, local_compute
 
+HP_PLUGIN_API = 2
+
 @inner_wrapper
 def good_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     return None

@@ -425,7 +425,7 @@ def test_factory_interrupt_and_hp_errors_pass_through():
 _INTERNAL_EXCEPTIONS = {
     "hp_core.cli._UsageError",
     "hp_core.cli._Failed",
-    "hp_core.plugins._manager._PluginFailure",
+    "hp_core.plugins._state.PluginFailure",
 }
 #: Base classes that carry no builtin type of their own (their subclasses do).
 _BASES_WITHOUT_BUILTIN = {"hp_core.errors.HpError", "hp_plugin_cp.errors.CPError"}

@@ -14,7 +14,7 @@ from hp_core.plugins import (
     HpPluginWarning,
     PluginInfo,
     PluginLoadError,
-    _manager,
+    _discovery,
     load_plugins,
     plugin_packages,
     plugin_report,
@@ -90,7 +90,7 @@ def test_plugin_packages_come_from_record_and_top_level(fakes):
     fakes.add_distribution(
         "fake-packaged",
         {"packaged": "fakepkg_entry.plugin"},
-        modules={"fakepkg_entry.plugin": "", "fakepkg_entry.__init__": ""},
+        modules={"fakepkg_entry.plugin": "HP_PLUGIN_API = 2\n", "fakepkg_entry.__init__": ""},
         record=[
             "fakepkg_other/__init__.py",
             "fake_single_module.py",
@@ -379,8 +379,8 @@ def test_unknown_name_in_hp_plugins_is_a_warning_with_the_close_match(monkeypatc
 
 def test_entry_point_without_a_distribution_contributes_its_module_package():
     ep = importlib.metadata.EntryPoint(name="loose", value="loose_pkg.plugin:obj", group="hp_core")
-    assert _manager._top_level_packages(ep) == {"loose_pkg"}
-    assert (_manager._dist_name(ep), _manager._dist_version(ep)) == (None, None)
+    assert _discovery.top_level_packages(ep) == {"loose_pkg"}
+    assert (_discovery.dist_name(ep), _discovery.dist_version(ep)) == (None, None)
 
 
 def test_hook_that_returns_items_instead_of_registering_them(fakes):

@@ -24,7 +24,10 @@ from hp_core.plugins import (
     HpPluginWarning,
     PluginInfo,
     PluginLoadError,
+    _config,
+    _discovery,
     _manager,
+    _state,
     load_plugins,
     plugin_report,
     plugin_warnings,
@@ -191,7 +194,7 @@ def test_keyboard_interrupt_propagates(good, capsys, where):
     good.plugin("ctrlc", body)
     with pytest.raises(KeyboardInterrupt, match=f"stop (at|in) {where}"):
         plugin_report()
-    assert _manager._STATE is None and not _manager._LOADING  # nothing half-loaded is kept
+    assert _manager._STATE is None and not _state.LOADING.active  # nothing half-loaded is kept
     with pytest.raises(KeyboardInterrupt):
         cli.main(["plugins"])
     capsys.readouterr()
@@ -286,7 +289,7 @@ def test_imports_run_in_a_daemon_thread_unless_the_limit_is_off(fakes, monkeypat
 def test_import_timeout_from_env(monkeypatch, raw, expected, warns):
     if raw is not None:
         monkeypatch.setenv(ENV_IMPORT_TIMEOUT, raw)
-    timeout, problem = _manager.import_timeout_from_env()
+    timeout, problem = _config.import_timeout_from_env()
     assert timeout == expected
     assert (problem is not None) == warns
     if warns:
@@ -328,6 +331,7 @@ def test_discovery_from_inside_an_import_imports_in_the_calling_thread(fakes, mo
             "fake_selfload_pkg.plugin": (
                 "from hp_core.hookspecs import hookimpl\n"
                 "import fake_selfload_pkg\n\n"
+                "HP_PLUGIN_API = 2\n\n"
                 "@hookimpl\ndef hp_register_router_adapters(register):\n    register('selfload_router', len)\n"
             ),
         },
@@ -337,7 +341,7 @@ def test_discovery_from_inside_an_import_imports_in_the_calling_thread(fakes, mo
         warnings.simplefilter("ignore", HpPluginWarning)
         rows = __import__("fake_selfload_pkg").ROWS
     assert rows["selfload"].status == "loaded", rows["selfload"]
-    assert _manager._importing_in_this_thread() is False
+    assert _discovery.importing_in_this_thread() is False
 
 
 # ------------------------------------------------------------------ plan-time plugin checks

@@ -25,6 +25,7 @@ from hp_core.plugins import (
     RegistryKind,
     UnknownRegistryItemError,
     _manager,
+    _state,
     lookup,
     plugin_packages,
     plugin_report,
@@ -85,8 +86,8 @@ def test_registries_are_read_only_mappings():
 
 def test_discovery_is_lazy_and_runs_once(monkeypatch):
     calls = []
-    real = _manager._load_all
-    monkeypatch.setattr(_manager, "_load_all", lambda: calls.append(1) or real())
+    real = _manager.load_all
+    monkeypatch.setattr(_manager, "load_all", lambda: calls.append(1) or real())
     reset_plugins()
     assert _manager._STATE is None
     assert calls == []
@@ -339,6 +340,8 @@ def test_reset_plugins_forgets_user_registrations():
 
 
 class ExamplePlugin:
+    HP_PLUGIN_API = 2
+
     @hookimpl
     def hp_register_inner_wrappers(self, register):
         register("example_attn", attn_wrapper, needs_cp=True, region_dispatch=False)
@@ -358,6 +361,7 @@ def test_register_plugin_by_hand():
 
 def test_register_plugin_module_trusts_its_package():
     module = types.ModuleType("handmade_pkg.plugin")
+    module.HP_PLUGIN_API = 2
     module.hp_register_router_adapters = ExamplePlugin().hp_register_router_adapters
     assert register_plugin(module, name="handmade").items == 1
     assert "handmade_pkg" in plugin_packages()
@@ -365,6 +369,8 @@ def test_register_plugin_module_trusts_its_package():
 
 def test_register_plugin_failure_raises_and_changes_nothing():
     class Broken:
+        HP_PLUGIN_API = 2
+
         @hookimpl
         def hp_register_inner_wrappers(self, register):
             register("half_done", attn_wrapper)
@@ -391,7 +397,7 @@ def test_register_plugin_name_taken():
 
 
 def test_registry_access_during_loading_is_refused(monkeypatch):
-    monkeypatch.setattr(_manager, "_LOADING", True)
+    monkeypatch.setattr(_state.LOADING, "active", True)
     reset_plugins()
     with pytest.raises(RuntimeError, match=r"^a plugin accessed the hp plugin registries while"):
         len(INNER_WRAPPER_REGISTRY)

@@ -43,7 +43,7 @@ def test_architecture_scoped_rules_take_precedence_only_for_their_architecture()
 
 
 def test_role_rule_validation():
-    with pytest.raises(ValueError, match=r"RoleRule 'x': role must be a hp_core.templates.Role"):
+    with pytest.raises(ValueError, match=r"RoleRule 'x': role must be a hp_core.Role"):
         RoleRule("x", "a", "colwise")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"RoleRule 'x': architectures must be a tuple of class names"):
         RoleRule("x", "a", Role.NORM, architectures="LlamaForCausalLM")  # type: ignore[arg-type]

@@ -113,6 +113,8 @@ def test_hook_registers_with_the_plugins_provenance():
     calls = []
 
     class Plugin:
+        HP_PLUGIN_API = 2
+
         @hookimpl
         def hp_register_training_adapters(self, register):
             register("rec", Recorder("rec", calls), axis="cp")

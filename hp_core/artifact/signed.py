@@ -49,7 +49,7 @@ from hp_core.plan.errors import PlanError
 from hp_core.plan.model import ShardingPlan
 from hp_core.plan.overrides import OverridesLike, overrides_to_list
 from hp_core.plugins import PluginRegistry, plugin_report
-from hp_core.plugins._plan_items import (
+from hp_core.plan_items import (
     INJECTION_FIELDS,
     is_import_path,
     missing_plan_items,
@@ -90,7 +90,7 @@ _INPUT_KEYS = ("hp_version", "mesh", "model", "overrides", "plugins")
 #: Config keys that record where or with what a config was saved, not what the model is.
 _CONFIG_BOOKKEEPING = ("transformers_version", "_name_or_path", "_commit_hash")
 #: Injection field → the registry its plain names refer to (from the one table the plan-time
-#: check uses too, :data:`hp_core.plugins._plan_items.INJECTION_FIELDS`).
+#: check uses too, :data:`hp_core.plan_items.INJECTION_FIELDS`).
 INJECTION_REGISTRIES: Mapping[str, str] = {field: registry for field, (_, registry) in INJECTION_FIELDS.items()}
 _REFREEZE = "Re-create it with this hp: hp freeze --model ... --mesh ... -o ARTIFACT."
 
@@ -384,7 +384,7 @@ def missing_registry_items(plan: ShardingPlan) -> list[str]:
     package is not installed). Nothing is imported.
 
     Whether a name is registered is decided by the finder ``hp plan`` / ``hp freeze`` use
-    (:func:`hp_core.plugins._plan_items.missing_plan_items`, which resolves it as
+    (:func:`hp_core.plan_items.missing_plan_items`, which resolves it as
     ``hp_core.apply`` does); this renders one line per module that names it.
     """
     missing = {(item.field, item.name) for item in missing_plan_items(plan)}

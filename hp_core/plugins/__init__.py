@@ -13,11 +13,38 @@ Environment switches:
   being reported;
 - ``HP_PLUGIN_IMPORT_TIMEOUT=10``: seconds one plugin's import may take before it is
   reported as failed (``0``: no limit).
+
+A plugin declares the plugin API it was built for (``HP_PLUGIN_API =``
+:data:`PLUGIN_API_VERSION`); one built for another version, or declaring none, is refused
+like any failed plugin. The registry kinds are declared once, in :data:`REGISTRY_KINDS`.
+
+Layout (each module imports only those above it in this list): ``_errors``, ``_items``
+(plain data), ``_validate`` (one registration), ``_kinds`` (the one row per kind),
+``_config`` (names, environment), ``_state``, ``_conflicts``, ``_discovery`` (entry
+points, bounded import), ``_contract`` (the API version), ``_hookcall`` (hooks through
+pluggy), ``_loading`` (one plugin in isolation), ``_manager`` (discover, report, reset),
+``_registry`` (views, lookups, user registration).
 """
 
 from __future__ import annotations
 
-from hp_core.hookspecs import hookimpl, hookspec
+from hp_core.hookspecs import (
+    PLUGIN_API_ATTRIBUTE,
+    PLUGIN_API_VERSION,
+    hookimpl,
+    hookspec,
+)
+from hp_core.plugins._config import (
+    BUILTIN_PLUGIN_MODULE,
+    BUILTIN_PLUGIN_NAME,
+    DEFAULT_IMPORT_TIMEOUT,
+    ENTRY_POINT_GROUP,
+    ENV_DISABLE_AUTOLOAD,
+    ENV_IMPORT_TIMEOUT,
+    ENV_PLUGINS,
+    ENV_STRICT,
+    strict_from_env,
+)
 from hp_core.plugins._errors import (
     DuplicateRegistrationError,
     InvalidRegistrationError,
@@ -33,16 +60,12 @@ from hp_core.plugins._items import (
     RegisteredItem,
     RegistryKind,
 )
+from hp_core.plugins._kinds import KIND_SPECS, REGISTRY_KINDS, KindSpec
+from hp_core.plugins._loading import HpPluginWarning
 from hp_core.plugins._manager import (
-    BUILTIN_PLUGIN_NAME,
-    DEFAULT_IMPORT_TIMEOUT,
-    ENTRY_POINT_GROUP,
-    ENV_DISABLE_AUTOLOAD,
-    ENV_IMPORT_TIMEOUT,
-    ENV_PLUGINS,
-    ENV_STRICT,
-    HpPluginWarning,
+    current_state,
     load_plugins,
+    plugin_manager,
     plugin_packages,
     plugin_report,
     plugin_warnings,
@@ -67,8 +90,10 @@ from hp_core.plugins._registry import (
     suggest_compute_factory,
     unregister,
 )
+from hp_core.plugins._state import PluginState
 
 __all__ = [
+    "BUILTIN_PLUGIN_MODULE",
     "BUILTIN_PLUGIN_NAME",
     "COMPUTE_FACTORY_REGISTRY",
     "DEFAULT_IMPORT_TIMEOUT",
@@ -79,6 +104,10 @@ __all__ = [
     "ENV_STRICT",
     "FORWARD_STYLES",
     "INNER_WRAPPER_REGISTRY",
+    "KIND_SPECS",
+    "PLUGIN_API_ATTRIBUTE",
+    "PLUGIN_API_VERSION",
+    "REGISTRY_KINDS",
     "ROUTER_ADAPTER_REGISTRY",
     "TEMPLATE_REGISTRY",
     "TRAINING_ADAPTER_REGISTRY",
@@ -86,19 +115,23 @@ __all__ = [
     "DuplicateRegistrationError",
     "HpPluginWarning",
     "InvalidRegistrationError",
+    "KindSpec",
     "PluginInfo",
     "PluginLoadError",
     "PluginRegistry",
+    "PluginState",
     "PluginStatus",
     "ProtectedRegistryItemError",
     "RegisteredItem",
     "RegistryKind",
     "UnknownRegistryItemError",
     "UnknownRegistryKindError",
+    "current_state",
     "hookimpl",
     "hookspec",
     "load_plugins",
     "lookup",
+    "plugin_manager",
     "plugin_packages",
     "plugin_report",
     "plugin_warnings",
@@ -110,6 +143,7 @@ __all__ = [
     "register_training_adapter",
     "registered_items",
     "reset_plugins",
+    "strict_from_env",
     "suggest_compute_factory",
     "unregister",
 ]

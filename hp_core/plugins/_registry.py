@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, overload
 
 from hp_core.errors import HpError
+from hp_core.plugins._conflicts import check_conflicts
 from hp_core.plugins._errors import (
     UnknownRegistryItemError,
     UnknownRegistryKindError,
@@ -18,13 +19,10 @@ from hp_core.plugins._items import (
     RegistryKind,
     closest,
     did_you_mean,
-    make_compute_factory,
-    make_inner_wrapper,
-    make_router_adapter,
-    make_template,
-    make_training_adapter,
 )
-from hp_core.plugins._manager import _LOCK, check_conflicts, check_not_loading_thread, current_state
+from hp_core.plugins._kinds import KIND_SPECS
+from hp_core.plugins._manager import current_state
+from hp_core.plugins._state import LOCK, check_not_loading_thread
 
 __all__ = [
     "COMPUTE_FACTORY_REGISTRY",
@@ -46,13 +44,6 @@ __all__ = [
 ]
 
 _USER = Provider(USER_PROVIDER)
-_REGISTER_FN = {
-    RegistryKind.TEMPLATE: "register_template(item)",
-    RegistryKind.INNER_WRAPPER: "register_inner_wrapper(name, fn)",
-    RegistryKind.COMPUTE_FACTORY: "register_compute_factory(name, factory)",
-    RegistryKind.ROUTER_ADAPTER: "register_router_adapter(name, adapter)",
-    RegistryKind.TRAINING_ADAPTER: "register_training_adapter(name, adapter, axis=...)",
-}
 
 
 class ProtectedRegistryItemError(HpError, ValueError):
@@ -73,8 +64,12 @@ def _kind(kind: RegistryKind | str) -> RegistryKind:
 #: Item names that first-party plugin distributions register, so that a lookup failing
 #: because the plugin is not installed (or not loaded) can say what to install.
 WELL_KNOWN_ITEMS: dict[RegistryKind, dict[str, str]] = {
-    RegistryKind.INNER_WRAPPER: dict.fromkeys(("sdpa_qkv", "sdpa_hf", "flex_qkv", "flex_hf"), "hp-plugin-cp"),
-    RegistryKind.COMPUTE_FACTORY: dict.fromkeys(("qwen2moe", "mixtral", "routed_only", "deepseekv3"), "hp-plugin-moe"),
+    RegistryKind.INNER_WRAPPER: dict.fromkeys(
+        ("sdpa_qkv", "sdpa_hf", "flex_qkv", "flex_hf"), "hp-plugin-cp"
+    ),
+    RegistryKind.COMPUTE_FACTORY: dict.fromkeys(
+        ("qwen2moe", "mixtral", "routed_only", "deepseekv3"), "hp-plugin-moe"
+    ),
 }
 
 
@@ -89,8 +84,9 @@ def _unknown_message(kind: RegistryKind, name: object) -> str:
     dist = WELL_KNOWN_ITEMS.get(kind, {}).get(str(name))
     if dist is not None:
         lines.append(
-            f"{name!r} is provided by the distribution {dist}, whose plugin is not loaded: install it "
-            f"(pip install {dist}), or, if it is installed, check `hp plugins` and HP_PLUGINS."
+            f"{name!r} is provided by the distribution {dist}, whose plugin is not loaded: "
+            f"install it (pip install {dist}), or, if it is installed, check `hp plugins` "
+            "and HP_PLUGINS."
         )
     if items:
         known = ", ".join(f"{n} ({item.describe_provider()})" for n, item in items.items())
@@ -103,7 +99,7 @@ def _unknown_message(kind: RegistryKind, name: object) -> str:
         lines.append(f"Not loaded: plugin(s) {listed}; run `hp plugins` for details.")
     lines.append(
         "Fix: use a known name, install the plugin that provides it, or register it with "
-        f"hp_core.plugins.{_REGISTER_FN[kind]}."
+        f"hp_core.plugins.{KIND_SPECS[kind].usage()}."
     )
     return "\n".join(lines)
 
@@ -195,65 +191,45 @@ def suggest_compute_factory(architecture: str) -> str | None:
 
 def _commit(item: RegisteredItem) -> RegisteredItem:
     check_not_loading_thread()
-    with _LOCK:
+    with LOCK:
         state = current_state()
         check_conflicts(state, [item])
         state.items[item.kind][item.name] = item
     return item
 
 
-def register_inner_wrapper(
-    name: str,
-    fn: Callable[..., Any],
-    *,
-    needs_cp: bool = False,
-    region_dispatch: bool | None = None,
-    forward_style: str = "any",
-) -> RegisteredItem:
-    """Register an ``@inner_wrapper`` function under ``name`` (provider ``"user"``).
+def _user_register(kind: RegistryKind) -> Callable[..., RegisteredItem]:
+    """The programmatic ``register_*`` function of ``kind``, derived from its row."""
+    spec = KIND_SPECS[kind]
 
-    Raises InvalidRegistrationError / InjectionDefinitionError (a TypeError) for a bad
-    item and DuplicateRegistrationError for a taken name; the registry is unchanged then.
-    """
-    return _commit(
-        make_inner_wrapper(
-            name,
-            fn,
-            _USER,
-            needs_cp=needs_cp,
-            region_dispatch=region_dispatch,
-            forward_style=forward_style,
-        )
+    def register(*args: Any, **kwargs: Any) -> RegisteredItem:
+        return _commit(spec.build(_USER, args, kwargs, caller=spec.register_fn))
+
+    register.__name__ = register.__qualname__ = spec.register_fn
+    register.__signature__ = spec.signature.replace(  # type: ignore[attr-defined]
+        return_annotation=RegisteredItem
     )
+    register.__doc__ = (
+        f"Register {spec.doc} under its name (provider ``\"user\"``); "
+        f"the callback of ``{spec.hook_name}``.\n\n"
+        "Raises InvalidRegistrationError (or InjectionDefinitionError, a TypeError) for a bad "
+        "item and DuplicateRegistrationError for a taken name; the registry is unchanged then."
+    )
+    return register
 
 
-def register_compute_factory(
-    name: str, factory: Callable[..., Any], *, architectures: tuple[str, ...] = ()
-) -> RegisteredItem:
-    """Register a ``@local_compute`` factory under ``name`` (provider ``"user"``)."""
-    return _commit(make_compute_factory(name, factory, _USER, architectures=architectures))
-
-
-def register_router_adapter(name: str, adapter: Callable[..., Any]) -> RegisteredItem:
-    """Register a router adapter callable under ``name`` (provider ``"user"``)."""
-    return _commit(make_router_adapter(name, adapter, _USER))
-
-
-def register_training_adapter(name: str, adapter: Any, *, axis: str) -> RegisteredItem:
-    """Register a training adapter for mesh axis ``axis`` under ``name`` (provider ``"user"``)."""
-    return _commit(make_training_adapter(name, adapter, _USER, axis=axis))
-
-
-def register_template(item: Any) -> RegisteredItem:
-    """Register a template or role rule (any object with ``name``) (provider ``"user"``)."""
-    return _commit(make_template(item, _USER))
+register_template = _user_register(RegistryKind.TEMPLATE)
+register_inner_wrapper = _user_register(RegistryKind.INNER_WRAPPER)
+register_compute_factory = _user_register(RegistryKind.COMPUTE_FACTORY)
+register_router_adapter = _user_register(RegistryKind.ROUTER_ADAPTER)
+register_training_adapter = _user_register(RegistryKind.TRAINING_ADAPTER)
 
 
 def unregister(kind: RegistryKind | str, name: str) -> RegisteredItem:
     """Remove a user-registered item and return it. Plugin items cannot be removed."""
     registry_kind = _kind(kind)
     check_not_loading_thread()
-    with _LOCK:
+    with LOCK:
         item = lookup(registry_kind, name)
         if item.provider != USER_PROVIDER or item.distribution is not None:
             raise ProtectedRegistryItemError(

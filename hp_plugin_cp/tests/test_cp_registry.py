@@ -18,7 +18,6 @@ from hp_core.plugins import (
     plugin_report,
     reset_plugins,
 )
-from hp_core.plugins import _manager as manager
 from hp_core.testing.models import build_model
 from hp_plugin_cp import flex_hf, flex_qkv, sdpa_hf, sdpa_qkv
 
@@ -67,12 +66,12 @@ def test_without_the_plugin_the_wrappers_are_gone_and_the_error_says_what_to_ins
 
 def test_uninstalled_plugin_disappears_from_hp_plugins(plugins_env, capsys):
     """No entry point at all (what `pip uninstall hp-plugin-cp` leaves): no row, no items."""
-    real = manager.importlib_metadata.entry_points
+    real = importlib.metadata.entry_points
 
     def without_cp(**kwargs):
         return [ep for ep in real(**kwargs) if getattr(ep.dist, "name", None) != "hp-plugin-cp"]
 
-    plugins_env.setattr(manager.importlib_metadata, "entry_points", without_cp)
+    plugins_env.setattr(importlib.metadata, "entry_points", without_cp)
     reset_plugins()
     assert "cp" not in [r.name for r in plugin_report()]
     assert cli.main(["plugins"]) == 0

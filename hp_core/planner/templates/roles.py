@@ -65,7 +65,7 @@ class RoleRule:
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
-            raise TemplateDefinitionError(f"RoleRule {self.name!r}: role must be a hp_core.templates.Role, got {self.role!r}")
+            raise TemplateDefinitionError(f"RoleRule {self.name!r}: role must be a hp_core.Role, got {self.role!r}")
         if isinstance(self.architectures, str) or not all(isinstance(a, str) for a in self.architectures):
             raise TemplateDefinitionError(
                 f"RoleRule {self.name!r}: architectures must be a tuple of class names, got {self.architectures!r}"

@@ -1,8 +1,9 @@
 """The hp plugin object of hp-plugin-cp (entry point ``cp`` in group ``hp_core``).
 
-Registers the four CP inner wrappers and the ``cp`` training adapter. Each is ``needs_cp=True`` (preflight refuses it on
-a mesh without an active cp axis) and ``region_dispatch=False`` (it communicates, so the
-attention region runs on local tensors in both modes).
+Registers the four CP inner wrappers and the ``cp`` training adapter. Each wrapper is
+``needs_cp=True`` (preflight refuses it on a mesh without an active cp axis) and
+``region_dispatch=False`` (it communicates, so the attention region runs on local tensors
+in both modes).
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from hp_core.hookspecs import hookimpl
 from hp_plugin_cp.batch import shard_batch_for_cp
 from hp_plugin_cp.loss import enable_cp_loss
 from hp_plugin_cp.wrappers import flex_hf, flex_qkv, sdpa_hf, sdpa_qkv
+
+#: The hp plugin API (hook specs + injection signatures) this plugin is built for: a
+#: literal, so an hp-core speaking another version refuses it instead of misusing it.
+HP_PLUGIN_API = 2
 
 #: name → (wrapper, forward style), in registration order.
 WRAPPERS = {

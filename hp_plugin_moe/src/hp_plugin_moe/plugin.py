@@ -14,7 +14,16 @@ from hp_core.hookspecs import hookimpl
 from hp_plugin_moe.factories import deepseekv3, mixtral, qwen2moe, routed_only
 from hp_plugin_moe.routers import BUILTIN_ROUTERS
 
-__all__ = ["FACTORIES", "hp_register_compute_factories", "hp_register_router_adapters"]
+__all__ = [
+    "FACTORIES",
+    "HP_PLUGIN_API",
+    "hp_register_compute_factories",
+    "hp_register_router_adapters",
+]
+
+#: The hp plugin API (hook specs + injection signatures) this plugin is built for: a
+#: literal, so an hp-core speaking another version refuses it instead of misusing it.
+HP_PLUGIN_API = 2
 
 #: factory name → (factory, HF architectures it is suggested for).
 FACTORIES: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {

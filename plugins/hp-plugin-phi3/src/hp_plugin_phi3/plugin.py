@@ -12,15 +12,26 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hp_core.hookspecs import hookimpl
-from hp_core.planner.templates import Role, RoleRule
+from hp_core import Role, RoleRule
 
-__all__ = ["ARCHITECTURE", "PHI3_ROLE_RULES", "hp_register_templates"]
+__all__ = ["ARCHITECTURE", "HP_PLUGIN_API", "PHI3_ROLE_RULES", "hp_register_templates"]
+
+#: The hp plugin API (hook specs + injection signatures) this plugin is built for: a
+#: literal, so an hp-core speaking another version refuses it instead of misusing it.
+HP_PLUGIN_API = 2
 
 ARCHITECTURE = "Phi3ForCausalLM"
 
 PHI3_ROLE_RULES: tuple[RoleRule, ...] = (
-    RoleRule("phi3.fused_qkv", r"(^|\.)self_attn\.qkv_proj\.weight$", Role.FUSED_QKV, (ARCHITECTURE,)),
-    RoleRule("phi3.fused_gate_up", r"(^|\.)mlp\.gate_up_proj\.weight$", Role.FUSED_GATE_UP, (ARCHITECTURE,)),
+    RoleRule(
+        "phi3.fused_qkv", r"(^|\.)self_attn\.qkv_proj\.weight$", Role.FUSED_QKV, (ARCHITECTURE,)
+    ),
+    RoleRule(
+        "phi3.fused_gate_up",
+        r"(^|\.)mlp\.gate_up_proj\.weight$",
+        Role.FUSED_GATE_UP,
+        (ARCHITECTURE,),
+    ),
     RoleRule("phi3.o_proj", r"(^|\.)self_attn\.o_proj\.weight$", Role.ROWWISE, (ARCHITECTURE,)),
     RoleRule("phi3.down_proj", r"(^|\.)mlp\.down_proj\.weight$", Role.ROWWISE, (ARCHITECTURE,)),
 )

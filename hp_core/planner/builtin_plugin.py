@@ -2,7 +2,9 @@
 
 It registers the default parameter-role rules and boundary templates through the same
 hook third-party plugins use, so the planner sees one registry with provenance for
-every rule and template.
+every rule and template. The plugin layer loads it by module name
+(``hp_core.plugins._config.BUILTIN_PLUGIN_MODULE``), like an entry point, so the plugin
+layer imports nothing from the planner above it.
 """
 
 from __future__ import annotations
@@ -10,15 +12,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hp_core.hookspecs import hookimpl
+from hp_core.hookspecs import PLUGIN_API_VERSION, hookimpl
+from hp_core.planner.templates.builtin import DEFAULT_BOUNDARY_TEMPLATES
+from hp_core.planner.templates.roles import DEFAULT_ROLE_RULES
+
+__all__ = ["HP_PLUGIN_API", "hp_register_templates"]
+
+#: The plugin contract this plugin is built for (checked like any plugin's).
+HP_PLUGIN_API = PLUGIN_API_VERSION
 
 
 @hookimpl
 def hp_register_templates(register: Callable[[Any], None]) -> None:
     """Register the default role rules (in precedence order) and boundary templates."""
-    from hp_core.planner.templates.builtin import DEFAULT_BOUNDARY_TEMPLATES
-    from hp_core.planner.templates.roles import DEFAULT_ROLE_RULES
-
     for rule in DEFAULT_ROLE_RULES:
         register(rule)
     for template in DEFAULT_BOUNDARY_TEMPLATES:

@@ -10,7 +10,8 @@ paths (``pkg.module.attr``) are not registry items and are left to ``apply``.
 
 This is the one finder of missing registry items: ``hp plan`` / ``hp freeze`` use it, and
 so does :func:`hp_core.codegen.artifact.missing_registry_items` (``read_artifact``,
-``hp check``), with the table below.
+``hp check``), with the table below. It sits above the plugin layer and the injection
+resolution it calls; the table is derived from the registry kinds' rows.
 """
 
 from __future__ import annotations
@@ -19,15 +20,23 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from hp_core.plugins._errors import UnknownRegistryItemError
+from hp_core.injection import Target, resolve_injection
+from hp_core.plugins import REGISTRY_KINDS, UnknownRegistryItemError
 
-__all__ = ["INJECTION_FIELDS", "MissingPlanItem", "is_import_path", "missing_plan_items", "named_injections"]
+__all__ = [
+    "INJECTION_FIELDS",
+    "MissingPlanItem",
+    "is_import_path",
+    "missing_plan_items",
+    "named_injections",
+]
 
 #: Injection field of a spec → (the ``resolve_injection`` kind preflight resolves it as,
 #: the registry a plain name there refers to).
 INJECTION_FIELDS: Mapping[str, tuple[str, str]] = {
-    "inner_wrapper": ("inner_wrapper", "inner_wrapper"),
-    "local_compute_fn": ("local_compute", "compute_factory"),
+    spec.plan_field: (spec.injection, spec.kind.value)
+    for spec in REGISTRY_KINDS
+    if spec.plan_field is not None and spec.injection is not None
 }
 
 
@@ -39,8 +48,6 @@ def is_import_path(name: str) -> bool:
 def named_injections(plan: Any) -> Iterator[tuple[str, str, str]]:
     """``(fqn, field, name)`` for every injection written as a string (a registry name or an
     import path; a ``Target``'s target included), in plan order. Imports nothing."""
-    from hp_core.injection import Target
-
     for fqn, spec in plan.items():
         for field in INJECTION_FIELDS:
             value = getattr(spec, field, None)
@@ -80,8 +87,6 @@ def missing_plan_items(plan: Any) -> list[MissingPlanItem]:
     :class:`UnknownRegistryItemError` (closest name, providing distribution, ``pip
     install`` hint) that ``hp_core.apply`` raises. Imports nothing.
     """
-    from hp_core.injection import resolve_injection
-
     found: dict[tuple[str, str], MissingPlanItem] = {}
     resolved: set[tuple[str, str]] = set()
     for fqn, field, ref in named_injections(plan):
