@@ -11,9 +11,9 @@ from typing import Any
 
 from torch import nn
 
+from hp_core.collectives import Collective
 from hp_core.mesh import MeshSpec
 from hp_core.planner.comms import (
-    Collective,
     boundary_collectives,
     input_check_axes,
     reduction_axes,

@@ -90,6 +90,9 @@ class RegisteredItem:
     distribution: str | None
     version: str | None
     meta: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    #: ``(sizes, config) -> [Collective, ...]``: what one call issues (inner wrappers and
+    #: compute factories; None: nothing declared), read by hp's step prediction.
+    collectives: Callable[[Mapping[str, int], Mapping[str, Any]], Any] | None = None
 
     def describe_provider(self) -> str:
         return Provider(self.provider, self.distribution, self.version).describe()
@@ -219,6 +222,7 @@ def make_inner_wrapper(
     needs_cp: Any = False,
     region_dispatch: Any = None,
     forward_style: Any = "any",
+    collectives: Any = None,
 ) -> RegisteredItem:
     source = f"{provider.describe()}, inner wrapper {name!r}"
     check_name(RegistryKind.INNER_WRAPPER, name, source=source)
@@ -233,17 +237,26 @@ def make_inner_wrapper(
         )
     _require_injection(fn, "inner_wrapper", source=source)
     meta = {"needs_cp": needs_cp, "region_dispatch": region_dispatch, "forward_style": forward_style}
-    return _item(RegistryKind.INNER_WRAPPER, name, fn, provider, meta)
+    _check_collectives(collectives, source=source)
+    item = _item(RegistryKind.INNER_WRAPPER, name, fn, provider, meta)
+    return dataclasses.replace(item, collectives=collectives)
 
 
 def make_compute_factory(
-    name: Any, factory: Any, provider: Provider, *, architectures: Any = ()
+    name: Any, factory: Any, provider: Provider, *, architectures: Any = (), collectives: Any = None
 ) -> RegisteredItem:
     source = f"{provider.describe()}, compute factory {name!r}"
     check_name(RegistryKind.COMPUTE_FACTORY, name, source=source)
     archs = _check_architectures(architectures, source=source)
     _require_injection(factory, "local_compute", source=source)
-    return _item(RegistryKind.COMPUTE_FACTORY, name, factory, provider, {"architectures": archs})
+    _check_collectives(collectives, source=source)
+    item = _item(RegistryKind.COMPUTE_FACTORY, name, factory, provider, {"architectures": archs})
+    return dataclasses.replace(item, collectives=collectives)
+
+
+def _check_collectives(value: Any, *, source: str) -> None:
+    if value is not None:
+        _require_callable(value, "collectives declaration", source=source)
 
 
 def make_router_adapter(name: Any, adapter: Any, provider: Provider) -> RegisteredItem:
@@ -336,6 +349,7 @@ def make_register_callback(
             needs_cp: bool = False,
             region_dispatch: bool | None = None,
             forward_style: str = "any",
+            collectives: Callable[..., Any] | None = None,
         ) -> None:
             sink(
                 make_inner_wrapper(
@@ -345,6 +359,7 @@ def make_register_callback(
                     needs_cp=needs_cp,
                     region_dispatch=region_dispatch,
                     forward_style=forward_style,
+                    collectives=collectives,
                 )
             )
 
@@ -352,9 +367,17 @@ def make_register_callback(
     if kind is RegistryKind.COMPUTE_FACTORY:
 
         def register_compute_factory(
-            name: str, factory: Callable[..., Any], *, architectures: tuple[str, ...] = ()
+            name: str,
+            factory: Callable[..., Any],
+            *,
+            architectures: tuple[str, ...] = (),
+            collectives: Callable[..., Any] | None = None,
         ) -> None:
-            sink(make_compute_factory(name, factory, provider, architectures=architectures))
+            sink(
+                make_compute_factory(
+                    name, factory, provider, architectures=architectures, collectives=collectives
+                )
+            )
 
         return register_compute_factory
 
