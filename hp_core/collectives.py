@@ -5,13 +5,13 @@ adjoint backward. :data:`TRANSITIONS` is the one table of those rules: the plann
 prediction (``hp plan``, ``explain()``), the runtime's lowering of production mode's
 transitions, the verifier and the tests all read it, so what hp predicts is what it runs.
 
-| src → dst | forward | backward (grad arrives in dst's layout) | runs |
+| src → dst | forward | backward (grad in dst's layout) | runs |
 |---|---|---|---|
-| shard(d) → replicate | all_gather | reduce_scatter if the grad is partial, else none (slice) | all_gather_along |
+| shard(d) → replicate | all_gather | reduce_scatter if partial, else slice | all_gather_along |
 | replicate → shard(d) | none (slice) | all_gather | slice_along |
 | partial → replicate | all_reduce | none | all_reduce |
 | partial → shard(d) | reduce_scatter | all_gather | reduce_scatter_along |
-| replicate → replicate | none | all_reduce if the grad is partial, else none | copy_to_region |
+| replicate → replicate | none | all_reduce if partial, else none | copy_to_region |
 | shard(a) → shard(b) | all_to_all | all_to_all | DTensor's redistribute |
 | replicate → partial | none (a local rescale) | none | DTensor's redistribute |
 
@@ -140,7 +140,9 @@ def _chunk(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
 
 
-def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+def _exchange(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any
+) -> torch.Tensor:
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     if not x.is_meta:
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
@@ -149,7 +151,9 @@ def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], grou
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any, grad_partial: bool) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, dim: int, group: Any, grad_partial: bool
+    ) -> torch.Tensor:
         ctx.dim, ctx.group, ctx.grad_partial = dim, group, grad_partial
         return _gather(x, dim, group)
 
@@ -298,7 +302,9 @@ TRANSITIONS: Mapping[tuple[str, str, bool], Rule] = {
     ("partial", "replicate", True): Rule("all_reduce", None, lambda x, d, g: all_reduce(x, g)),
     ("partial", "replicate", False): Rule("all_reduce", None, lambda x, d, g: all_reduce(x, g)),
     ("partial", "shard", False): Rule("reduce_scatter", "all_gather", reduce_scatter_along),
-    ("replicate", "replicate", True): Rule(None, "all_reduce", lambda x, d, g: copy_to_region(x, g)),
+    ("replicate", "replicate", True): Rule(
+        None, "all_reduce", lambda x, d, g: copy_to_region(x, g)
+    ),
     ("replicate", "replicate", False): _NONE,
     ("shard", "shard", False): Rule("all_to_all", "all_to_all", None),
     ("replicate", "partial", False): _NONE,  # a local rescale, no communication
@@ -328,7 +334,9 @@ def rule(src: Placement, dst: Placement, *, grad_partial: bool) -> Rule:
     return TRANSITIONS.get(key, _NONE)  # type: ignore[arg-type]
 
 
-def transition(src: Placement, dst: Placement, *, grad_partial: bool) -> tuple[str | None, str | None]:
+def transition(
+    src: Placement, dst: Placement, *, grad_partial: bool
+) -> tuple[str | None, str | None]:
     """(forward op, backward op) for one axis; None means no communication."""
     r = rule(src, dst, grad_partial=grad_partial)
     return r.forward, r.backward

@@ -151,7 +151,13 @@ def count_collectives(family: str, mode: str, *, sp: bool = True, loss_parallel:
     apply(model, p, mesh, mode=mode)
     ids = _batch(0)
     measured = count_step(lambda: model(input_ids=ids, labels=ids, use_cache=False).loss)
-    pred = by_phase(step_collectives(p.modules, loss_parallel=loss_parallel, reductions=model._hp_applied.report.reductions, check_axes=input_check_axes(mesh.mesh_dim_names, mesh.shape)))
+    checks = input_check_axes(mesh.mesh_dim_names, mesh.shape)
+    reductions = model._hp_applied.report.reductions
+    pred = by_phase(
+        step_collectives(
+            p.modules, loss_parallel=loss_parallel, reductions=reductions, check_axes=checks
+        )
+    )
     return {
         "forward": measured["forward"],
         "backward": measured["backward"],

@@ -83,7 +83,9 @@ def _registry_name(injection: Any) -> tuple[str | None, Mapping[str, Any]]:
     return None, {}
 
 
-def plugin_collectives(fqn: str, spec: ModuleShardingSpec, sizes: Mapping[str, int]) -> list[Collective]:
+def plugin_collectives(
+    fqn: str, spec: ModuleShardingSpec, sizes: Mapping[str, int]
+) -> list[Collective]:
     """What the registry items a boundary names (inner wrapper, compute factory) issue per call.
 
     Each item declares its collectives at registration (``collectives=``, a callable of the

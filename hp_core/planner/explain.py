@@ -233,7 +233,8 @@ def explain(plan: ShardingPlan, report: Any = None) -> str:
         for fqn, spec in plan.modules.items()
         for c in (plugin_collectives(fqn, spec, sizes) if sizes is not None else ())
     )
-    for (phase, op, axis), n in sorted(declared.items(), key=lambda kv: (kv[0][0] != "forward", kv[0])):
+    order = sorted(declared.items(), key=lambda kv: (kv[0][0] != "forward", kv[0]))
+    for (phase, op, axis), n in order:
         out.append(
             f"{_INDENT}({phase} {op} on {axis} includes {n} declared by plugin items: their calls' "
             "own collectives, see 'collectives per call' above)"

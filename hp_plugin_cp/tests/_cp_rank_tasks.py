@@ -341,7 +341,9 @@ def count_collectives(mesh_shape: tuple[int, ...], mesh_names: tuple[str, ...], 
     apply(model, p, mesh, mode=mode)
     batch = shard_batch_for_cp(full_batch(0, pad=True), mesh["cp"])
     measured = count_step(lambda: model(**batch, use_cache=False).loss)
-    pred = by_phase(step_collectives(p.modules, reductions=model._hp_applied.report.reductions, check_axes=input_check_axes(mesh.mesh_dim_names, mesh.shape)))
+    checks = input_check_axes(mesh.mesh_dim_names, mesh.shape)
+    reductions = model._hp_applied.report.reductions
+    pred = by_phase(step_collectives(p.modules, reductions=reductions, check_axes=checks))
     return {
         "forward": measured["forward"],
         "backward": measured["backward"],

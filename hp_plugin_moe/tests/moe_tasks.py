@@ -267,7 +267,9 @@ def count_collectives(family: str, mode: str, mesh_shape: Sequence[int], mesh_na
     assert all(q.grad is None for q in model.parameters())
     ids = _batch(0, 0)
     measured = count_step(lambda: _forward(model, ids, family)[0])
-    pred = by_phase(step_collectives(p.modules, reductions=model._hp_applied.report.reductions, check_axes=input_check_axes(mesh.mesh_dim_names, mesh.shape)))
+    checks = input_check_axes(mesh.mesh_dim_names, mesh.shape)
+    reductions = model._hp_applied.report.reductions
+    pred = by_phase(step_collectives(p.modules, reductions=reductions, check_axes=checks))
     state = model._hp_applied
     return {
         "forward": measured["forward"],

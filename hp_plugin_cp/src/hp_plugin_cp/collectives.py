@@ -39,7 +39,9 @@ def all_gather_kv(
     return k, v
 
 
-def cp_attention_collectives(sizes: Mapping[str, int], config: Mapping[str, Any]) -> list[Collective]:
+def cp_attention_collectives(
+    sizes: Mapping[str, int], config: Mapping[str, Any]
+) -> list[Collective]:
     """The collectives of one CP attention call: the K/V gather and its reduce-scatter."""
     if int(sizes.get("cp", 1)) <= 1:
         return []

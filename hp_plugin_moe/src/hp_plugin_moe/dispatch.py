@@ -106,6 +106,11 @@ def moe_block_collectives(sizes: Mapping[str, int], config: Mapping[str, Any]) -
     if int(sizes.get("ep", 1)) <= 1:
         return []
     where = "moe token dispatch"
-    fwd = [Collective("all_to_all", "ep", "forward", f"{where} {step}") for step in ("counts", "rows", "combine")]
-    bwd = [Collective("all_to_all", "ep", "backward", f"{where} {step}") for step in ("rows", "combine")]
+    fwd = [
+        Collective("all_to_all", "ep", "forward", f"{where} {step}")
+        for step in ("counts", "rows", "combine")
+    ]
+    bwd = [
+        Collective("all_to_all", "ep", "backward", f"{where} {step}") for step in ("rows", "combine")
+    ]
     return fwd + bwd
