@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from hp_core.spec import ModuleShardingSpec
+if TYPE_CHECKING:  # a type only: this module stays a leaf of torch alone
+    from hp_core.spec import ModuleShardingSpec
 
 __all__ = [
     "TRANSITIONS",
