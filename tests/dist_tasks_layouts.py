@@ -8,17 +8,17 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from hp_core.runtime.layouts import Transition
+from hp_core.runtime.layouts import Redistribution
 
 P = {"r": Replicate(), "p": Partial(), "s0": Shard(0), "s1": Shard(1)}
 
 
 def compare_transition(names: tuple[str, str], src: dict[str, str], dst: dict[str, str], grad_partial: tuple[str, ...]) -> dict[str, Any]:
-    """Forward values and input gradients of ``Transition.local`` vs the DTensor path."""
+    """Forward values and input gradients of ``Redistribution.local`` vs the DTensor path."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
     s = {a: P[v] for a, v in src.items()}
     d = {a: P[v] for a, v in dst.items()}
-    tr = Transition(s, d, mesh, grad_partial_axes=grad_partial)
+    tr = Redistribution(s, d, mesh, grad_partial_axes=grad_partial)
     rank = torch.distributed.get_rank()
     g = torch.Generator().manual_seed(7 + rank)  # every rank its own local values
     x = torch.randn(4, 8, 6, generator=g)

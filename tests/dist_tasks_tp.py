@@ -36,6 +36,7 @@ from hp_core.testing.compare import (
 )
 from hp_core.testing.families import family_model, perturb_
 from hp_core.testing.models import build_model
+from hp_core.testing.probe import by_phase, count_step
 
 VOCAB = 128
 RTOL = 1e-5
@@ -142,47 +143,26 @@ def train_compare(family: str, mesh_shape, mesh_names, *, sp: bool = True, loss_
     }
 
 
-_OP_NAMES = {
-    "allgather_base": "all_gather",
-    "all_gather_into_tensor": "all_gather",
-    "reduce_scatter_base": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "allreduce": "all_reduce",
-    "all_reduce": "all_reduce",
-}
-
-
-def _counts(cm: Any) -> dict[str, int]:
-    res: dict[str, int] = {}
-    for op, n in cm.get_comm_counts().items():
-        name = _OP_NAMES.get(str(op).split(".")[-1].strip("_"), str(op))
-        res[name] = res.get(name, 0) + n
-    return res
-
-
 def count_collectives(family: str, mode: str, *, sp: bool = True, loss_parallel: bool = False, layers: int = 2, **config) -> dict:
     """Measured collectives of one forward and one backward, and the plan's prediction."""
-    import warnings
-
-    from torch.distributed.tensor.debug import CommDebugMode
-
     model = build_model(family, seed=0, num_hidden_layers=layers, **config)
     mesh = _mesh((2,), ("tp",))
     p = make_plan(model, mesh, sequence_parallel=sp, loss_parallel=loss_parallel)
     apply(model, p, mesh, mode=mode)
     ids = _batch(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # CommDebugMode's module hooks warn about integer inputs
-        with CommDebugMode() as fwd:
-            out = model(input_ids=ids, labels=ids, use_cache=False)
-        with CommDebugMode() as bwd:
-            out.loss.backward()
-    pred = step_collectives(p.modules, loss_parallel=loss_parallel, reductions=model._hp_applied.report.reductions, check_axes=input_check_axes(mesh.mesh_dim_names, mesh.shape))
+    measured = count_step(lambda: model(input_ids=ids, labels=ids, use_cache=False).loss)
+    checks = input_check_axes(mesh.mesh_dim_names, mesh.shape)
+    reductions = model._hp_applied.report.reductions
+    pred = by_phase(
+        step_collectives(
+            p.modules, loss_parallel=loss_parallel, reductions=reductions, check_axes=checks
+        )
+    )
     return {
-        "forward": _counts(fwd),
-        "backward": _counts(bwd),
-        "pred_forward": {op: n for (ph, op, _), n in pred.items() if ph == "forward"},
-        "pred_backward": {op: n for (ph, op, _), n in pred.items() if ph == "backward"},
+        "forward": measured["forward"],
+        "backward": measured["backward"],
+        "pred_forward": pred["forward"],
+        "pred_backward": pred["backward"],
         "sync_reductions": model._hp_applied.grad_reducer.reductions if model._hp_applied.grad_reducer else 0,
     }
 

@@ -7,16 +7,13 @@ from collections import Counter
 import pytest
 import torch
 
+from hp_core.collectives import Collective, Transition, grad_is_partial, transition
 from hp_core.planner import plan
 from hp_core.planner.comms import (
-    Collective,
-    Transition,
     boundary_collectives,
     boundary_transitions,
-    grad_is_partial,
     sp_grad_params,
     step_collectives,
-    transition,
 )
 from hp_core.spec import ModuleShardingSpec
 from hp_core.testing.models import build_model

@@ -2,23 +2,25 @@
 
 Per boundary, in model order: its parameters and their placements, each entry and exit
 transition with the collective it costs (forward and backward, from
-:mod:`hp_core.planner.comms`), injections, attribute changes, deferred biases and
+:mod:`hp_core.collectives`'s table), injections, attribute changes, deferred biases and
 expert-parallel stacking; at the end the collectives of one training step.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.tensor import Placement
 
+from hp_core.collectives import Transition
 from hp_core.injection import Target
 from hp_core.plan.errors import PlanError
 from hp_core.planner.comms import (
-    Transition,
     boundary_transitions,
     input_check_axes,
+    plugin_collectives,
     reduction_axes,
     sp_grad_params,
     step_collectives,
@@ -94,6 +96,26 @@ def _injection_lines(spec: ModuleShardingSpec) -> list[str]:
     return [f"injections: {', '.join(parts)}"] if parts else []
 
 
+def _sizes(plan: ShardingPlan) -> dict[str, int] | None:
+    """The mesh's axis sizes, or None for a mesh of names only."""
+    if not plan.mesh_shape:
+        return None
+    return dict(zip(plan.mesh_axis_names, plan.mesh_shape, strict=True))
+
+
+def _plugin_lines(fqn: str, spec: ModuleShardingSpec, plan: ShardingPlan) -> list[str]:
+    """Per registry item the boundary names: the collectives it declares for one call."""
+    sizes = _sizes(plan)
+    by_item: dict[str, Counter[str]] = {}
+    for c in plugin_collectives(fqn, spec, sizes) if sizes is not None else ():
+        item = c.where.removeprefix(f"{fqn} ").split(": ", 1)[0]
+        by_item.setdefault(item, Counter())[f"{c.phase} {c.op} on {c.axis}"] += 1
+    return [
+        f"collectives per call of {item}: " + ", ".join(f"{op} x{n}" for op, n in ops.items())
+        for item, ops in by_item.items()
+    ]
+
+
 def _boundary_lines(fqn: str, spec: ModuleShardingSpec, plan: ShardingPlan) -> list[str]:
     lines: list[str] = []
     params = spec.params if isinstance(spec.params, dict) else {}
@@ -115,6 +137,7 @@ def _boundary_lines(fqn: str, spec: ModuleShardingSpec, plan: ShardingPlan) -> l
         if isinstance(spec.out_names, list):
             lines.append(f"out names: {', '.join(spec.out_names)}")
     lines += _injection_lines(spec)
+    lines += _plugin_lines(fqn, spec, plan)
     if spec._tp_local_attr_plan:
         attrs = ", ".join(f"{a} {g}→{loc}" for a, (g, loc) in spec._tp_local_attr_plan.items())
         lines.append(f"attrs (divided by tp): {attrs}")
@@ -179,7 +202,13 @@ def explain(plan: ShardingPlan, report: Any = None) -> str:
     out.append("collectives per training step (predicted, one forward + one backward):")
     reductions = report.reductions if report is not None else None
     checks = input_check_axes(plan.mesh_axis_names, plan.mesh_shape) if plan.mesh_shape else []
-    counts = step_collectives(plan.modules, loss_parallel=plan.loss_parallel, reductions=reductions, check_axes=checks)
+    counts = step_collectives(
+        plan.modules,
+        loss_parallel=plan.loss_parallel,
+        reductions=reductions,
+        check_axes=checks,
+        sizes=_sizes(plan),
+    )
     if not counts:
         out.append(f"{_INDENT}none")
     for phase in ("forward", "backward"):
@@ -196,6 +225,18 @@ def explain(plan: ShardingPlan, report: Any = None) -> str:
         out.append(
             f"{_INDENT}(forward all_reduce on tp includes the vocab-parallel cross-entropy's 2: "
             "the max, then the sum of exponentials with the target logit)"
+        )
+    sizes = _sizes(plan)
+    declared = Counter(
+        (c.phase, c.op, c.axis)
+        for fqn, spec in plan.modules.items()
+        for c in (plugin_collectives(fqn, spec, sizes) if sizes is not None else ())
+    )
+    order = sorted(declared.items(), key=lambda kv: (kv[0][0] != "forward", kv[0]))
+    for (phase, op, axis), n in order:
+        out.append(
+            f"{_INDENT}({phase} {op} on {axis} includes {n} declared by plugin items: their calls' "
+            "own collectives, see 'collectives per call' above)"
         )
     for axis in reduction_axes(plan.modules, reductions):
         if reductions is not None:

@@ -11,12 +11,12 @@ from typing import Any
 
 from torch import nn
 
+from hp_core.collectives import Collective
 from hp_core.mesh import MeshSpec
 from hp_core.plan.errors import ArgumentTypeError, PlanError
 from hp_core.plan.model import ShardingPlan
 from hp_core.plan.overrides import OverridesLike, resolve_overrides
 from hp_core.planner.comms import (
-    Collective,
     boundary_collectives,
     input_check_axes,
     reduction_axes,

@@ -1,20 +1,11 @@
-"""Which collectives a plan implies: per boundary transition, forward and backward.
+"""Which collectives a plan implies: per boundary transition, per plugin call, per step.
 
-One rule table serves the planner's predictions (``hp plan``, ``explain()``) and the
-tests that count real collectives. A transition ``src → dst`` on one mesh axis:
-
-| src → dst | forward | backward (grad arrives in dst's layout) |
-|---|---|---|
-| shard(d) → replicate | all_gather | reduce_scatter if the grad is partial, else none (slice) |
-| replicate → shard(d) | none (slice) | all_gather |
-| partial → replicate | all_reduce | none |
-| partial → shard(d) | reduce_scatter | all_gather |
-| replicate → replicate | none | all_reduce if the grad is partial, else none |
-| shard(a) → shard(b) | all_to_all | all_to_all |
-
-The gradient of an input that a boundary gathers to ``replicate`` is partial when the
-boundary shards parameters on that axis (every rank contributes its slice of the
-weight's contraction); otherwise each rank computes the whole gradient itself.
+The rules per layout change are the one table of :mod:`hp_core.collectives`
+(``TRANSITIONS``), which production's lowering runs too. This module applies them to a
+plan's boundaries, adds what the registry items a plan names (inner wrappers, compute
+factories) declare they issue per call, and the per-step extras (the input guard, the
+vocab-parallel loss, the bucketed gradient reductions): the prediction ``hp plan`` and
+``explain()`` print, and the tests compare with what runs.
 """
 
 from __future__ import annotations
@@ -24,75 +15,23 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
+from hp_core.collectives import Collective, Transition, grad_is_partial, transition
+from hp_core.injection import Target
 from hp_core.mesh import is_data_axis
+from hp_core.plugins import PluginRegistry, RegistryKind
 from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = [
-    "Collective",
-    "Transition",
     "boundary_collectives",
     "boundary_transitions",
-    "grad_is_partial",
     "input_check_axes",
+    "plugin_collectives",
     "reduction_axes",
     "sp_grad_params",
     "step_collectives",
-    "transition",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """One collective on one mesh axis, in the forward or the backward pass."""
-
-    op: str
-    axis: str
-    phase: str  # "forward" | "backward"
-    where: str  # "<fqn> in_src.hidden_states" etc.
-
-
-def transition(src: Placement, dst: Placement, *, grad_partial: bool) -> tuple[str | None, str | None]:
-    """(forward op, backward op) for one axis; None means no communication."""
-    if src == dst:
-        if isinstance(src, Replicate) and grad_partial:
-            return None, "all_reduce"
-        return None, None
-    if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return "all_gather", ("reduce_scatter" if grad_partial else None)
-    if isinstance(src, Replicate) and isinstance(dst, Shard):
-        return None, "all_gather"
-    if isinstance(src, Partial) and isinstance(dst, Replicate):
-        return "all_reduce", None
-    if isinstance(src, Partial) and isinstance(dst, Shard):
-        return "reduce_scatter", "all_gather"
-    if isinstance(src, Shard) and isinstance(dst, Shard):
-        return "all_to_all", "all_to_all"
-    return None, None  # replicate → partial: a local rescale, no communication
-
-
-def grad_is_partial(spec: ModuleShardingSpec, axis: str) -> bool:
-    """Whether the gradient of an input gathered on ``axis`` comes back partial."""
-    params = spec.params if isinstance(spec.params, dict) else {}
-    return any(isinstance(named.get(axis), Shard) for named in params.values())
-
-
-@dataclasses.dataclass(frozen=True)
-class Transition:
-    """One entry or exit layout change of one boundary on one mesh axis.
-
-    ``forward`` / ``backward`` name the collective of each pass (None: no communication).
-    """
-
-    fqn: str
-    side: str  # "in" | "out"
-    name: str  # input or output name
-    axis: str
-    src: Placement
-    dst: Placement
-    forward: str | None
-    backward: str | None
 
 
 def _pairs(src: Mapping[str, Mapping[str, Placement]] | None, dst: Mapping[str, Mapping[str, Placement]] | None):
@@ -132,6 +71,44 @@ def boundary_collectives(fqn: str, spec: ModuleShardingSpec) -> list[Collective]
             out.append(Collective(t.forward, t.axis, "forward", f"{fqn} {t.side}.{t.name}"))
         if t.backward:
             out.append(Collective(t.backward, t.axis, "backward", f"{fqn} {t.side}.{t.name}"))
+    return out
+
+
+def _registry_name(injection: Any) -> tuple[str | None, Mapping[str, Any]]:
+    """The registry name and config an injection names (None: a callable or an import path)."""
+    if isinstance(injection, Target):
+        return (None if injection.is_path else injection.target), injection.config
+    if isinstance(injection, str) and "." not in injection and ":" not in injection:
+        return injection, {}
+    return None, {}
+
+
+def plugin_collectives(
+    fqn: str, spec: ModuleShardingSpec, sizes: Mapping[str, int]
+) -> list[Collective]:
+    """What the registry items a boundary names (inner wrapper, compute factory) issue per call.
+
+    Each item declares its collectives at registration (``collectives=``, a callable of the
+    mesh axis sizes and the item's config); an item that declares nothing, a callable and
+    an import path add none. ``sizes`` gains ``ep`` where the boundary is expert-parallel.
+    """
+    if not spec.is_boundary:
+        return []
+    axis_sizes = dict(sizes)
+    if spec._ep_size > 1:
+        axis_sizes["ep"] = spec._ep_size
+    out: list[Collective] = []
+    for kind, injection in (
+        (RegistryKind.INNER_WRAPPER, spec.inner_wrapper),
+        (RegistryKind.COMPUTE_FACTORY, spec.local_compute_fn),
+    ):
+        name, config = _registry_name(injection)
+        item = PluginRegistry(kind).get(name) if name is not None else None
+        declare = getattr(item, "collectives", None)
+        if declare is None:
+            continue
+        for c in declare(axis_sizes, dict(config)):
+            out.append(dataclasses.replace(c, where=f"{fqn} {kind.label} {name!r}: {c.where}"))
     return out
 
 
@@ -196,13 +173,16 @@ def step_collectives(
     loss_parallel: bool = False,
     reductions: Iterable[Any] | None = None,
     check_axes: Iterable[str] = (),
+    sizes: Mapping[str, int] | None = None,
 ) -> Counter[tuple[str, str, str]]:
     """``{(phase, op, axis): count}`` for one forward + backward of the whole plan.
 
     ``loss_parallel`` adds the vocab-parallel cross-entropy's two forward all-reduces
     (the max, then the sum of exponentials packed with the target logit). The gradient
     reductions count one all-reduce per axis (:func:`reduction_axes`); the input guard one
-    small forward all-reduce per axis of ``check_axes`` (:func:`input_check_axes`).
+    small forward all-reduce per axis of ``check_axes`` (:func:`input_check_axes`). With
+    the mesh's axis ``sizes``, the plugin items' declared collectives count too
+    (:func:`plugin_collectives`); without, only the plan's own boundaries do.
     """
     counts: Counter[tuple[str, str, str]] = Counter()
     for axis in check_axes:
@@ -211,6 +191,8 @@ def step_collectives(
         counts[("forward", "all_reduce", "tp")] += 2
     for fqn, spec in modules.items():
         for c in boundary_collectives(fqn, spec):
+            counts[(c.phase, c.op, c.axis)] += 1
+        for c in plugin_collectives(fqn, spec, sizes) if sizes is not None else ():
             counts[(c.phase, c.op, c.axis)] += 1
     for axis in reduction_axes(modules, reductions):
         counts[("backward", "all_reduce", axis)] += 1  # one bucketed reduction per step

@@ -30,10 +30,10 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hp_core.collectives import grad_is_partial
 from hp_core.errors import HpError
-from hp_core.planner.comms import grad_is_partial
 from hp_core.runtime.fixes import keep_whole_yaml
-from hp_core.runtime.layouts import Transition, same_placement, to_placements
+from hp_core.runtime.layouts import Redistribution, same_placement, to_placements
 from hp_core.runtime.partial import contract_partial_axes, is_expert_param
 from hp_core.spec.module_spec import ModuleShardingSpec
 from hp_core.spec.placements import PlacementMismatchError
@@ -142,7 +142,7 @@ class BoundaryForward:
         in_src, in_dst = spec.in_src or {}, spec.in_dst or {}
         partial_axes = [a for a in mesh.mesh_dim_names if grad_is_partial(spec, a)]
         self.inputs = {
-            name: Transition(
+            name: Redistribution(
                 in_src.get(name, in_dst.get(name)), in_dst.get(name, in_src.get(name)), mesh,
                 grad_partial_axes=partial_axes, where=f"{fqn} ({type(module).__name__}) input {name!r}",
             )
@@ -151,7 +151,7 @@ class BoundaryForward:
         out_src, out_dst = spec.out_src or {}, spec.out_dst or {}
         self.out_names = spec.output_names() or list(out_dst)
         self.outputs = {
-            name: Transition(
+            name: Redistribution(
                 out_src.get(name, out_dst.get(name)), out_dst.get(name, out_src.get(name)), mesh,
                 where=f"{fqn} ({type(module).__name__}) output {name!r}",
             )
@@ -195,7 +195,7 @@ class BoundaryForward:
         return tuple(args), kwargs
 
     @staticmethod
-    def _convert(tr: Transition, x: Any, how: str) -> Any:
+    def _convert(tr: Redistribution, x: Any, how: str) -> Any:
         if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
             return x
         if how == "local":

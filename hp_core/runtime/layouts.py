@@ -1,8 +1,9 @@
-"""Layout transitions on tensors: the communication a contract implies.
+"""Redistributing tensors between layouts: the communication a contract implies.
 
-``Transition`` is built once per boundary input/output at apply time and called on
-every forward. Production lowers a change on a single mesh axis to one differentiable
-collective (``hp_core.runtime.collectives``); anything else — several axes at once, or
+A ``Redistribution`` is built once per boundary input/output at apply time and called on
+every forward. Production lowers a change on a single mesh axis to the autograd
+collective that row of ``hp_core.collectives.TRANSITIONS`` names (the same table the
+planner predicts from); anything else — several axes at once, a row with no lowering, or
 a shard whose order on the mesh the lowering cannot honour — falls back to DTensor's
 ``redistribute``. Validate mode always goes through DTensor.
 """
@@ -15,12 +16,12 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from hp_core.collectives import rule
 from hp_core.errors import HpError
 from hp_core.mesh import is_data_axis
-from hp_core.runtime import collectives as C
 from hp_core.spec.placements import resolve_placements
 
-__all__ = ["InputLayoutError", "Transition", "dense_mesh", "same_placement", "to_placements"]
+__all__ = ["InputLayoutError", "Redistribution", "dense_mesh", "same_placement", "to_placements"]
 
 
 class InputLayoutError(HpError, ValueError):
@@ -50,7 +51,7 @@ def same_placement(actual: Placement, expected: Placement) -> bool:
     return actual == expected
 
 
-class Transition:
+class Redistribution:
     """``src → dst`` for one tensor on one mesh; ``grad_partial_axes`` marks partial gradients."""
 
     def __init__(
@@ -93,19 +94,11 @@ class Transition:
             for j in range(i + 1, len(self.names)):
                 if any(isinstance(p, Shard) and p.dim == dim for p in (self.src[j], self.dst[j])):
                     return None
+        lower = rule(s, d, grad_partial=isinstance(g, Partial)).lower
+        if lower is None:
+            return None
         group = self.mesh.get_group(self.names[i])
-        grad_partial = isinstance(g, Partial)
-        if isinstance(s, Shard) and isinstance(d, Replicate):
-            return lambda x: C.all_gather_along(x, s.dim, group, grad_partial=grad_partial)
-        if isinstance(s, Replicate) and isinstance(d, Shard):
-            return lambda x: C.slice_along(x, d.dim, group)
-        if isinstance(s, Partial) and isinstance(d, Replicate):
-            return lambda x: C.all_reduce(x, group)
-        if isinstance(s, Partial) and isinstance(d, Shard):
-            return lambda x: C.reduce_scatter_along(x, d.dim, group)
-        if isinstance(s, Replicate) and isinstance(d, Replicate) and grad_partial:
-            return lambda x: C.copy_to_region(x, group)
-        return None
+        return lambda x: lower(x, dim, group)
 
     # --------------------------------------------------------------- checks
     def check_split(self, x: torch.Tensor) -> None:

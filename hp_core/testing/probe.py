@@ -3,17 +3,21 @@
 ``CollectiveCounter`` is a dispatch mode: it sees every ``c10d`` and functional
 collective, whether hp's explicit collectives, DTensor's redistributions or a plugin's
 all-to-all issued it. A collective on meta tensors moves nothing (DTensor only computes
-its output shape) and is not counted.
+its output shape) and is not counted. :func:`count_step` counts one forward and one
+backward apart, and :func:`by_phase` folds a prediction
+(``hp_core.planner.step_collectives``) to the same ``{phase: {op: count}}`` shape, so a
+test compares predicted with measured in one line.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CollectiveCounter"]
+__all__ = ["CollectiveCounter", "by_phase", "count_step"]
 
 _NAMES = {
     "allgather_base": "all_gather",
@@ -52,3 +56,23 @@ class CollectiveCounter(TorchDispatchMode):
 
     def total(self) -> int:
         return sum(self.calls.values())
+
+
+def count_step(forward: Callable[[], torch.Tensor]) -> dict[str, dict[str, int]]:
+    """``{"forward": {op: n}, "backward": {op: n}}``: ``forward()`` returns the loss, then backward.
+
+    The two passes are counted apart (each by its own :class:`CollectiveCounter`).
+    """
+    with CollectiveCounter() as fwd:
+        loss = forward()
+    with CollectiveCounter() as bwd:
+        loss.backward()
+    return {"forward": dict(fwd.calls), "backward": dict(bwd.calls)}
+
+
+def by_phase(predicted: Mapping[tuple[str, str, str], int]) -> dict[str, dict[str, int]]:
+    """``{(phase, op, axis): n}`` → ``{phase: {op: n}}``, summed over axes (as counted)."""
+    out: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+    for (phase, op, _axis), n in predicted.items():
+        out.setdefault(phase, {})[op] = out.get(phase, {}).get(op, 0) + n
+    return out

@@ -4,7 +4,7 @@
   declared layouts give the unsharded model's tensors.
 * Every boundary gives production the local shapes it gives validate mode.
 * The gradient of each declared input is partial in DTensor's backward exactly where
-  production's entry transition assumes it is (``hp_core.planner.comms.grad_is_partial``).
+  production's entry transition assumes it is (``hp_core.collectives.grad_is_partial``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from hp_core.collectives import grad_is_partial
 from hp_core.plan.model import ShardingPlan
-from hp_core.planner.comms import grad_is_partial
 from hp_core.runtime.partial import is_data_axis
 from hp_core.verifier.errors import InputGradientError, LayoutMismatchError, ProductionDiffersError
 from hp_core.verifier.probes import BoundaryRecord

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from hp_core import apply, plan
+from hp_core.planner import input_check_axes, step_collectives
 from hp_core.testing.compare import (
     allclose_excess,
     gather_full_grads,
@@ -36,6 +37,7 @@ from hp_core.testing.compare import (
 )
 from hp_core.testing.families import family_model, perturb_
 from hp_core.testing.models import build_model
+from hp_core.testing.probe import by_phase, count_step
 from hp_plugin_cp import (
     enable_cp_loss,
     gather_sequence,
@@ -330,47 +332,23 @@ def flex_checks() -> dict[str, Any]:
 
 # ------------------------------------------------------------ collectives
 
-_OP_NAMES = {
-    "allgather_base": "all_gather", "all_gather_into_tensor": "all_gather", "_allgather_base": "all_gather",
-    "reduce_scatter_base": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
-    "allreduce": "all_reduce", "all_reduce": "all_reduce",
-}
-
-
-def _counts(cm: Any) -> dict[str, int]:
-    res: dict[str, int] = {}
-    for op, n in cm.get_comm_counts().items():
-        name = _OP_NAMES.get(str(op).split(".")[-1].strip("_"), str(op))
-        res[name] = res.get(name, 0) + n
-    return res
-
-
 def count_collectives(mesh_shape: tuple[int, ...], mesh_names: tuple[str, ...], mode: str, layers: int) -> dict[str, Any]:
     """Collectives of one forward and one backward of a Llama with ``layers`` layers."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    from hp_core.planner import input_check_axes, step_collectives
 
     mesh = _mesh(mesh_shape, mesh_names)
     model = build_model("llama", seed=0, num_hidden_layers=layers)
     p = plan(model, mesh, overrides=doc_yaml())
     apply(model, p, mesh, mode=mode)
     batch = shard_batch_for_cp(full_batch(0, pad=True), mesh["cp"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # CommDebugMode's module hooks warn about integer inputs
-        with CommDebugMode() as fwd:
-            out = model(**batch, use_cache=False)
-        with CommDebugMode() as bwd:
-            out.loss.backward()
-    pred = step_collectives(p.modules, reductions=model._hp_applied.report.reductions, check_axes=input_check_axes(mesh.mesh_dim_names, mesh.shape))
-    by_phase: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
-    for (phase, op, _axis), n in pred.items():  # summed over axes, as _counts does
-        by_phase[phase][op] = by_phase[phase].get(op, 0) + n
+    measured = count_step(lambda: model(**batch, use_cache=False).loss)
+    checks = input_check_axes(mesh.mesh_dim_names, mesh.shape)
+    reductions = model._hp_applied.report.reductions
+    pred = by_phase(step_collectives(p.modules, reductions=reductions, check_axes=checks))
     return {
-        "forward": _counts(fwd),
-        "backward": _counts(bwd),
-        "pred_forward": by_phase["forward"],
-        "pred_backward": by_phase["backward"],
+        "forward": measured["forward"],
+        "backward": measured["backward"],
+        "pred_forward": pred["forward"],
+        "pred_backward": pred["backward"],
     }
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import re
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +41,7 @@ from hp_core.testing.compare import (
 )
 from hp_core.testing.families import family_model, perturb_
 from hp_core.testing.models import build_model
+from hp_core.testing.probe import by_phase, count_step
 
 RTOL = 1e-5
 MOE = "model.layers.*.mlp"
@@ -255,30 +255,8 @@ def _first_expert(model: nn.Module) -> torch.Tensor:
     return next(p for n, p in model.named_parameters() if ".experts." in n)
 
 
-_OP = {
-    "alltoall_base": "all_to_all",
-    "allgather_base": "all_gather",
-    "all_gather_into_tensor": "all_gather",
-    "reduce_scatter_base": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "allreduce": "all_reduce",
-    "all_to_all_single": "all_to_all",
-}
-
-
-def _counts(cm: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for op, n in cm.get_comm_counts().items():
-        short = str(op).split(".")[-1].strip("_")
-        name = _OP.get(short, short)
-        out[name] = out.get(name, 0) + n
-    return out
-
-
 def count_collectives(family: str, mode: str, mesh_shape: Sequence[int], mesh_names: Sequence[str], *, ep: int, layers: int, sp: bool = True, **config: Any) -> dict[str, Any]:
     """Measured collectives of one forward and one backward, and the dense plan's prediction."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
     from hp_core.runtime import finalize_grads
 
     model = build(family, num_hidden_layers=layers, **config) if family != "toy" else build(family, layers=layers, **config)
@@ -288,19 +266,16 @@ def count_collectives(family: str, mode: str, mesh_shape: Sequence[int], mesh_na
     finalize_grads(model)  # nothing pending yet: a no-op, without collectives
     assert all(q.grad is None for q in model.parameters())
     ids = _batch(0, 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # CommDebugMode's module hooks warn about integer inputs
-        with CommDebugMode() as fwd:
-            loss, _ = _forward(model, ids, family)
-        with CommDebugMode() as bwd:
-            loss.backward()
-    pred = step_collectives(p.modules, reductions=model._hp_applied.report.reductions, check_axes=input_check_axes(mesh.mesh_dim_names, mesh.shape))
+    measured = count_step(lambda: _forward(model, ids, family)[0])
+    checks = input_check_axes(mesh.mesh_dim_names, mesh.shape)
+    reductions = model._hp_applied.report.reductions
+    pred = by_phase(step_collectives(p.modules, reductions=reductions, check_axes=checks))
     state = model._hp_applied
     return {
-        "forward": _counts(fwd),
-        "backward": _counts(bwd),
-        "pred_forward": {op: n for (ph, op, _), n in pred.items() if ph == "forward"},
-        "pred_backward": {op: n for (ph, op, _), n in pred.items() if ph == "backward"},
+        "forward": measured["forward"],
+        "backward": measured["backward"],
+        "pred_forward": pred["forward"],
+        "pred_backward": pred["backward"],
         "sp_sync": state.grad_reducer.by_group.get("tp", 0) if state.grad_reducer else 0,
         "expert_sync": sum(n for g, n in (state.grad_reducer.by_group.items() if state.grad_reducer else []) if g.startswith("experts(")),
     }

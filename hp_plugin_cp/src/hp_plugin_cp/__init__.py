@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from hp_plugin_cp.attention import cp_flex_attention, cp_sdpa, expand_kv_heads
 from hp_plugin_cp.batch import SEQUENCE_KEYS, gather_sequence, shard_batch_for_cp
-from hp_plugin_cp.collectives import all_gather_kv, all_gather_sequence, all_reduce_sum
+from hp_plugin_cp.collectives import all_gather_kv, cp_attention_collectives
 from hp_plugin_cp.errors import (
     CPBatchError,
     CPConfigError,
@@ -50,9 +50,8 @@ __all__ = [
     "CPUnsupportedError",
     "__version__",
     "all_gather_kv",
-    "all_gather_sequence",
-    "all_reduce_sum",
     "chunk_positions",
+    "cp_attention_collectives",
     "cp_flex_attention",
     "cp_sdpa",
     "enable_cp_loss",

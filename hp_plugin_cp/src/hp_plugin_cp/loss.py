@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hp_plugin_cp.collectives import all_reduce_sum
+from hp_core.collectives import all_reduce
 from hp_plugin_cp.errors import CPBatchError
 from hp_plugin_cp.layout import CP_LAYOUT_KEY
 
@@ -26,7 +26,7 @@ __all__ = ["CPCausalLMLoss", "enable_cp_loss", "reduce_cp_gradients", "reduce_lo
 
 def reduce_loss_over_cp(loss: torch.Tensor, cp_mesh: Any) -> torch.Tensor:
     """Sum each rank's loss share over cp (differentiable; backward is the identity)."""
-    return all_reduce_sum(loss, cp_mesh.get_group())
+    return all_reduce(loss, cp_mesh.get_group())
 
 
 class CPCausalLMLoss:
@@ -61,11 +61,11 @@ class CPCausalLMLoss:
         if num_items_in_batch is not None:
             share = self.base(logits, labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch,
                               ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
-            return all_reduce_sum(share, self.group)
+            return all_reduce(share, self.group)
         total = self.base(logits, labels, vocab_size=vocab_size, num_items_in_batch=1,
                           ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
         count = (shift_labels != ignore_index).sum().to(total.dtype)
-        both = all_reduce_sum(torch.stack([total, count]), self.group)
+        both = all_reduce(torch.stack([total, count]), self.group)
         return both[0] / both[1]
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from hp_core.hookspecs import hookimpl
 from hp_plugin_cp.batch import shard_batch_for_cp
+from hp_plugin_cp.collectives import cp_attention_collectives
 from hp_plugin_cp.loss import enable_cp_loss
 from hp_plugin_cp.wrappers import flex_hf, flex_qkv, sdpa_hf, sdpa_qkv
 
@@ -33,7 +34,10 @@ WRAPPERS = {
 def hp_register_inner_wrappers(register: Callable[..., None]) -> None:
     """Register ``sdpa_qkv``, ``sdpa_hf``, ``flex_qkv`` and ``flex_hf``."""
     for name, (fn, style) in WRAPPERS.items():
-        register(name, fn, needs_cp=True, region_dispatch=False, forward_style=style)
+        register(
+            name, fn, needs_cp=True, region_dispatch=False, forward_style=style,
+            collectives=cp_attention_collectives,
+        )
 
 
 class CPTrainingAdapter:

@@ -10,7 +10,7 @@ mesh and stacks per-expert weights. See ``docs/ep.md``.
 from __future__ import annotations
 
 from hp_plugin_moe.compute import ARCHETYPES, Archetype, ExpertParallelMoE, build_compute
-from hp_plugin_moe.dispatch import TokenDispatcher, all_to_all
+from hp_plugin_moe.dispatch import TokenDispatcher, moe_block_collectives
 from hp_plugin_moe.errors import MoEConfigError, MoEInterfaceError, MoERuntimeError
 from hp_plugin_moe.factories import deepseekv3, mixtral, qwen2moe, routed_only
 from hp_plugin_moe.interface import ExpertWeights, describe_module, find_experts, find_router
@@ -29,7 +29,6 @@ __all__ = [
     "RouterOptions",
     "TokenDispatcher",
     "__version__",
-    "all_to_all",
     "build_compute",
     "deepseekv3",
     "describe_module",
@@ -37,6 +36,7 @@ __all__ = [
     "find_router",
     "hf_topk",
     "mixtral",
+    "moe_block_collectives",
     "qwen2moe",
     "routed_only",
     "sigmoid_group_topk",

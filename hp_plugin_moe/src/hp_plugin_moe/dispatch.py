@@ -13,43 +13,23 @@ expert ``e`` on rank ``e // (E / ep)``):
 
 Forward: 3 all-to-alls (counts, dispatch, combine). Backward: 2 (the adjoints of
 dispatch and combine; counts carry no gradient). Every rank runs every step, even
-with nothing to send or receive, so the collectives always match up.
+with nothing to send or receive, so the collectives always match up. The uneven
+all-to-all is the core's :func:`hp_core.collectives.all_to_all`;
+:func:`moe_block_collectives` declares these five to hp's prediction.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["TokenDispatcher", "all_to_all"]
+from hp_core.collectives import Collective, all_to_all
 
-
-class _AllToAll(torch.autograd.Function):
-    """Uneven ``all_to_all_single`` whose backward is the reverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
-
-
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
-    """Differentiable all-to-all of the rows of ``x``: ``in_splits[r]`` rows go to rank ``r``,
-    ``out_splits[r]`` rows arrive from it (in rank order)."""
-    return _AllToAll.apply(x, out_splits, in_splits, group)
+__all__ = ["TokenDispatcher", "moe_block_collectives"]
 
 
 ExpertFn = Callable[[torch.Tensor, list[int]], torch.Tensor]
@@ -115,3 +95,22 @@ class TokenDispatcher:
             out = all_to_all(out, in_splits, out_splits, self.group)
         scale = weights.reshape(-1)[order].unsqueeze(-1)
         return x.new_zeros(x.shape).index_add(0, token_of, (out * scale).to(x.dtype))
+
+
+def moe_block_collectives(sizes: Mapping[str, int], config: Mapping[str, Any]) -> list[Collective]:
+    """The collectives of one MoE block call over ``sizes["ep"]`` expert ranks (none without EP).
+
+    Forward: the counts, the dispatch and the combine all-to-all; backward: the adjoints of
+    dispatch and combine.
+    """
+    if int(sizes.get("ep", 1)) <= 1:
+        return []
+    where = "moe token dispatch"
+    fwd = [
+        Collective("all_to_all", "ep", "forward", f"{where} {step}")
+        for step in ("counts", "rows", "combine")
+    ]
+    bwd = [
+        Collective("all_to_all", "ep", "backward", f"{where} {step}") for step in ("rows", "combine")
+    ]
+    return fwd + bwd

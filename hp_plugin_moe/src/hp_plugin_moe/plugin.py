@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hp_core.hookspecs import hookimpl
+from hp_plugin_moe.dispatch import moe_block_collectives
 from hp_plugin_moe.factories import deepseekv3, mixtral, qwen2moe, routed_only
 from hp_plugin_moe.routers import BUILTIN_ROUTERS
 
@@ -38,7 +39,7 @@ FACTORIES: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {
 def hp_register_compute_factories(register: Callable[..., None]) -> None:
     """Register the four EP archetype factories with their suggested architectures."""
     for name, (factory, architectures) in FACTORIES.items():
-        register(name, factory, architectures=architectures)
+        register(name, factory, architectures=architectures, collectives=moe_block_collectives)
 
 
 @hookimpl
