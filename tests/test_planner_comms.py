@@ -9,7 +9,7 @@ import torch
 
 from hp_core.collectives import Collective, Transition, grad_is_partial, transition
 from hp_core.planner import plan
-from hp_core.planner.comms import (
+from hp_core.plan.prediction import (
     boundary_collectives,
     boundary_transitions,
     sp_grad_params,

@@ -17,7 +17,7 @@ from torch.distributed.tensor import Placement
 from hp_core.collectives import Transition
 from hp_core.injection import Target
 from hp_core.plan.errors import PlanError
-from hp_core.planner.comms import (
+from hp_core.plan.prediction import (
     boundary_transitions,
     input_check_axes,
     plugin_collectives,

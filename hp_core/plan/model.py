@@ -166,6 +166,6 @@ class ShardingPlan:
         )
 
 
-# Last, once ShardingPlan exists: explain reads the collective table in hp_core.planner.comms,
+# Last, once ShardingPlan exists: explain reads the collective table in hp_core.plan.prediction,
 # and importing that runs hp_core.planner's __init__, which imports this module back.
 from hp_core.plan.explain import explain as explain_plan  # noqa: E402

@@ -16,7 +16,7 @@ from hp_core.mesh import MeshSpec
 from hp_core.plan.errors import ArgumentTypeError, PlanError
 from hp_core.plan.model import ShardingPlan
 from hp_core.plan.overrides import OverridesLike, resolve_overrides
-from hp_core.planner.comms import (
+from hp_core.plan.prediction import (
     boundary_collectives,
     input_check_axes,
     reduction_axes,
