@@ -7,6 +7,8 @@ with the communication its contract implies.
 
 from __future__ import annotations
 
+from hp_core.apply import apply
+from hp_core.context import ParallelContext
 from hp_core.errors import HpError
 from hp_core.hookspecs import hookimpl
 from hp_core.injection import (
@@ -19,7 +21,8 @@ from hp_core.injection import (
     trust_packages,
 )
 from hp_core.mesh import MeshSpec
-from hp_core.planner import MeshTypeError, TemplateBuildError, plan
+from hp_core.planner.lints import MeshTypeError, TemplateBuildError
+from hp_core.planner.plan import plan
 from hp_core.plugins import (
     register_compute_factory,
     register_inner_wrapper,
@@ -27,8 +30,9 @@ from hp_core.plugins import (
     register_template,
     register_training_adapter,
 )
-from hp_core.runtime import ApplyFailedError, RankTimeoutError, apply, finalize_grads
+from hp_core.runtime.applied import AppliedModel, applied, finalize_grads
 from hp_core.runtime.clip import clip_grad_norm_
+from hp_core.runtime.verdict import ApplyFailedError, RankTimeoutError
 from hp_core.sharding_plan import (
     ArgumentTypeError,
     DuplicateOverrideError,
@@ -64,6 +68,7 @@ from hp_core.verifier import VerificationError, VerifyReport, verify
 __version__ = "0.1.0"
 
 __all__ = [
+    "AppliedModel",
     "CP",
     "DP",
     "EP",
@@ -82,6 +87,7 @@ __all__ = [
     "NamedPlacement",
     "OverrideEntry",
     "OverridesTypeError",
+    "ParallelContext",
     "PlacementMismatchError",
     "PlanTypeError",
     "RankTimeoutError",
@@ -96,6 +102,7 @@ __all__ = [
     "VerificationError",
     "VerifyReport",
     "__version__",
+    "applied",
     "apply",
     "clip_grad_norm_",
     "dump_overrides",

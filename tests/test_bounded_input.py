@@ -37,7 +37,7 @@ from hp_core.codegen import (
     make_artifact,
     read_artifact,
 )
-from hp_core.planner import plan
+from hp_core.planner.plan import plan
 from hp_core.sharding_plan import PlanYAMLError, PlanYAMLInputLimitError, load_overrides, load_plan
 from hp_core.testing.models import build_model, tiny_config
 from hp_core.verifier.report import ReportFormatError, ReportFormatInputLimitError, VerifyReport

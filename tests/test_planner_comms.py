@@ -7,7 +7,6 @@ from collections import Counter
 import pytest
 import torch
 
-from hp_core.planner import plan
 from hp_core.planner.comms import (
     Collective,
     Transition,
@@ -18,6 +17,7 @@ from hp_core.planner.comms import (
     step_collectives,
     transition,
 )
+from hp_core.planner.plan import plan
 from hp_core.spec import ModuleShardingSpec
 from hp_core.testing.models import build_model
 from tests._planner_helpers import (

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from hp_core.planner import plan
+from hp_core.planner.plan import plan
 from hp_core.sharding_plan import OverrideMatchWarning, dump_plan, load_plan
 from hp_core.spec import ModuleShardingSpec
 from hp_core.testing.models import build_model

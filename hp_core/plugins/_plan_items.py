@@ -80,7 +80,7 @@ def missing_plan_items(plan: Any) -> list[MissingPlanItem]:
     :class:`UnknownRegistryItemError` (closest name, providing distribution, ``pip
     install`` hint) that ``hp_core.apply`` raises. Imports nothing.
     """
-    from hp_core.injection import resolve_injection
+    from hp_core.resolve import resolve_injection
 
     found: dict[tuple[str, str], MissingPlanItem] = {}
     resolved: set[tuple[str, str]] = set()

@@ -52,7 +52,7 @@ def verifier_pre(pre: PreflightResult, plan: ShardingPlan) -> PreflightResult:
     for fqn, inj in pre.injections.items():
         keep = plan[fqn].region_dispatch is True
         injections[fqn] = inj if keep else InjectionPlan()
-    return PreflightResult(injections, dict(pre.meshes))
+    return PreflightResult(injections, pre.context)
 
 
 def prefixes(fqn: str) -> list[str]:

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from hp_core import apply, plan
+from hp_core.context import ParallelContext
 from hp_core.testing.compare import (
     allclose_excess,
     gather_full_grads,
@@ -349,7 +350,7 @@ def count_collectives(mesh_shape: tuple[int, ...], mesh_names: tuple[str, ...], 
     """Collectives of one forward and one backward of a Llama with ``layers`` layers."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from hp_core.planner import input_check_axes, step_collectives
+    from hp_core.planner.comms import input_check_axes, step_collectives
 
     mesh = _mesh(mesh_shape, mesh_names)
     model = build_model("llama", seed=0, num_hidden_layers=layers)
@@ -533,7 +534,7 @@ def direct_wrapper_checks() -> dict[str, Any]:
     mesh = _mesh((2,), ("cp",))
     cp_mesh = mesh["cp"]
     rank = cp_mesh.get_local_rank()
-    ctx = {"mesh": mesh, "tp_mesh": None, "cp_mesh": cp_mesh, "ep_mesh": None}
+    ctx = {"ctx": ParallelContext.from_mesh(mesh)}
     here = slice(rank * 8, (rank + 1) * 8)
     res: dict[str, Any] = {}
 
