@@ -68,11 +68,11 @@ from hp_core.verifier import VerificationError, VerifyReport, verify
 __version__ = "0.1.0"
 
 __all__ = [
-    "AppliedModel",
     "CP",
     "DP",
     "EP",
     "TP",
+    "AppliedModel",
     "ApplyFailedError",
     "ArgumentTypeError",
     "BoundaryTemplate",

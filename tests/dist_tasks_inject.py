@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from hp_core import applied
 from hp_core.apply import apply
 from hp_core.injection import Target, inner_wrapper, local_compute
 from hp_core.planner.plan import plan as make_plan
@@ -79,7 +80,7 @@ def _run(overrides: list[dict], mode: str, *, register: bool = False) -> dict[st
     o.loss.backward()
     # Gathered without hp's placement tables; every fold NaN-safe (a NaN or shape mismatch is inf).
     diffs = max_abs_diff(gather_full_grads(model, ref, mesh), {n: q.grad for n, q in ref.named_parameters() if q.grad is not None})
-    resolved = {fqn: (s._resolved_inner_wrapper, s._resolved_inner_target) for fqn, s in p.items() if s._resolved_inner_wrapper}
+    resolved = {fqn: (w.wrapper, w.target) for fqn, w in applied(model).inner_wraps.items()}
     return {
         "loss": allclose_excess(o.loss.detach(), r.loss.detach(), rtol=0.0),
         "logits": allclose_excess(o.logits.detach(), r.logits.detach(), rtol=0.0),

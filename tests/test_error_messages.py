@@ -16,11 +16,11 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import hp_core
 from hp_core import HpError
 from hp_core.injection import InjectionCallError, InjectionMeta, Target, local_compute
-from hp_core.resolve import resolve_injection
 from hp_core.mesh import MeshSpecError
 from hp_core.planner.lints import MeshTypeError, PlanningError, TemplateBuildError
 from hp_core.planner.plan import plan
 from hp_core.plugins import TEMPLATE_REGISTRY, register_compute_factory, register_template
+from hp_core.resolve import resolve_injection
 from hp_core.sharding_plan import (
     ArgumentTypeError,
     DuplicateOverrideError,

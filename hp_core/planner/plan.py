@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from hp_core.context import ParallelContext
-from hp_core.mesh import MeshSpec
+from hp_core.mesh import MeshLike, MeshSpec
 from hp_core.planner.context import TemplateContext
 from hp_core.planner.lints import (
     MeshTypeError,
@@ -146,7 +146,7 @@ def _check_loss(model: nn.Module) -> None:
 
 def plan(
     model: nn.Module,
-    mesh: DeviceMesh | MeshSpec | Mapping[str, int] | str,
+    mesh: DeviceMesh | MeshLike,
     *,
     overrides: OverridesLike | None = None,
     sequence_parallel: bool = True,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from hp_core.runtime.fixes import keep_whole_yaml
 from hp_core.runtime.layouts import Transition, same_placement, to_placements
 from hp_core.runtime.partial import contract_partial_axes, is_expert_param
 from hp_core.spec import ModuleShardingSpec, PlacementMismatchError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["BoundaryForward", "InnerOutputCheck", "UndeclaredCommunicationError", "suspects"]
 
@@ -114,7 +117,7 @@ class BoundaryForward:
         fqn: str,
         module: nn.Module,
         spec: ModuleShardingSpec,
-        mesh: Any,
+        mesh: DeviceMesh,
         mode: str,
         *,
         compute: Callable[..., Any] | None = None,
@@ -354,7 +357,7 @@ class InnerOutputCheck:
     the layout outright. A mismatch is a ``PlacementMismatchError`` at stage ``inner_out_src``.
     """
 
-    def __init__(self, name: str, fn: Callable[..., Any], inner_out_src: Any, mesh: Any) -> None:
+    def __init__(self, name: str, fn: Callable[..., Any], inner_out_src: Any, mesh: DeviceMesh) -> None:
         self.name = name
         self.fn = fn
         self.mesh = mesh

@@ -40,7 +40,7 @@ import functools
 import math
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from hp_core.errors import HpError
 from hp_core.runtime.applied import applied_module, finalize_grads
 from hp_core.runtime.partial import is_expert_param
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "GradLayoutMismatchError",
@@ -163,7 +166,7 @@ def _splits(p: nn.Parameter, declared: dict[int, tuple[Any, dict[str, Any]]]) ->
     return [(m, d) for m, d in splits if m.size(d) > 1]
 
 
-def _mesh_key(mesh: Any, cache: dict[int, tuple[Any, ...]]) -> tuple[Any, ...]:
+def _mesh_key(mesh: DeviceMesh, cache: dict[int, tuple[Any, ...]]) -> tuple[Any, ...]:
     """What identifies a mesh's rank layout on this rank (equal meshes share layouts)."""
     key = cache.get(id(mesh))
     if key is None:
