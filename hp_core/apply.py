@@ -61,7 +61,8 @@ def _verifier(
         def check(_pre: PreflightResult) -> VerifyReport:
             if verify.fingerprint != plan.fingerprint():
                 raise PreflightError(
-                    "apply(verify=report): the report was made for another plan (fingerprints differ); verify this "
+                    "apply(verify=report): the report was made for another plan (fingerprints "
+                    "differ); verify this "
                     "plan, or pass verify=True."
                 )
             return verify
@@ -71,12 +72,15 @@ def _verifier(
 
         def refuse(_pre: PreflightResult) -> None:
             raise VerificationRequiredError(
-                "apply(verify=False): the verifier is what derives which gradients are partial sums, so hp "
+                "apply(verify=False): the verifier is what derives which gradients are partial "
+                "sums, so hp "
                 "cannot skip it without its result. Verify once and pass the report: "
-                "report = hp_core.verify(model, plan, mesh); apply(model, plan, mesh, verify=report)."
+                "report = hp_core.verify(model, plan, mesh); apply(model, plan, mesh, "
+                "verify=report)."
             )
 
         return refuse
+
     def wrong(_pre: PreflightResult) -> None:
         raise PreflightError(f"apply(verify={verify!r}): expected True, or a hp_core.VerifyReport.")
 
@@ -124,7 +128,8 @@ def apply(
         if not isinstance(check_inputs, bool):
             raise PreflightError(f"apply(check_inputs={check_inputs!r}): expected True or False.")
         report = verifier(pre)
-        fallback.append(_sequence_fallback(model, plan, mesh, pre.context))  # local work: before the exchange
+        # local work: before the exchange
+        fallback.append(_sequence_fallback(model, plan, mesh, pre.context))
         return report
 
     pre = preflight(model, plan, mesh, mode, verify=checks, exchange=exchange, extra=extra)
@@ -132,8 +137,15 @@ def apply(
     error: BaseException | None = None
     try:
         state = install(
-            model, plan, mesh, mode, pre, journal, reductions=pre.report.reductions,
-            check_inputs=check_inputs, fallback=fallback[0],
+            model,
+            plan,
+            mesh,
+            mode,
+            pre,
+            journal,
+            reductions=pre.report.reductions,
+            check_inputs=check_inputs,
+            fallback=fallback[0],
         )
         state.report = pre.report
     except BaseException as e:  # even an interrupt: the other ranks must hear of it
@@ -153,7 +165,8 @@ def apply(
     raise ApplyFailedError(
         f"apply() failed on rank {rank} in phase {first.where!r} ({first.error})"
         + (f"; also on rank(s) {sorted(failed)[1:]}" if len(failed) > 1 else "")
-        + ". Every rank restored its model as it was (parameters, values, hooks, forwards); fix the cause "
+        + ". Every rank restored its model as it was (parameters, values, hooks, forwards); fix "
+        "the cause "
         "and call apply() again."
     ) from error
 
@@ -161,7 +174,8 @@ def apply(
 def _settings(check_inputs: bool, verify: VerifyArg) -> dict[str, str]:
     """apply()'s other behaviour-changing inputs, as fingerprint entries the ranks compare."""
     plugins = ",".join(
-        f"{p.name}={p.distribution or '-'}@{p.version or '-'}:{p.status}" for p in sorted(plugin_report(), key=lambda p: p.name)
+        f"{p.name}={p.distribution or '-'}@{p.version or '-'}:{p.status}"
+        for p in sorted(plugin_report(), key=lambda p: p.name)
     )
     return {
         "check_inputs": str(bool(check_inputs)),
@@ -187,4 +201,3 @@ def _sequence_fallback(
         return None
     copy = meta_clone(model, find_repeats(model, plan.modules))
     return SequenceFallback(plan, lambda variant: run_verifier(copy, variant, mesh))
-

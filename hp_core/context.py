@@ -76,7 +76,11 @@ class ParallelContext:
             return axis in known and (known[axis] is None or (known[axis] or 1) > 1)
 
         def sub(axis: str) -> DeviceMesh | None:
-            return mesh[axis] if mesh is not None and active(axis) and axis in _mesh_axes(mesh) else None
+            return (
+                mesh[axis]
+                if mesh is not None and active(axis) and axis in _mesh_axes(mesh)
+                else None
+            )
 
         return cls(
             axis_names=axis_names,
@@ -102,20 +106,35 @@ class ParallelContext:
         )
 
     @classmethod
-    def from_spec(cls, spec: MeshSpec, *, sequence_parallel: bool = False, ep_size: int = 1) -> ParallelContext:
+    def from_spec(
+        cls, spec: MeshSpec, *, sequence_parallel: bool = False, ep_size: int = 1
+    ) -> ParallelContext:
         """Sizes only, no process group: what the planner works with."""
-        return cls._build(spec.axis_names, spec.sizes, sequence_parallel=sequence_parallel, ep_size=ep_size)
+        return cls._build(
+            spec.axis_names, spec.sizes, sequence_parallel=sequence_parallel, ep_size=ep_size
+        )
 
     @classmethod
     def from_plan(
-        cls, plan: ShardingPlan, mesh: DeviceMesh | None = None, *, ep_mesh: DeviceMesh | None = None
+        cls,
+        plan: ShardingPlan,
+        mesh: DeviceMesh | None = None,
+        *,
+        ep_mesh: DeviceMesh | None = None,
     ) -> ParallelContext:
         """The context a plan was made for (its sizes; unknown sizes count as active), with the
         sub-meshes of ``mesh`` when given."""
         names = tuple(plan.mesh_axis_names)
-        sizes: tuple[int | None, ...] = tuple(plan.mesh_shape) if plan.mesh_shape else (None,) * len(names)
+        sizes: tuple[int | None, ...] = (
+            tuple(plan.mesh_shape) if plan.mesh_shape else (None,) * len(names)
+        )
         return cls._build(
-            names, sizes, sequence_parallel=plan.sequence_parallel, ep_size=plan.ep_size, mesh=mesh, ep_mesh=ep_mesh
+            names,
+            sizes,
+            sequence_parallel=plan.sequence_parallel,
+            ep_size=plan.ep_size,
+            mesh=mesh,
+            ep_mesh=ep_mesh,
         )
 
     def with_ep_mesh(self, ep_mesh: DeviceMesh | None) -> ParallelContext:
@@ -152,6 +171,12 @@ class ParallelContext:
         return frozenset(active)
 
     def __repr__(self) -> str:
-        sizes = ",".join(f"{n}={'?' if s is None else s}" for n, s in zip(self.axis_names, self.sizes, strict=True))
-        flags = (" sp" if self.sequence_parallel else "") + (f" ep={self.ep_size}" if self.ep_size > 1 else "")
-        return f"<ParallelContext {sizes or 'no axes'}{flags}{' on a DeviceMesh' if self.mesh is not None else ''}>"
+        sizes = ",".join(
+            f"{n}={'?' if s is None else s}"
+            for n, s in zip(self.axis_names, self.sizes, strict=True)
+        )
+        flags = (" sp" if self.sequence_parallel else "") + (
+            f" ep={self.ep_size}" if self.ep_size > 1 else ""
+        )
+        where = " on a DeviceMesh" if self.mesh is not None else ""
+        return f"<ParallelContext {sizes or 'no axes'}{flags}{where}>"

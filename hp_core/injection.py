@@ -61,7 +61,8 @@ _API1_MESHES = ("mesh", "tp_mesh", "cp_mesh", "ep_mesh")
 #: kind → the decorator's name, for messages.
 DECORATORS = {"local_compute": "@local_compute", "inner_wrapper": "@inner_wrapper"}
 _ROLE = {
-    "local_compute": "a factory called once at apply time that returns compute_fn(module, *forward_args)",
+    "local_compute": "a factory called once at apply time that returns compute_fn(module, "
+    "*forward_args)",
     "inner_wrapper": "a function that returns the replacement forward of the target module",
 }
 
@@ -82,7 +83,15 @@ class InjectionCallError(HpError, RuntimeError):
     ``kind`` hold the same facts.
     """
 
-    def __init__(self, message: str, *, name: str = "", provider: str = "", fqn: str | None = None, kind: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: str = "",
+        provider: str = "",
+        fqn: str | None = None,
+        kind: str = "",
+    ) -> None:
         super().__init__(message)
         self.name = name
         self.provider = provider
@@ -212,13 +221,15 @@ def require_injection_meta(fn: Any, kind: str, *, source: str) -> InjectionMeta:
     deco = DECORATORS[kind]
     if not isinstance(meta, InjectionMeta):
         raise InjectionDefinitionError(
-            f"{injection_name(fn)} (from {source}) is not decorated with {deco}. Injected code must "
+            f"{injection_name(fn)} (from {source}) is not decorated with {deco}. Injected code "
+            "must "
             f"declare its contract: put {deco} (from hp_core) on the function; it is "
             f"{_ROLE[kind]}."
         )
     if meta.kind != kind:
         raise InjectionDefinitionError(
-            f"{injection_name(fn)} (from {source}) is decorated with {DECORATORS[meta.kind]} but is "
+            f"{injection_name(fn)} (from {source}) is decorated with {DECORATORS[meta.kind]} but "
+            "is "
             f"used where {deco} is needed. {deco} is {_ROLE[kind]}."
         )
     return meta
@@ -227,7 +238,9 @@ def require_injection_meta(fn: Any, kind: str, *, source: str) -> InjectionMeta:
 # ----------------------------------------------------------------------- binding
 
 
-def check_config(fn: Callable[..., Any], meta: InjectionMeta, config: Mapping[str, Any], *, source: str) -> None:
+def check_config(
+    fn: Callable[..., Any], meta: InjectionMeta, config: Mapping[str, Any], *, source: str
+) -> None:
     """Config keys must be explicit, non-context parameters of ``fn``; required ones present."""
     collide = sorted(k for k in config if k in CONTEXT_NAMES[meta.kind])
     if collide:
@@ -372,11 +385,15 @@ class Target:
         if not isinstance(self.target, str) or not self.target.strip():
             raise TargetError(f"Target: _target_ must be a non-empty string, got {self.target!r}.")
         if not isinstance(self.config, Mapping):
-            raise TargetError(f"Target {self.target!r}: config must be a mapping, got {self.config!r}.")
+            raise TargetError(
+                f"Target {self.target!r}: config must be a mapping, got {self.config!r}."
+            )
         self.config = dict(self.config)
         for k in self.config:
             if not isinstance(k, str) or not k:
-                raise TargetError(f"Target {self.target!r}: config keys must be strings, got {k!r}.")
+                raise TargetError(
+                    f"Target {self.target!r}: config keys must be strings, got {k!r}."
+                )
 
     @property
     def is_path(self) -> bool:

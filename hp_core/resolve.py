@@ -83,19 +83,26 @@ class ResolvedInjection:
         pass through unchanged.
         """
         try:
-            return bind_injection(self.fn, self.meta, context=context, config=self.config, source=source)
+            return bind_injection(
+                self.fn, self.meta, context=context, config=self.config, source=source
+            )
         except HpError:
             raise
         except Exception as e:
             module = fqn if fqn is not None else _fqn_of(context, source)
             provider = self.provider_description or self.provider
-            what = DECORATORS[self.meta.kind] + (" factory" if self.meta.kind == "local_compute" else "")
+            what = DECORATORS[self.meta.kind] + (
+                " factory" if self.meta.kind == "local_compute" else ""
+            )
             where = f" for module {module!r}" if module is not None else ""
             entry = f"the override for {module!r}" if module is not None else "the override"
             raise InjectionCallError(
-                f"{source}: the {what} {self.name!r} (from {provider}) failed{where}: {type(e).__name__}: {e}\n"
-                f"Fix: if its config is wrong, correct it in {entry}; if the function does not fit this "
-                f"module, choose another one there{_or_report(provider)}. The original exception is "
+                f"{source}: the {what} {self.name!r} (from {provider}) failed{where}: "
+                f"{type(e).__name__}: {e}\n"
+                f"Fix: if its config is wrong, correct it in {entry}; if the function does not fit "
+                "this "
+                f"module, choose another one there{_or_report(provider)}. The original exception "
+                "is "
                 "chained below.",
                 name=self.name,
                 provider=provider,
@@ -123,14 +130,18 @@ def _import_path(path: str, *, source: str, trusted: Iterable[str] | None) -> An
     try:
         module = importlib.import_module(mod_name)
     except ImportError as e:
-        raise TargetError(f"{source}: cannot import module {mod_name!r} for {path!r}: {e}") from None
+        raise TargetError(
+            f"{source}: cannot import module {mod_name!r} for {path!r}: {e}"
+        ) from None
     try:
         return getattr(module, attr)
     except AttributeError:
         names = [n for n in dir(module) if not n.startswith("_")]
         best = close_matches(attr, names, n=1)
         hint = f" Did you mean {best[0]!r}?" if best else ""
-        raise TargetError(f"{source}: module {mod_name!r} has no attribute {attr!r}.{hint}") from None
+        raise TargetError(
+            f"{source}: module {mod_name!r} has no attribute {attr!r}.{hint}"
+        ) from None
 
 
 def resolve_injection(
@@ -169,13 +180,21 @@ def resolve_injection(
     elif callable(ref):
         fn = ref
         name = injection_name(ref)
-        described = f"a function passed directly (module {getattr(ref, '__module__', None) or '?'!s})"
+        described = (
+            f"a function passed directly (module {getattr(ref, '__module__', None) or '?'!s})"
+        )
     else:
         raise TargetError(
-            f"{source}: expected a registry name, a {DECORATORS[kind]} function or a Target, got {ref!r}."
+            f"{source}: expected a registry name, a {DECORATORS[kind]} function or a Target, got "
+            f"{ref!r}."
         )
     meta = require_injection_meta(fn, kind, source=source)
     check_config(fn, meta, config, source=source)
     return ResolvedInjection(
-        fn=fn, meta=meta, config=dict(config), name=name, provider=provider, provider_description=described
+        fn=fn,
+        meta=meta,
+        config=dict(config),
+        name=name,
+        provider=provider,
+        provider_description=described,
     )

@@ -81,11 +81,16 @@ class TrainingAdapters:
         if registry is None:
             registry = TRAINING_ADAPTER_REGISTRY
         applied = getattr(model, "_hp_applied", None)
-        ep_mesh = getattr(applied, "expert_meshes", {}).get(plan.ep_size) if applied is not None else None
+        ep_mesh = (
+            getattr(applied, "expert_meshes", {}).get(plan.ep_size) if applied is not None else None
+        )
         parallel = ParallelContext.from_plan(plan, mesh, ep_mesh=ep_mesh)
         active = set(parallel.active_axes)
-        chosen = {name: item.value for name, item in registry.items() if item.meta["axis"] in active}
+        chosen = {
+            name: item.value for name, item in registry.items() if item.meta["axis"] in active
+        }
         return cls(chosen, TrainingContext(parallel=parallel, plan=plan))
+
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self.adapters)

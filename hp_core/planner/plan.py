@@ -39,13 +39,18 @@ if TYPE_CHECKING:
 
 __all__ = ["plan"]
 
+
 def _registered() -> tuple[list[RoleRule], list[BoundaryTemplate]]:
     rules = [i.value for i in TEMPLATE_REGISTRY.values() if isinstance(i.value, RoleRule)]
-    templates = [i.value for i in TEMPLATE_REGISTRY.values() if isinstance(i.value, BoundaryTemplate)]
+    templates = [
+        i.value for i in TEMPLATE_REGISTRY.values() if isinstance(i.value, BoundaryTemplate)
+    ]
     return rules, templates
 
 
-def _pick(templates: Sequence[BoundaryTemplate], kind: str, archs: Sequence[str]) -> BoundaryTemplate | None:
+def _pick(
+    templates: Sequence[BoundaryTemplate], kind: str, archs: Sequence[str]
+) -> BoundaryTemplate | None:
     """Architecture-scoped templates win over general ones; among equals, the last registered
     (plugins and users register after the built-in plugin)."""
     candidates = [t for t in templates if t.kind == kind and t.applies_to(archs)]
@@ -80,9 +85,12 @@ def _build(template: BoundaryTemplate, ctx: TemplateContext) -> Any:
         fqn = ctx.fqn
         provider = _provider_of(template)
         raise TemplateBuildError(
-            f"{fqn or '<root>'}: boundary template {template.name!r} (kind {template.kind!r}, from {provider}) "
-            f"failed to build the spec of {type(ctx.block.module).__name__} {fqn!r}: {type(e).__name__}: {e}\n"
-            f"Fix: {_who_fixes(provider)}; meanwhile declare the module's full contract yourself in "
+            f"{fqn or '<root>'}: boundary template {template.name!r} (kind {template.kind!r}, from "
+            f"{provider}) "
+            f"failed to build the spec of {type(ctx.block.module).__name__} {fqn!r}: "
+            f"{type(e).__name__}: {e}\n"
+            f"Fix: {_who_fixes(provider)}; meanwhile declare the module's full contract yourself "
+            "in "
             f"an override (match: {fqn!r}), or unregister the template. The original exception is "
             "chained below.",
             template=template.name,
@@ -102,19 +110,26 @@ def _check_model(model: Any) -> None:
     if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
         hint = (
             " plan() takes the model object, not its name or path: build it first (on the meta "
-            "device is enough), e.g. with torch.device('meta'): model = AutoModelForCausalLM.from_config(config). "
+            "device is enough), e.g. with torch.device('meta'): model = "
+            "AutoModelForCausalLM.from_config(config). "
             "From the command line, 'hp plan --model PATH' takes a path."
         )
     else:
         hint = " Pass the torch.nn.Module to parallelize (a meta-device copy is enough to plan)."
-    raise ArgumentTypeError(f"plan(model, mesh): model must be a torch.nn.Module, got {type(model).__name__} {_short(model)}.{hint}")
+    raise ArgumentTypeError(
+        f"plan(model, mesh): model must be a torch.nn.Module, got {type(model).__name__} "
+        f"{_short(model)}.{hint}"
+    )
 
 
 def _check_mesh(mesh: object) -> None:
-    if isinstance(mesh, (MeshSpec, str, Mapping)) or (getattr(mesh, "shape", None) is not None and hasattr(mesh, "get_group")):
+    if isinstance(mesh, (MeshSpec, str, Mapping)) or (
+        getattr(mesh, "shape", None) is not None and hasattr(mesh, "get_group")
+    ):
         return
     raise MeshTypeError(
-        f"plan(model, mesh): mesh: expected a DeviceMesh, a MeshSpec, an {{axis: size}} mapping such as "
+        f"plan(model, mesh): mesh: expected a DeviceMesh, a MeshSpec, an {{axis: size}} mapping "
+        "such as "
         f"{{'tp': 2}} or a string such as 'tp=2,cp=2', got {type(mesh).__name__} {_short(mesh)}. "
         "Example: hp_core.plan(model, 'tp=2'); a DeviceMesh needs mesh_dim_names."
     )
@@ -135,12 +150,16 @@ def _check_loss(model: nn.Module) -> None:
     if loss is None:
         return  # preflight refuses models without one
     current = getattr(model, "loss_function", None)
-    name = f"{getattr(current, '__module__', '?')}.{getattr(current, '__qualname__', type(current).__name__)}"
+    qualname = getattr(current, "__qualname__", type(current).__name__)
+    name = f"{getattr(current, '__module__', '?')}.{qualname}"
     if name != "transformers.loss.loss_utils.ForCausalLMLoss":
         raise PlanningError(
-            f"plan(loss_parallel=True): {type(model).__name__} computes its loss with {name}, not transformers' "
-            "causal-LM cross-entropy, and hp's vocab-parallel loss would replace it with something else. "
-            "Plan with loss_parallel=False (the logits are then gathered and your loss runs unchanged)."
+            f"plan(loss_parallel=True): {type(model).__name__} computes its loss with {name}, not "
+            "transformers' "
+            "causal-LM cross-entropy, and hp's vocab-parallel loss would replace it with something "
+            "else. "
+            "Plan with loss_parallel=False (the logits are then gathered and your loss runs "
+            "unchanged)."
         )
 
 
@@ -177,7 +196,9 @@ def plan(
                 "built-in plugin provides one for every kind; is hp-core's builtin plugin failing? "
                 "Run 'hp plugins'."
             )
-        ctx = TemplateContext(block, ms, sequence_parallel, loss_parallel, ep_size, is_first_layer=first_layer)
+        ctx = TemplateContext(
+            block, ms, sequence_parallel, loss_parallel, ep_size, is_first_layer=first_layer
+        )
         spec = _build(template, ctx)
         if block.kind == "layer":
             first_layer = False
@@ -189,7 +210,11 @@ def plan(
                 "ModuleShardingSpec (or None to skip the block)."
             )
         derived[block.fqn] = spec
-    active = set(ParallelContext.from_spec(ms, sequence_parallel=sequence_parallel, ep_size=ep_size).guard_axes)
+    active = set(
+        ParallelContext.from_spec(
+            ms, sequence_parallel=sequence_parallel, ep_size=ep_size
+        ).guard_axes
+    )
     modules, notes = resolve_overrides(
         derived,
         overrides if overrides is not None else [],
