@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import Phi3Config, Phi3ForCausalLM
 
-from hp_core import planner as planner_pkg
+import hp_core.planner.plan as planner_pkg
 from hp_core.mesh import MeshSpecError
 from hp_core.planner.lints import (
     CoverageError,
