@@ -29,8 +29,8 @@ def _model(layers: int):
 
 def time_hp(layers: int) -> float:
     from hp_core.mesh import MeshSpec
-    from hp_core.planner import plan
     from hp_core.planner.lints import lint_plan
+    from hp_core.planner.plan import plan
 
     model = _model(layers)
     mesh = MeshSpec(("tp",), (8,))

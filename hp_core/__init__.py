@@ -7,6 +7,8 @@ with the communication its contract implies.
 
 from __future__ import annotations
 
+from hp_core.apply import apply
+from hp_core.context import ParallelContext
 from hp_core.errors import HpError
 from hp_core.hookspecs import PLUGIN_API_VERSION, hookimpl
 from hp_core.injection import (
@@ -28,7 +30,8 @@ from hp_core.plan.errors import (
 from hp_core.plan.model import ShardingPlan
 from hp_core.plan.overrides import OverrideEntry, dump_overrides, load_overrides
 from hp_core.plan.yaml_io import dump_plan, load_plan
-from hp_core.planner import MeshTypeError, TemplateBuildError, plan
+from hp_core.planner.lints import MeshTypeError, TemplateBuildError
+from hp_core.planner.plan import plan
 from hp_core.planner.templates.roles import (
     BoundaryTemplate,
     Role,
@@ -42,8 +45,9 @@ from hp_core.plugins import (
     register_template,
     register_training_adapter,
 )
-from hp_core.runtime import ApplyFailedError, RankTimeoutError, apply, finalize_grads
+from hp_core.runtime.applied import AppliedModel, applied, finalize_grads
 from hp_core.runtime.clip import clip_grad_norm_
+from hp_core.runtime.verdict import ApplyFailedError, RankTimeoutError
 from hp_core.spec.axes import CP, DP, EP, TP, MeshAxisName
 from hp_core.spec.keywords import UnknownFieldError
 from hp_core.spec.module_spec import ModuleShardingSpec
@@ -67,6 +71,7 @@ __all__ = [
     "EP",
     "PLUGIN_API_VERSION",
     "TP",
+    "AppliedModel",
     "ApplyFailedError",
     "ArgumentTypeError",
     "BoundaryTemplate",
@@ -81,6 +86,7 @@ __all__ = [
     "NamedPlacement",
     "OverrideEntry",
     "OverridesTypeError",
+    "ParallelContext",
     "PlacementMismatchError",
     "PlanTypeError",
     "RankTimeoutError",
@@ -95,6 +101,7 @@ __all__ = [
     "VerificationError",
     "VerifyReport",
     "__version__",
+    "applied",
     "apply",
     "clip_grad_norm_",
     "dump_overrides",

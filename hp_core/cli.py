@@ -417,7 +417,7 @@ def _plan_from_args(args: argparse.Namespace, err: Console) -> tuple[Any, Any]:
         raise _Failed(2, f"--overrides: {args.overrides!r}: no such file.")
     model = _load_model(args.model)
 
-    from hp_core.planner import plan
+    from hp_core.planner.plan import plan
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

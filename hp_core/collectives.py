@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 if TYPE_CHECKING:  # a type only: this module stays a leaf of torch alone
-    from hp_core.spec import ModuleShardingSpec
+    from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = [
     "TRANSITIONS",

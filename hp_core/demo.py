@@ -163,14 +163,14 @@ def default_setup(
 
 
 def plan_for(setup: DemoSetup, model: Any, mesh: Any) -> Any:
-    from hp_core.planner import plan
+    from hp_core.planner.plan import plan
 
     return plan(model, mesh, ep_size=setup.ep, overrides=setup.overrides or None)
 
 
 def plan_summary(plan: Any) -> list[str]:
     """A few lines: boundaries per kind (FQN with layer numbers as ``*``), injections, collectives."""
-    from hp_core.planner import input_check_axes, step_collectives
+    from hp_core.plan.prediction import input_check_axes, step_collectives
 
     kinds: Counter[str] = Counter()
     extras: dict[str, set[str]] = {}
@@ -224,7 +224,7 @@ def train(rank: int, setup: DemoSetup, *, progress: bool) -> dict[str, Any]:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hp_core.runtime import apply
+    from hp_core.apply import apply
     from hp_core.testing.models import build_model
     from hp_core.testing.probe import CollectiveCounter
     from hp_core.training import TrainingAdapters

@@ -18,7 +18,7 @@ Requires ``transformers`` and ``accelerate`` (``pip install 'hp-core[trainer]'``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from transformers import Trainer
 
 from hp_core.errors import HpError
 from hp_core.runtime.clip import clip_grad_norm_
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["HpTrainer", "HpTrainerError"]
 
@@ -42,7 +45,7 @@ class HpTrainer(Trainer):
     ``mesh`` is the mesh given to ``apply``; it needs a ``dp`` axis (size 1 for tp only).
     """
 
-    def __init__(self, *args: Any, mesh: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, mesh: DeviceMesh, **kwargs: Any) -> None:
         names = list(getattr(mesh, "mesh_dim_names", None) or ())
         if "dp" not in names:
             raise HpTrainerError(

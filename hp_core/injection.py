@@ -3,17 +3,19 @@
 Custom compute enters a plan only through these two decorators. Each checks the
 function's signature when it is decorated (so a mistake fails at import, not in the
 middle of a distributed run) and stamps ``fn._injection_meta``. At apply time the
-framework fills the declared context names and binds config keys by name.
+framework fills the declared context names — the module and ``ctx``, the job's
+:class:`~hp_core.ParallelContext` (plugin API 2) — and binds config keys by name.
+
+Turning a registry name or a ``Target`` into the decorated function needs the plugin
+registries, which sit above this module: that is :mod:`hp_core.resolve`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import os
-import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from hp_core.errors import HpError
@@ -21,44 +23,46 @@ from hp_core.spec.keywords import close_matches, keyword_checked
 
 __all__ = [
     "CONTEXT_NAMES",
+    "DECORATORS",
     "REQUIRED_CONTEXT",
     "InjectionBindingError",
     "InjectionCallError",
     "InjectionDefinitionError",
     "InjectionKind",
     "InjectionMeta",
-    "ResolvedInjection",
     "Target",
     "TargetError",
     "UntrustedTargetError",
     "bind_injection",
     "check_config",
     "check_forward_compatible",
+    "injection_name",
     "inner_wrapper",
     "local_compute",
     "require_injection_meta",
-    "resolve_injection",
     "trust_packages",
-    "trusted_packages",
+    "user_trusted_packages",
 ]
 
 InjectionKind = Literal["local_compute", "inner_wrapper"]
 
-_MESHES = ("mesh", "tp_mesh", "cp_mesh", "ep_mesh")
-
-#: Framework-context parameter names each kind may declare.
+#: Framework-context parameter names each kind may declare (``ctx``: the ParallelContext).
 CONTEXT_NAMES: dict[str, tuple[str, ...]] = {
-    "local_compute": ("module", *_MESHES),
-    "inner_wrapper": ("target_module", *_MESHES),
+    "local_compute": ("module", "ctx"),
+    "inner_wrapper": ("target_module", "ctx"),
 }
 #: Context names each kind must declare.
 REQUIRED_CONTEXT: dict[str, tuple[str, ...]] = {
-    "local_compute": _MESHES,
-    "inner_wrapper": ("target_module", *_MESHES),
+    "local_compute": ("ctx",),
+    "inner_wrapper": ("target_module", "ctx"),
 }
-_DECORATOR = {"local_compute": "@local_compute", "inner_wrapper": "@inner_wrapper"}
+#: The four mesh parameters of plugin API 1, which ``ctx`` replaced in API 2.
+_API1_MESHES = ("mesh", "tp_mesh", "cp_mesh", "ep_mesh")
+#: kind → the decorator's name, for messages.
+DECORATORS = {"local_compute": "@local_compute", "inner_wrapper": "@inner_wrapper"}
 _ROLE = {
-    "local_compute": "a factory called once at apply time that returns compute_fn(module, *forward_args)",
+    "local_compute": "a factory called once at apply time that returns compute_fn(module, "
+    "*forward_args)",
     "inner_wrapper": "a function that returns the replacement forward of the target module",
 }
 
@@ -79,7 +83,15 @@ class InjectionCallError(HpError, RuntimeError):
     ``kind`` hold the same facts.
     """
 
-    def __init__(self, message: str, *, name: str = "", provider: str = "", fqn: str | None = None, kind: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: str = "",
+        provider: str = "",
+        fqn: str | None = None,
+        kind: str = "",
+    ) -> None:
         super().__init__(message)
         self.name = name
         self.provider = provider
@@ -106,15 +118,16 @@ class InjectionMeta:
     required_config: tuple[str, ...] = ()
 
 
-def _fn_name(fn: Any) -> str:
+def injection_name(fn: Any) -> str:
+    """``module.qualname`` of an injected function, for messages."""
     mod = getattr(fn, "__module__", None)
     qual = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
     return f"{mod}.{qual}" if mod else str(qual)
 
 
 def _analyse(fn: Any, kind: str) -> InjectionMeta:
-    deco = _DECORATOR[kind]
-    name = _fn_name(fn)
+    deco = DECORATORS[kind]
+    name = injection_name(fn)
     if not callable(fn):
         raise InjectionDefinitionError(f"{deco} applies to a function, got {fn!r}.")
     try:
@@ -141,11 +154,18 @@ def _analyse(fn: Any, kind: str) -> InjectionMeta:
                 f"{deco} {name}: parameter {p.name!r} is positional-only; the framework binds "
                 "by name. Remove the '/' from the signature."
             )
+        if p.name in _API1_MESHES:
+            raise InjectionDefinitionError(
+                f"{deco} {name}: parameter {p.name!r} is a context name of plugin API 1. Since "
+                "plugin API 2 the framework passes one ParallelContext as 'ctx' instead of "
+                f"{', '.join(_API1_MESHES)} (read ctx.mesh, ctx.tp_mesh, ctx.cp_mesh, ctx.ep_mesh; "
+                f"None where the axis is inactive). Declare {', '.join(REQUIRED_CONTEXT[kind])}."
+            )
         if p.name in allowed:
             if p.default is not p.empty:
                 raise InjectionDefinitionError(
                     f"{deco} {name}: context parameter {p.name!r} must not have a default; "
-                    f"the framework always fills it (None when its axis is inactive). "
+                    f"the framework always fills it. "
                     f"Write '{p.name}' instead of '{p.name}={p.default!r}'."
                 )
             context.append(p.name)
@@ -164,7 +184,8 @@ def _analyse(fn: Any, kind: str) -> InjectionMeta:
         raise InjectionDefinitionError(
             f"{deco} {name}: missing required context parameter(s) {', '.join(missing)}.{hint} "
             f"{deco} functions are {_ROLE[kind]}; they must declare "
-            f"{', '.join(REQUIRED_CONTEXT[kind])} (ignore the ones you do not use)."
+            f"{', '.join(REQUIRED_CONTEXT[kind])} (ctx is the job's ParallelContext: "
+            "ctx.mesh, ctx.tp_mesh, ctx.cp_mesh, ctx.ep_mesh, ctx.active_axes)."
         )
     return InjectionMeta(kind, tuple(context), tuple(config), tuple(required_config))
 
@@ -172,9 +193,10 @@ def _analyse(fn: Any, kind: str) -> InjectionMeta:
 def local_compute(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Mark a factory of a region's custom compute.
 
-    Context parameters: ``mesh, tp_mesh, cp_mesh, ep_mesh`` (required) and ``module``
-    (optional). Every other parameter is a config key bound by name from YAML. The
-    factory runs once at apply time and returns ``compute_fn(module, *forward_args)``.
+    Context parameters: ``ctx`` (required: the job's :class:`~hp_core.ParallelContext`)
+    and ``module`` (optional), so ``factory(module, ctx, **config)``. Every other
+    parameter is a config key bound by name from YAML. The factory runs once at apply
+    time and returns ``compute_fn(module, *forward_args)``.
     """
     fn._injection_meta = _analyse(fn, "local_compute")  # type: ignore[attr-defined]
     return fn
@@ -183,7 +205,8 @@ def local_compute(fn: Callable[..., Any]) -> Callable[..., Any]:
 def inner_wrapper(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Mark a function that replaces an inner target's forward.
 
-    Context parameters (all required): ``target_module, mesh, tp_mesh, cp_mesh, ep_mesh``.
+    Context parameters (both required): ``target_module`` and ``ctx`` (the job's
+    :class:`~hp_core.ParallelContext`), so ``wrapper(target_module, ctx, **config)``.
     Returns the replacement forward (or installs it in place and returns None).
     """
     fn._injection_meta = _analyse(fn, "inner_wrapper")  # type: ignore[attr-defined]
@@ -192,19 +215,21 @@ def inner_wrapper(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def require_injection_meta(fn: Any, kind: str, *, source: str) -> InjectionMeta:
     """The meta stamped by the decorator of ``kind``, or a TypeError that says which to use."""
-    if kind not in _DECORATOR:
-        raise ValueError(f"unknown injection kind {kind!r}; expected one of {sorted(_DECORATOR)}")
+    if kind not in DECORATORS:
+        raise ValueError(f"unknown injection kind {kind!r}; expected one of {sorted(DECORATORS)}")
     meta = getattr(fn, "_injection_meta", None)
-    deco = _DECORATOR[kind]
+    deco = DECORATORS[kind]
     if not isinstance(meta, InjectionMeta):
         raise InjectionDefinitionError(
-            f"{_fn_name(fn)} (from {source}) is not decorated with {deco}. Injected code must "
+            f"{injection_name(fn)} (from {source}) is not decorated with {deco}. Injected code "
+            "must "
             f"declare its contract: put {deco} (from hp_core) on the function; it is "
             f"{_ROLE[kind]}."
         )
     if meta.kind != kind:
         raise InjectionDefinitionError(
-            f"{_fn_name(fn)} (from {source}) is decorated with {_DECORATOR[meta.kind]} but is "
+            f"{injection_name(fn)} (from {source}) is decorated with {DECORATORS[meta.kind]} but "
+            "is "
             f"used where {deco} is needed. {deco} is {_ROLE[kind]}."
         )
     return meta
@@ -213,13 +238,15 @@ def require_injection_meta(fn: Any, kind: str, *, source: str) -> InjectionMeta:
 # ----------------------------------------------------------------------- binding
 
 
-def check_config(fn: Callable[..., Any], meta: InjectionMeta, config: Mapping[str, Any], *, source: str) -> None:
+def check_config(
+    fn: Callable[..., Any], meta: InjectionMeta, config: Mapping[str, Any], *, source: str
+) -> None:
     """Config keys must be explicit, non-context parameters of ``fn``; required ones present."""
     collide = sorted(k for k in config if k in CONTEXT_NAMES[meta.kind])
     if collide:
         raise InjectionBindingError(
             f"{source}: config key(s) {collide} collide with framework context names of "
-            f"{_DECORATOR[meta.kind]} ({', '.join(CONTEXT_NAMES[meta.kind])}); the framework "
+            f"{DECORATORS[meta.kind]} ({', '.join(CONTEXT_NAMES[meta.kind])}); the framework "
             "fills those. Remove them from the config."
         )
     unknown = [k for k in config if k not in meta.config_keys]
@@ -229,13 +256,13 @@ def check_config(fn: Callable[..., Any], meta: InjectionMeta, config: Mapping[st
         best = close_matches(key, valid, n=1)
         hint = f" Did you mean {best[0]!r}?" if best else ""
         raise InjectionBindingError(
-            f"{source}: unknown config key {key!r} for {_fn_name(fn)}.{hint} "
+            f"{source}: unknown config key {key!r} for {injection_name(fn)}.{hint} "
             f"Valid config keys: {valid if valid else 'none (this function takes no config)'}."
         )
     missing = [k for k in meta.required_config if k not in config]
     if missing:
         raise InjectionBindingError(
-            f"{source}: {_fn_name(fn)} needs config key(s) {missing} (they have no default). "
+            f"{source}: {injection_name(fn)} needs config key(s) {missing} (they have no default). "
             f"Add them next to _target_, e.g. {{_target_: ..., {missing[0]}: ...}}."
         )
 
@@ -279,7 +306,7 @@ def check_forward_compatible(
         positional = [p for p in rparams if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if len(positional) < leading and not any(p.kind is p.VAR_POSITIONAL for p in rparams):
             raise InjectionBindingError(
-                f"{source}: {_fn_name(replacement)} must take {leading} leading positional "
+                f"{source}: {injection_name(replacement)} must take {leading} leading positional "
                 f"parameter(s) (the module) before the forward's parameters."
             )
         rparams = rparams[leading:]
@@ -306,7 +333,7 @@ def check_forward_compatible(
         else:
             continue
         raise InjectionBindingError(
-            f"{source}: {_fn_name(replacement)}{rsig} cannot stand in for forward{fsig}: "
+            f"{source}: {injection_name(replacement)}{rsig} cannot stand in for forward{fsig}: "
             f"{problem}. Give it the same parameters as the module's forward"
             + (" after the leading module parameter." if leading else ".")
         )
@@ -332,12 +359,13 @@ def trust_packages(*names: str) -> None:
         _USER_TRUSTED.add(n)
 
 
-def trusted_packages() -> frozenset[str]:
-    """Top-level packages a Target may import from: installed hp plugins + user-trusted."""
-    from hp_core.plugins import plugin_packages
+def user_trusted_packages() -> frozenset[str]:
+    """Top-level packages trusted by :func:`trust_packages` and ``$HP_TRUSTED_PACKAGES``.
 
+    The installed hp plugins are trusted too: ``hp_core.resolve.trusted_packages`` adds them.
+    """
     env = {p.strip() for p in os.environ.get("HP_TRUSTED_PACKAGES", "").split(",") if p.strip()}
-    return frozenset(_USER_TRUSTED | env | set(plugin_packages()))
+    return frozenset(_USER_TRUSTED | env)
 
 
 @keyword_checked
@@ -357,11 +385,15 @@ class Target:
         if not isinstance(self.target, str) or not self.target.strip():
             raise TargetError(f"Target: _target_ must be a non-empty string, got {self.target!r}.")
         if not isinstance(self.config, Mapping):
-            raise TargetError(f"Target {self.target!r}: config must be a mapping, got {self.config!r}.")
+            raise TargetError(
+                f"Target {self.target!r}: config must be a mapping, got {self.config!r}."
+            )
         self.config = dict(self.config)
         for k in self.config:
             if not isinstance(k, str) or not k:
-                raise TargetError(f"Target {self.target!r}: config keys must be strings, got {k!r}.")
+                raise TargetError(
+                    f"Target {self.target!r}: config keys must be strings, got {k!r}."
+                )
 
     @property
     def is_path(self) -> bool:
@@ -381,148 +413,3 @@ class Target:
 
     def to_dict(self) -> dict[str, Any]:
         return {"_target_": self.target, **self.config}
-
-
-_SOURCE_FQN = re.compile(r"plan\[(['\"])(.*?)\1\]")
-
-
-def _fqn_of(context: Mapping[str, Any], source: str) -> str | None:
-    """The FQN of the module an injection is bound for: the applier stamps the inner
-    wrapper's target with ``_hp_fqn``; otherwise the ``plan['fqn']`` of the source."""
-    target = context.get("target_module")
-    stamped = getattr(target, "_hp_fqn", None) if target is not None else None
-    if isinstance(stamped, str):
-        return stamped
-    m = _SOURCE_FQN.search(source)
-    return m.group(2) if m else None
-
-
-def _or_report(provider: str) -> str:
-    if provider.startswith(("provider 'user'", "a function passed directly")):
-        return " or correct the function"
-    return f", or report the failure to {provider}"
-
-
-@dataclasses.dataclass(frozen=True)
-class ResolvedInjection:
-    """An injection value resolved to its decorated function, meta and config.
-
-    ``provider`` is the short provider name (a plugin, the user, a package, ``direct``);
-    ``provider_description`` says it in words for messages.
-    """
-
-    fn: Callable[..., Any]
-    meta: InjectionMeta
-    config: Mapping[str, Any]
-    name: str
-    provider: str
-    provider_description: str = ""
-
-    def bind(self, context: Mapping[str, Any], *, source: str, fqn: str | None = None) -> Any:
-        """Call the function with its context and config.
-
-        A failure inside the function becomes :class:`InjectionCallError` naming it, its
-        provider and the module ``fqn`` (by default read from ``source`` /
-        ``target_module``), chained to the original. Errors hp itself raises (an
-        :class:`~hp_core.HpError`, which names its culprit) and ``KeyboardInterrupt``
-        pass through unchanged.
-        """
-        try:
-            return bind_injection(self.fn, self.meta, context=context, config=self.config, source=source)
-        except HpError:
-            raise
-        except Exception as e:
-            module = fqn if fqn is not None else _fqn_of(context, source)
-            provider = self.provider_description or self.provider
-            what = _DECORATOR[self.meta.kind] + (" factory" if self.meta.kind == "local_compute" else "")
-            where = f" for module {module!r}" if module is not None else ""
-            entry = f"the override for {module!r}" if module is not None else "the override"
-            raise InjectionCallError(
-                f"{source}: the {what} {self.name!r} (from {provider}) failed{where}: {type(e).__name__}: {e}\n"
-                f"Fix: if its config is wrong, correct it in {entry}; if the function does not fit this "
-                f"module, choose another one there{_or_report(provider)}. The original exception is "
-                "chained below.",
-                name=self.name,
-                provider=provider,
-                fqn=module,
-                kind=self.meta.kind,
-            ) from e
-
-
-_REGISTRY_KIND = {"local_compute": "compute_factory", "inner_wrapper": "inner_wrapper"}
-
-
-def _import_path(path: str, *, source: str, trusted: Iterable[str] | None) -> Any:
-    if ":" in path:
-        mod_name, _, attr = path.partition(":")
-    else:
-        mod_name, _, attr = path.rpartition(".")
-    top = mod_name.split(".", 1)[0]
-    allowed = frozenset(trusted) if trusted is not None else trusted_packages()
-    if top not in allowed:
-        raise UntrustedTargetError(
-            f"{source}: refusing to import {path!r}: its package {top!r} is neither an installed "
-            f"hp plugin nor trusted. A plan file must not import arbitrary code. If you trust it, "
-            f"call hp_core.trust_packages({top!r}) or set HP_TRUSTED_PACKAGES={top}."
-        )
-    try:
-        module = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise TargetError(f"{source}: cannot import module {mod_name!r} for {path!r}: {e}") from None
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        names = [n for n in dir(module) if not n.startswith("_")]
-        best = close_matches(attr, names, n=1)
-        hint = f" Did you mean {best[0]!r}?" if best else ""
-        raise TargetError(f"{source}: module {mod_name!r} has no attribute {attr!r}.{hint}") from None
-
-
-def resolve_injection(
-    value: Any,
-    kind: str,
-    *,
-    source: str,
-    trusted: Iterable[str] | None = None,
-) -> ResolvedInjection:
-    """Resolve a registry name, decorated callable or Target into a ResolvedInjection.
-
-    Config keys of a Target are checked against the factory's explicit parameters here,
-    before anything is called or mutated.
-    """
-    if kind not in _DECORATOR:
-        raise ValueError(f"unknown injection kind {kind!r}; expected one of {sorted(_DECORATOR)}")
-    config: Mapping[str, Any] = {}
-    if isinstance(value, Target):
-        ref: Any = value.target
-        config = value.config
-    else:
-        ref = value
-    provider = "direct"
-    described = ""
-    if isinstance(ref, str):
-        name = ref
-        if "." in ref or ":" in ref:
-            fn = _import_path(ref, source=source, trusted=trusted)
-            provider = ref.split(".", 1)[0].split(":", 1)[0]
-            described = f"package {provider!r} (imported from {ref!r})"
-        else:
-            from hp_core.plugins import lookup
-
-            item = lookup(_REGISTRY_KIND[kind], ref)
-            fn = item.value
-            provider = item.provider
-            described = item.describe_provider()
-    elif callable(ref):
-        fn = ref
-        name = _fn_name(ref)
-        described = f"a function passed directly (module {getattr(ref, '__module__', None) or '?'!s})"
-    else:
-        raise TargetError(
-            f"{source}: expected a registry name, a {_DECORATOR[kind]} function or a Target, got {ref!r}."
-        )
-    meta = require_injection_meta(fn, kind, source=source)
-    check_config(fn, meta, config, source=source)
-    return ResolvedInjection(
-        fn=fn, meta=meta, config=dict(config), name=name, provider=provider, provider_description=described
-    )

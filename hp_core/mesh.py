@@ -9,16 +9,23 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 from hp_core.errors import HpError
 from hp_core.spec.keywords import close_matches, keyword_checked
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 __all__ = [
+    "MeshLike",
     "MeshSpec",
     "MeshSpecError",
     "is_data_axis",
 ]
+
+#: A mesh described without a process group: a ``MeshSpec``, ``{axis: size}`` or ``"tp=4,cp=2"``.
+MeshLike: TypeAlias = "MeshSpec | Mapping[str, int] | str"
 
 _AXIS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -73,7 +80,7 @@ class MeshSpec:
         return cls(tuple(names), tuple(sizes))
 
     @classmethod
-    def from_any(cls, mesh: Any) -> MeshSpec:
+    def from_any(cls, mesh: DeviceMesh | MeshLike) -> MeshSpec:
         """Accept a ``MeshSpec``, a ``DeviceMesh``, a ``{axis: size}`` mapping or ``"tp=4"``."""
         if isinstance(mesh, MeshSpec):
             return mesh

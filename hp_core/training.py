@@ -17,36 +17,44 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from hp_core.context import ParallelContext
 from hp_core.plan.model import ShardingPlan
+from hp_core.plugins import TRAINING_ADAPTER_REGISTRY
 
-__all__ = ["TrainingAdapters", "TrainingContext", "active_axes"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["TrainingAdapters", "TrainingContext"]
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainingContext:
-    """What an adapter method receives: the meshes (None where the axis is absent) and the plan."""
+    """What an adapter method receives: the job's :class:`~hp_core.ParallelContext` and the plan.
 
-    mesh: Any
+    ``mesh``, ``tp_mesh``, ``cp_mesh`` and ``ep_mesh`` read the parallel context's (None
+    where the axis is inactive).
+    """
+
+    parallel: ParallelContext
     plan: ShardingPlan
-    tp_mesh: Any = None
-    cp_mesh: Any = None
-    ep_mesh: Any = None
 
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        return self.parallel.mesh
 
-def active_axes(plan: ShardingPlan) -> tuple[str, ...]:
-    """The plan's mesh axes of size > 1 (all of them if sizes are unknown), plus ``ep`` if ep_size > 1."""
-    shape = plan.mesh_shape or (2,) * len(plan.mesh_axis_names)
-    axes = [name for name, size in zip(plan.mesh_axis_names, shape, strict=True) if size > 1]
-    if plan.ep_size > 1 and "ep" not in axes:
-        axes.append("ep")
-    return tuple(axes)
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        return self.parallel.tp_mesh
 
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        return self.parallel.cp_mesh
 
-def _submesh(mesh: Any, axis: str) -> Any:
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    return mesh[axis] if axis in names else None
+    @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        return self.parallel.ep_mesh
 
 
 class TrainingAdapters:
@@ -58,7 +66,12 @@ class TrainingAdapters:
 
     @classmethod
     def for_plan(
-        cls, plan: ShardingPlan, mesh: Any, *, model: Any = None, registry: Mapping[str, Any] | None = None
+        cls,
+        plan: ShardingPlan,
+        mesh: DeviceMesh | None,
+        *,
+        model: Any = None,
+        registry: Mapping[str, Any] | None = None,
     ) -> TrainingAdapters:
         """Select the registered adapters whose axis is active in ``plan`` (registry order).
 
@@ -66,21 +79,17 @@ class TrainingAdapters:
         ``registry``: name → ``RegisteredItem`` (default: ``TRAINING_ADAPTER_REGISTRY``).
         """
         if registry is None:
-            from hp_core.plugins import TRAINING_ADAPTER_REGISTRY
-
             registry = TRAINING_ADAPTER_REGISTRY
-        active = set(active_axes(plan))
-        chosen = {name: item.value for name, item in registry.items() if item.meta["axis"] in active}
         applied = getattr(model, "_hp_applied", None)
-        ep_mesh = getattr(applied, "expert_meshes", {}).get(plan.ep_size) if applied is not None else None
-        context = TrainingContext(
-            mesh=mesh,
-            plan=plan,
-            tp_mesh=_submesh(mesh, "tp"),
-            cp_mesh=_submesh(mesh, "cp"),
-            ep_mesh=ep_mesh,
+        ep_mesh = (
+            getattr(applied, "expert_meshes", {}).get(plan.ep_size) if applied is not None else None
         )
-        return cls(chosen, context)
+        parallel = ParallelContext.from_plan(plan, mesh, ep_mesh=ep_mesh)
+        active = set(parallel.active_axes)
+        chosen = {
+            name: item.value for name, item in registry.items() if item.meta["axis"] in active
+        }
+        return cls(chosen, TrainingContext(parallel=parallel, plan=plan))
 
     @property
     def names(self) -> tuple[str, ...]:

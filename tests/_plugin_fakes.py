@@ -32,14 +32,14 @@ from hp_core.injection import inner_wrapper, local_compute
 HP_PLUGIN_API = 2
 
 @inner_wrapper
-def good_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+def good_wrapper(target_module, ctx):
     return None
 
 @local_compute
-def good_factory(mesh, tp_mesh, cp_mesh, ep_mesh, capacity=1.0):
+def good_factory(ctx, capacity=1.0):
     return None
 
-def undecorated(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+def undecorated(target_module, ctx):
     return None
 """
 

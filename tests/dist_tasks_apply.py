@@ -10,29 +10,29 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import hp_core.runtime.install as R
+from hp_core.apply import apply
 from hp_core.injection import inner_wrapper, local_compute
 from hp_core.mesh import MeshSpec
-from hp_core.planner import plan as make_plan
-from hp_core.runtime import apply
+from hp_core.planner.plan import plan as make_plan
 from hp_core.testing.models import build_model
 from hp_core.verifier import verify
 from tests._snapshots import differences, snapshot
 
 
 @inner_wrapper
-def identity_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+def identity_wrapper(target_module, ctx):
     return target_module.forward
 
 
 @local_compute
-def mismatched_compute(module, mesh, tp_mesh, cp_mesh, ep_mesh):
+def mismatched_compute(module, ctx):
     def compute(module, not_hidden_states):
         return not_hidden_states
 
     return compute
 
 
-def undecorated(module, mesh, tp_mesh, cp_mesh, ep_mesh):
+def undecorated(module, ctx):
     return None
 
 

@@ -9,17 +9,18 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from hp_core import applied
+from hp_core.apply import apply
 from hp_core.injection import Target, inner_wrapper, local_compute
-from hp_core.planner import plan as make_plan
-from hp_core.runtime import apply
+from hp_core.planner.plan import plan as make_plan
 from hp_core.testing.compare import allclose_excess, gather_full_grads, max_abs_diff, nan_safe_max
 from hp_core.testing.families import family_model
 
 
 @local_compute
-def local_mlp(module, mesh, tp_mesh, cp_mesh, ep_mesh, scale=1.0):
+def local_mlp(module, ctx, scale=1.0):
     """A SwiGLU MLP on whatever (local) weights the module holds."""
-    if tp_mesh is None or mesh is None:
+    if ctx.tp_mesh is None or ctx.mesh is None:
         raise AssertionError("the framework must fill the active meshes")
 
     def compute(module, x):
@@ -29,7 +30,7 @@ def local_mlp(module, mesh, tp_mesh, cp_mesh, ep_mesh, scale=1.0):
 
 
 @inner_wrapper
-def passthrough(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+def passthrough(target_module, ctx):
     original = target_module.forward
 
     def forward(*args, **kwargs):
@@ -39,7 +40,7 @@ def passthrough(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
 
 
 @inner_wrapper
-def functional_linear(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+def functional_linear(target_module, ctx):
     def forward(input):
         return F.linear(input, target_module.weight, target_module.bias)
 
@@ -47,7 +48,7 @@ def functional_linear(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
 
 
 @inner_wrapper
-def installs_in_place(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+def installs_in_place(target_module, ctx):
     original = target_module.forward
 
     def forward(*args, **kwargs):
@@ -57,7 +58,7 @@ def installs_in_place(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
 
 
 @inner_wrapper
-def forgets_to_install(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+def forgets_to_install(target_module, ctx):
     return None
 
 
@@ -79,7 +80,7 @@ def _run(overrides: list[dict], mode: str, *, register: bool = False) -> dict[st
     o.loss.backward()
     # Gathered without hp's placement tables; every fold NaN-safe (a NaN or shape mismatch is inf).
     diffs = max_abs_diff(gather_full_grads(model, ref, mesh), {n: q.grad for n, q in ref.named_parameters() if q.grad is not None})
-    resolved = {fqn: (s._resolved_inner_wrapper, s._resolved_inner_target) for fqn, s in p.items() if s._resolved_inner_wrapper}
+    resolved = {fqn: (w.wrapper, w.target) for fqn, w in applied(model).inner_wraps.items()}
     return {
         "loss": allclose_excess(o.loss.detach(), r.loss.detach(), rtol=0.0),
         "logits": allclose_excess(o.logits.detach(), r.logits.detach(), rtol=0.0),

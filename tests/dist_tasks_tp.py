@@ -20,9 +20,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
-from hp_core.planner import input_check_axes, step_collectives
-from hp_core.planner import plan as make_plan
-from hp_core.runtime import apply
+from hp_core.apply import apply
+from hp_core.plan.prediction import input_check_axes, step_collectives
+from hp_core.planner.plan import plan as make_plan
 from hp_core.testing.compare import (
     allclose_excess,
     full_tensor,

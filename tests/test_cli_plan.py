@@ -13,7 +13,8 @@ import pytest
 import hp_core
 from hp_core import cli
 from hp_core.plan import load_plan
-from hp_core.planner import plan, step_collectives
+from hp_core.plan.prediction import step_collectives
+from hp_core.planner.plan import plan
 from hp_core.testing.families import tiny_family_config
 from hp_core.testing.models import (
     build_model,

@@ -57,7 +57,7 @@ def test_items_show_their_static_requirements(capsys):
     from hp_core.plugins import register_inner_wrapper
 
     @inner_wrapper
-    def w(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    def w(target_module, ctx):
         return None
 
     register_inner_wrapper("cli_wrapper", w, needs_cp=True, region_dispatch=False, forward_style="hf")

@@ -34,7 +34,7 @@ from hp_core.artifact import (
     version_drift,
     write_artifact,
 )
-from hp_core.planner import plan
+from hp_core.planner.plan import plan
 from hp_core.plugins import unregister
 from hp_core.testing.models import build_model
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
@@ -46,7 +46,7 @@ CP_OVERRIDES = [{"match": "model.layers.*.self_attn", "inner_wrapper": "sdpa_hf"
 
 
 @inner_wrapper
-def user_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+def user_wrapper(target_module, ctx):
     return target_module.forward
 
 
@@ -106,7 +106,7 @@ def test_inputs_record_what_produced_the_plan(llama, artifact, tmp_path):
 
 
 def test_unserializable_overrides_are_a_freeze_error(llama):
-    def local(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    def local(target_module, ctx):
         return None
 
     overrides = {"model.layers.0.self_attn": ModuleShardingSpec(inner_wrapper=inner_wrapper(local), inner_target="self", region_dispatch=False)}

@@ -16,7 +16,7 @@ from hp_core.artifact import (
     rebuild,
     same_plan,
 )
-from hp_core.planner import plan
+from hp_core.planner.plan import plan
 from hp_core.testing.models import build_model
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 from tests._toy_models import list_moe_lm
@@ -45,12 +45,12 @@ CASES = [
 
 
 @inner_wrapper
-def module_level_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+def module_level_wrapper(target_module, ctx):
     return target_module.forward
 
 
 @local_compute
-def module_level_factory(mesh, tp_mesh, cp_mesh, ep_mesh, scale: float = 1.0):
+def module_level_factory(ctx, scale: float = 1.0):
     return lambda module, x: x
 
 
@@ -246,7 +246,7 @@ def test_exempt_fields_do_not_count_but_dataclass_equality_does():
 
 
 def test_an_unfreezable_callable_compares_by_identity():
-    def local(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    def local(target_module, ctx):
         return None
 
     fn = inner_wrapper(local)
@@ -312,14 +312,14 @@ def test_declared_output_order_is_frozen():
 
 
 def test_undecorated_and_unnameable_callables_are_refused():
-    def plain(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    def plain(target_module, ctx):
         return None
 
     assert f"modules['m'].inner_wrapper: {__name__}.test_undecorated_and_unnameable_callables_are_refused.<locals>.plain is not decorated with @local_compute or @inner_wrapper, so it cannot be injected; decorate it (from hp_core)." == _frozen_error(_spec_with(inner_wrapper=plain))
     message = _frozen_error(_spec_with(inner_wrapper=inner_wrapper(plain)))
     assert message.startswith(f"modules['m'].inner_wrapper: {__name__}.test_undecorated_and_unnameable_callables_are_refused.<locals>.plain cannot be named in an artifact: only a module-level function")
     assert "register it under a name (register_inner_wrapper / register_compute_factory or a plugin)" in message
-    lam = inner_wrapper(lambda target_module, mesh, tp_mesh, cp_mesh, ep_mesh: None)
+    lam = inner_wrapper(lambda target_module, ctx: None)
     assert "<lambda> cannot be named in an artifact" in _frozen_error(_spec_with(inner_wrapper=lam))
     plain.__module__ = "__main__"
     plain.__qualname__ = "plain"

@@ -15,8 +15,8 @@ from hp_core.artifact import (
     restore_model_metadata,
     same_plan,
 )
-from hp_core.planner import plan
 from hp_core.planner.lints import DivisibilityError
+from hp_core.planner.plan import plan
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 from tests._toy_models import head_attention_lm
 

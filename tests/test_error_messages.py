@@ -15,13 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import hp_core
 from hp_core import HpError
-from hp_core.injection import (
-    InjectionCallError,
-    InjectionMeta,
-    Target,
-    local_compute,
-    resolve_injection,
-)
+from hp_core.injection import InjectionCallError, InjectionMeta, Target, local_compute
 from hp_core.mesh import MeshSpecError
 from hp_core.plan import (
     ArgumentTypeError,
@@ -36,9 +30,11 @@ from hp_core.plan import (
     load_overrides,
     load_plan,
 )
-from hp_core.planner import MeshTypeError, PlanningError, TemplateBuildError, plan
+from hp_core.planner.lints import MeshTypeError, PlanningError, TemplateBuildError
+from hp_core.planner.plan import plan
 from hp_core.planner.templates import BoundaryTemplate, Role, RoleRule
 from hp_core.plugins import TEMPLATE_REGISTRY, register_compute_factory, register_template
+from hp_core.resolve import resolve_injection
 from hp_core.spec import (
     ModuleShardingSpec,
     PlacementSyntaxError,
@@ -301,7 +297,7 @@ def _boom(ctx):
     raise KeyError("hidden_size")
 
 @local_compute
-def boom_factory(mesh, tp_mesh, cp_mesh, ep_mesh, module):
+def boom_factory(ctx, module):
     raise RuntimeError("no experts in " + type(module).__name__)
 
 @hookimpl
@@ -367,16 +363,16 @@ def test_template_interrupt_is_not_wrapped():
         plan(head_attention_lm(), "tp=2")
 
 
-_CONTEXT = {"mesh": None, "tp_mesh": None, "cp_mesh": None, "ep_mesh": None}
+_CONTEXT = {"ctx": None}
 
 
 @local_compute
-def _user_boom(mesh, tp_mesh, cp_mesh, ep_mesh, module, capacity=1.0):
+def _user_boom(ctx, module, capacity=1.0):
     raise ValueError(f"capacity {capacity} is too small")
 
 
 @local_compute
-def _user_interrupt(mesh, tp_mesh, cp_mesh, ep_mesh):
+def _user_interrupt(ctx):
     raise KeyboardInterrupt
 
 

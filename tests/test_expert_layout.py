@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from hp_core.mesh import MeshSpec
-from hp_core.planner import plan
+from hp_core.planner.plan import plan
+from hp_core.runtime.errors import PreflightError
 from hp_core.runtime.experts import (
     ExpertParallelError,
     check_expert_boundary,
@@ -16,7 +17,6 @@ from hp_core.runtime.experts import (
     expert_layout,
     expert_placements,
 )
-from hp_core.runtime.preflight import PreflightError
 from hp_core.testing.models import build_model
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 from tests._toy_models import list_moe_lm
@@ -188,8 +188,9 @@ def test_stacked_experts_module():
 
 def test_fixes_match_only_the_expert_parallel_blocks():
     """With dense MLP layers between the MoE ones, a glob would hit them too: list the blocks."""
+    from hp_core.runtime.errors import PreflightError
     from hp_core.runtime.experts import expert_matches, override_entries
-    from hp_core.runtime.preflight import PreflightError, preflight
+    from hp_core.runtime.preflight import preflight
 
     model = build_model("qwen2moe", device="meta", num_hidden_layers=3, mlp_only_layers=[1])
     p = plan(model, "dp=2", ep_size=2)

@@ -96,7 +96,7 @@ from hp_core.plugins import (
     register_training_adapter,
     unregister,
 )
-from hp_core.runtime.preflight import MeshMismatchError, PreflightError
+from hp_core.runtime.errors import MeshMismatchError, PreflightError
 from hp_core.runtime.verdict import RankTimeoutError
 from hp_core.spec import (
     PlacementSyntaxError,
@@ -357,22 +357,22 @@ case("plan_loss_parallel_without_lm", "planning", _plan("tp=2", loss_parallel=Tr
 # ------------------------------------------------------------------ injection
 
 
-def f_kwargs(mesh, tp_mesh, cp_mesh, ep_mesh, **kw): ...
-def f_varargs(target_module, mesh, tp_mesh, cp_mesh, ep_mesh, *rest): ...
-def f_default(target_module, mesh, tp_mesh, cp_mesh=None, ep_mesh=None): ...
-def f_missing(target_module, mesh, tp_mesh, cp_mesh): ...
-def f_typo(target_module, mesh, tp_mesh, cp_mesh, ep_mes): ...
-def f_posonly(target_module, mesh, /, tp_mesh, cp_mesh, ep_mesh): ...
-def f_compute_missing(mesh, tp_mesh, cp_mesh): ...
+def f_kwargs(ctx, **kw): ...
+def f_varargs(target_module, ctx, *rest): ...
+def f_default(target_module, ctx=None): ...
+def f_missing(target_module): ...
+def f_typo(target_module, cxt): ...
+def f_posonly(target_module, /, ctx): ...
+def f_compute_missing(module): ...
 
 
 @iw
-def good_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+def good_wrapper(target_module, ctx):
     return None
 
 
 @lc
-def good_factory(mesh, tp_mesh, cp_mesh, ep_mesh, capacity=1.0):
+def good_factory(ctx, capacity=1.0):
     return None
 
 
@@ -380,16 +380,16 @@ for label, call, error, fragments in [
     ("local_compute_kwargs", lambda ctx, m: lc(f_kwargs), InjectionDefinitionError, ("f_kwargs", "'**kw' is not allowed")),
     ("inner_wrapper_varargs", lambda ctx, m: iw(f_varargs), InjectionDefinitionError, ("f_varargs", "'*rest' is not allowed")),
     ("inner_wrapper_context_default", lambda ctx, m: iw(f_default), InjectionDefinitionError,
-     ("f_default", "'cp_mesh' must not have a default")),
-    ("inner_wrapper_missing_context", lambda ctx, m: iw(f_missing), InjectionDefinitionError, ("f_missing", "ep_mesh")),
-    ("inner_wrapper_context_typo", lambda ctx, m: iw(f_typo), InjectionDefinitionError, ("f_typo", "'ep_mes'", "'ep_mesh'")),
+     ("f_default", "'ctx' must not have a default")),
+    ("inner_wrapper_missing_context", lambda ctx, m: iw(f_missing), InjectionDefinitionError, ("f_missing", "ctx")),
+    ("inner_wrapper_context_typo", lambda ctx, m: iw(f_typo), InjectionDefinitionError, ("f_typo", "'cxt'", "'ctx'")),
     ("inner_wrapper_positional_only", lambda ctx, m: iw(f_posonly), InjectionDefinitionError,
      ("f_posonly", "'target_module' is positional-only")),
     ("local_compute_missing_context", lambda ctx, m: lc(f_compute_missing), InjectionDefinitionError,
-     ("f_compute_missing", "ep_mesh")),
+     ("f_compute_missing", "ctx")),
     ("inner_wrapper_not_a_function", lambda ctx, m: iw(3), InjectionDefinitionError, ("got 3",)),
     ("local_compute_builtin", lambda ctx, m: lc(len), InjectionDefinitionError, ("builtins.len", "'obj'")),
-    ("local_compute_lambda", lambda ctx, m: lc(lambda: None), InjectionDefinitionError, ("<lambda>", "mesh, tp_mesh")),
+    ("local_compute_lambda", lambda ctx, m: lc(lambda: None), InjectionDefinitionError, ("<lambda>", "declare ctx")),
     ("target_empty", lambda ctx, m: Target(""), TargetError, ("_target_", "got ''")),
     ("target_int", lambda ctx, m: Target(3), TargetError, ("_target_", "got 3")),
     ("target_config_list", lambda ctx, m: Target("moe_x", [1]), TargetError, ("'moe_x'", "config must be a mapping", "[1]")),

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from hp_core import injection as I
+from hp_core import resolve as R
 from hp_core.injection import (
     InjectionBindingError,
     InjectionDefinitionError,
@@ -21,34 +22,34 @@ from hp_core.injection import (
     inner_wrapper,
     local_compute,
     require_injection_meta,
-    resolve_injection,
 )
+from hp_core.resolve import resolve_injection
 
 # ------------------------------------------------------------------ decoration
 
 
 def test_local_compute_stamps_meta():
     @local_compute
-    def factory(module, mesh, tp_mesh, cp_mesh, ep_mesh, capacity, jitter=0.0):
+    def factory(module, ctx, capacity, jitter=0.0):
         return None
 
     meta = factory._injection_meta
-    assert meta == InjectionMeta("local_compute", ("module", "mesh", "tp_mesh", "cp_mesh", "ep_mesh"), ("capacity", "jitter"), ("capacity",))
+    assert meta == InjectionMeta("local_compute", ("module", "ctx"), ("capacity", "jitter"), ("capacity",))
     with pytest.raises(dataclasses.FrozenInstanceError):
         meta.kind = "x"  # frozen
 
 
 def test_local_compute_module_is_optional():
     @local_compute
-    def factory(mesh, tp_mesh, cp_mesh, ep_mesh):
+    def factory(ctx):
         return None
 
-    assert factory._injection_meta.context == ("mesh", "tp_mesh", "cp_mesh", "ep_mesh")
+    assert factory._injection_meta.context == ("ctx",)
 
 
 def test_inner_wrapper_stamps_meta():
     @inner_wrapper
-    def wrap(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    def wrap(target_module, ctx):
         return None
 
     assert wrap._injection_meta.kind == "inner_wrapper"
@@ -59,23 +60,23 @@ def test_kwargs_rejected_at_decoration():
     with pytest.raises(TypeError, match=r"@local_compute .*factory: '\*\*kwargs' is not allowed"):
 
         @local_compute
-        def factory(mesh, tp_mesh, cp_mesh, ep_mesh, **kwargs):
+        def factory(ctx, **kwargs):
             return None
 
 
 def test_varargs_rejected_at_decoration():
-    with pytest.raises(InjectionDefinitionError, match=r"'\*args' is not allowed.*target_module, mesh"):
+    with pytest.raises(InjectionDefinitionError, match=r"'\*args' is not allowed.*target_module, ctx"):
 
         @inner_wrapper
-        def wrap(target_module, mesh, tp_mesh, cp_mesh, ep_mesh, *args):
+        def wrap(target_module, ctx, *args):
             return None
 
 
 def test_context_default_rejected():
-    with pytest.raises(InjectionDefinitionError, match=r"context parameter 'cp_mesh' must not have a default.*'cp_mesh=None'"):
+    with pytest.raises(InjectionDefinitionError, match=r"context parameter 'ctx' must not have a default.*'ctx=None'"):
 
         @local_compute
-        def factory(mesh, tp_mesh, ep_mesh, cp_mesh=None):
+        def factory(module, ctx=None):
             return None
 
 
@@ -83,23 +84,23 @@ def test_missing_context_rejected_with_typo_hint():
     with pytest.raises(InjectionDefinitionError) as e:
 
         @local_compute
-        def factory(mesh, tp_mesh, cp_mesh, epmesh):
+        def factory(module, cxt):
             return None
 
     msg = str(e.value)
-    assert "missing required context parameter(s) ep_mesh" in msg
-    assert "'epmesh' looks like a misspelling of 'ep_mesh'" in msg
+    assert "missing required context parameter(s) ctx" in msg
+    assert "'cxt' looks like a misspelling of 'ctx'" in msg
     with pytest.raises(InjectionDefinitionError, match=r"missing required context parameter\(s\) target_module\. @inner_wrapper"):
 
         @inner_wrapper
-        def wrap(mesh, tp_mesh, cp_mesh, ep_mesh):
+        def wrap(ctx):
             return None
 
 
 def test_positional_only_rejected():
-    with pytest.raises(InjectionDefinitionError, match=r"parameter 'mesh' is positional-only"):
+    with pytest.raises(InjectionDefinitionError, match=r"parameter 'module' is positional-only"):
         exec(
-            "@local_compute\ndef f(mesh, /, tp_mesh, cp_mesh, ep_mesh):\n    pass",
+            "@local_compute\ndef f(module, /, ctx):\n    pass",
             {"local_compute": local_compute},
         )
 
@@ -113,7 +114,7 @@ def test_signature_must_be_introspectable():
 
 def test_require_injection_meta():
     @local_compute
-    def factory(mesh, tp_mesh, cp_mesh, ep_mesh):
+    def factory(ctx):
         return None
 
     assert require_injection_meta(factory, "local_compute", source="overrides[0]").kind == "local_compute"
@@ -136,24 +137,24 @@ def test_fn_name_of_unusual_callables():
         def __call__(self, mesh):
             return None
 
-    assert I._fn_name(C()).startswith("<")  # no module, no qualname on the instance: its repr
+    assert I.injection_name(C()).startswith("<")  # no module, no qualname on the instance: its repr
     partial = functools.partial(_factory)
-    assert "functools.partial(" in I._fn_name(partial)
+    assert "functools.partial(" in I.injection_name(partial)
 
 
 # ------------------------------------------------------------------ binding
 
 
 @local_compute
-def _factory(module, mesh, tp_mesh, cp_mesh, ep_mesh, capacity, jitter=0.0):
-    return {"module": module, "mesh": mesh, "tp": tp_mesh, "cp": cp_mesh, "ep": ep_mesh, "capacity": capacity, "jitter": jitter}
+def _factory(module, ctx, capacity, jitter=0.0):
+    return {"module": module, "ctx": ctx, "capacity": capacity, "jitter": jitter}
 
 
 def test_bind_fills_context_none_for_inactive_axes_and_binds_config():
     got = bind_injection(
-        _factory, _factory._injection_meta, context={"mesh": "M", "tp_mesh": "T"}, config={"capacity": 2}, source="s"
+        _factory, _factory._injection_meta, context={"ctx": "C"}, config={"capacity": 2}, source="s"
     )
-    assert got == {"module": None, "mesh": "M", "tp": "T", "cp": None, "ep": None, "capacity": 2, "jitter": 0.0}
+    assert got == {"module": None, "ctx": "C", "capacity": 2, "jitter": 0.0}
 
 
 def test_bind_config_typo_lists_valid_and_closest():
@@ -166,7 +167,7 @@ def test_bind_config_typo_lists_valid_and_closest():
 
 def test_bind_config_no_keys_at_all():
     @inner_wrapper
-    def wrap(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    def wrap(target_module, ctx):
         return None
 
     with pytest.raises(InjectionBindingError, match=r"unknown config key 'zzz'.*Valid config keys: none"):
@@ -174,8 +175,8 @@ def test_bind_config_no_keys_at_all():
 
 
 def test_bind_config_context_collision():
-    with pytest.raises(InjectionBindingError, match=r"config key\(s\) \['mesh'\] collide with framework context names"):
-        bind_injection(_factory, _factory._injection_meta, context={}, config={"mesh": 1, "capacity": 1}, source="s")
+    with pytest.raises(InjectionBindingError, match=r"config key\(s\) \['ctx'\] collide with framework context names"):
+        bind_injection(_factory, _factory._injection_meta, context={}, config={"ctx": 1, "capacity": 1}, source="s")
 
 
 def test_bind_missing_required_config():
@@ -302,10 +303,10 @@ def trusted_pkg(tmp_path, monkeypatch):
     (pkg / "factories.py").write_text(
         "from hp_core import local_compute, inner_wrapper\n"
         "@local_compute\n"
-        "def moe(mesh, tp_mesh, cp_mesh, ep_mesh, capacity=1.0):\n"
+        "def moe(ctx, capacity=1.0):\n"
         "    return ('moe', capacity)\n"
         "@inner_wrapper\n"
-        "def attn(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):\n"
+        "def attn(target_module, ctx):\n"
         "    return None\n"
         "def plain(mesh):\n"
         "    return None\n"
@@ -328,16 +329,16 @@ def test_dotted_path_refused_unless_trusted(trusted_pkg, monkeypatch):
 
 
 def test_dotted_path_trusted_by_call(trusted_pkg, monkeypatch):
-    monkeypatch.setattr("hp_core.plugins.plugin_packages", lambda: frozenset(), raising=False)
+    monkeypatch.setattr("hp_core.resolve.plugin_packages", lambda: frozenset(), raising=False)
     I.trust_packages(trusted_pkg)
-    assert trusted_pkg in I.trusted_packages()
+    assert trusted_pkg in R.trusted_packages()
     r = resolve_injection(Target("hp_test_trustpkg.factories:moe", {"capacity": 4.0}), "local_compute", source="s")
     assert r.name == "hp_test_trustpkg.factories:moe" and r.provider == "hp_test_trustpkg"
     assert r.bind({}, source="s") == ("moe", 4.0)
 
 
 def test_dotted_path_trusted_by_env(trusted_pkg, monkeypatch):
-    monkeypatch.setattr("hp_core.plugins.plugin_packages", lambda: frozenset(), raising=False)
+    monkeypatch.setattr("hp_core.resolve.plugin_packages", lambda: frozenset(), raising=False)
     monkeypatch.setenv("HP_TRUSTED_PACKAGES", f" other , {trusted_pkg} ")
     r = resolve_injection("hp_test_trustpkg.factories.attn", "inner_wrapper", source="s")
     assert r.meta.kind == "inner_wrapper" and r.config == {}
@@ -367,7 +368,7 @@ def test_trust_packages_validates_names():
 
 def test_resolve_direct_callable_and_errors():
     @local_compute
-    def no_config(mesh, tp_mesh, cp_mesh, ep_mesh):
+    def no_config(ctx):
         return "compute"
 
     r = resolve_injection(no_config, "local_compute", source="s")
@@ -379,3 +380,17 @@ def test_resolve_direct_callable_and_errors():
         resolve_injection(_factory, "bogus", source="s")
     with pytest.raises(InjectionBindingError, match=r"needs config key\(s\) \['capacity'\]"):
         resolve_injection(_factory, "local_compute", source="s")
+
+
+def test_api1_mesh_parameters_refused_with_the_new_contract():
+    with pytest.raises(InjectionDefinitionError, match=r"parameter 'tp_mesh' is a context name of plugin API 1.*as 'ctx'"):
+
+        @local_compute
+        def factory(module, tp_mesh):
+            return None
+
+    with pytest.raises(InjectionDefinitionError, match=r"'mesh' is a context name of plugin API 1.*target_module, ctx\."):
+
+        @inner_wrapper
+        def wrap(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+            return None

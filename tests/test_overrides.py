@@ -30,7 +30,7 @@ from hp_core.spec import IncompleteContractError, MeshAxisName, ModuleShardingSp
 
 
 @local_compute
-def my_factory(module, mesh, tp_mesh, cp_mesh, ep_mesh, capacity=1.0):
+def my_factory(module, ctx, capacity=1.0):
     return None
 
 
@@ -259,7 +259,7 @@ def test_dump_python_forms():
 
 def test_dump_rejects_unwritable_callables():
     @local_compute
-    def nested(module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    def nested(module, ctx):
         return None
 
     with pytest.raises(

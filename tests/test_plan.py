@@ -208,13 +208,13 @@ def test_fingerprint_covers_everything_that_affects_execution(mutate):
 
 
 @local_compute
-def _factory(module, mesh, tp_mesh, cp_mesh, ep_mesh):
+def _factory(module, ctx):
     return None
 
 
 def test_fingerprint_names_callables_by_qualname():
     @local_compute
-    def nested(module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    def nested(module, ctx):
         return None
 
     plan = make_plan()

@@ -22,7 +22,7 @@ from hp_core.spec import ModuleShardingSpec
 
 
 @inner_wrapper
-def my_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+def my_wrapper(target_module, ctx):
     return None
 
 
@@ -152,7 +152,7 @@ def test_callable_is_written_as_dotted_target():
 
 def test_non_importable_callable_cannot_be_dumped():
     @inner_wrapper
-    def local(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    def local(target_module, ctx):
         return None
 
     plan = full_plan()

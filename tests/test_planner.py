@@ -11,9 +11,10 @@ import time
 import pytest
 import torch
 
+from hp_core.context import ParallelContext
 from hp_core.mesh import MeshSpec
 from hp_core.plan import ShardingPlan
-from hp_core.planner import active_axes, plan
+from hp_core.planner.plan import plan
 from hp_core.testing.models import build_model, model_from_config, preset_config
 from tests._planner_helpers import (
     S1,
@@ -287,10 +288,10 @@ def test_the_model_is_left_untouched():
 
 def test_active_axes():
     mesh = MeshSpec.parse("dp=2,tp=2,cp=2")
-    assert active_axes(mesh, sequence_parallel=True, ep_size=1) == {"tp", "cp", "sp"}
-    assert active_axes(mesh, sequence_parallel=False, ep_size=2) == {"tp", "cp", "ep"}
-    assert active_axes(MeshSpec.parse("tp=1,cp=2"), sequence_parallel=True, ep_size=1) == {"cp"}
-    assert active_axes(MeshSpec.parse("dp=4"), sequence_parallel=True, ep_size=1) == set()
+    assert ParallelContext.from_spec(mesh, sequence_parallel=True, ep_size=1).guard_axes == {"tp", "cp", "sp"}
+    assert ParallelContext.from_spec(mesh, sequence_parallel=False, ep_size=2).guard_axes == {"tp", "cp", "ep"}
+    assert ParallelContext.from_spec(MeshSpec.parse("tp=1,cp=2"), sequence_parallel=True, ep_size=1).guard_axes == {"cp"}
+    assert ParallelContext.from_spec(MeshSpec.parse("dp=4"), sequence_parallel=True, ep_size=1).guard_axes == set()
 
 
 def test_a_mesh_without_tp_or_cp_shards_nothing():

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from hp_core.collectives import Collective, Transition, grad_is_partial, transition
-from hp_core.planner import plan
 from hp_core.plan.prediction import (
     boundary_collectives,
     boundary_transitions,
     sp_grad_params,
     step_collectives,
 )
+from hp_core.planner.plan import plan
 from hp_core.spec import ModuleShardingSpec
 from hp_core.testing.models import build_model
 from tests._planner_helpers import (

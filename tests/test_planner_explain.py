@@ -11,7 +11,7 @@ from torch.distributed.tensor import Partial, Replicate
 from hp_core.injection import local_compute
 from hp_core.plan import PlanError, ShardingPlan
 from hp_core.plan.explain import explain
-from hp_core.planner import plan
+from hp_core.planner.plan import plan
 from hp_core.spec import ModuleShardingSpec
 from hp_core.testing.models import build_model
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
@@ -37,7 +37,7 @@ def section(text: str, fqn: str) -> list[str]:
 
 
 @local_compute
-def tiny_compute(mesh, tp_mesh, cp_mesh, ep_mesh, scale=1.0):  # pragma: no cover - never applied
+def tiny_compute(ctx, scale=1.0):  # pragma: no cover - never applied
     return None
 
 

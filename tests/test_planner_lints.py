@@ -7,18 +7,18 @@ import pytest
 import torch
 from transformers import Phi3Config, Phi3ForCausalLM
 
-from hp_core import planner as planner_pkg
+import hp_core.planner.plan as planner_pkg
 from hp_core.mesh import MeshSpecError
 from hp_core.plan import IncompleteOverrideError, OverrideError, PlanError
-from hp_core.planner import (
+from hp_core.planner.lints import (
     CoverageError,
     DivisibilityError,
     FusedProjectionError,
     MeshAxisError,
     PlanningError,
-    UncoveredParameterError,
-    plan,
 )
+from hp_core.planner.plan import plan
+from hp_core.planner.structure import UncoveredParameterError
 from hp_core.planner.templates import BoundaryTemplate
 from hp_core.plugins import register_template
 from hp_core.spec import ModuleShardingSpec
@@ -329,7 +329,8 @@ def test_input_name_that_the_forward_does_not_take(tmp_path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hp_core.planner import PlanningError, plan
+    from hp_core.planner.lints import PlanningError
+    from hp_core.planner.plan import plan
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
     with torch.device("meta"):

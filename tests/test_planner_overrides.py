@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from hp_core.plan import OverrideMatchWarning, dump_plan, load_plan
-from hp_core.planner import plan
+from hp_core.planner.plan import plan
 from hp_core.spec import ModuleShardingSpec
 from hp_core.testing.models import build_model
 from tests._planner_helpers import (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from hp_core import Role, RoleRule
 from hp_core.hookspecs import hookimpl
 from hp_core.plugins import (
     ROUTER_ADAPTER_REGISTRY,
@@ -12,7 +13,6 @@ from hp_core.plugins import (
     register_plugin,
     reset_plugins,
 )
-from hp_core import Role, RoleRule
 
 pytestmark = pytest.mark.usefixtures("plugin_env")
 

@@ -487,7 +487,7 @@ def test_user_registered_items_count_as_installed(capsys, tmp_path, monkeypatch)
     from hp_core.plugins import register_inner_wrapper
 
     @inner_wrapper
-    def ring(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    def ring(target_module, ctx):
         return None
 
     monkeypatch.setenv("HP_DISABLE_PLUGIN_AUTOLOAD", "1")

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from hp_core import injection
+from hp_core import resolve
 from hp_core.hookspecs import hookimpl
 from hp_core.injection import InjectionDefinitionError, inner_wrapper, local_compute
 from hp_core.planner import templates
@@ -54,16 +54,16 @@ def _isolated(monkeypatch):
 
 
 @inner_wrapper
-def attn_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+def attn_wrapper(target_module, ctx):
     return None
 
 
 @local_compute
-def moe_factory(mesh, tp_mesh, cp_mesh, ep_mesh, capacity=1.0):
+def moe_factory(ctx, capacity=1.0):
     return None
 
 
-def plain(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+def plain(target_module, ctx):
     return None
 
 
@@ -131,7 +131,7 @@ def test_register_inner_wrapper_records_user_provenance_and_meta():
 
 def test_registered_item_resolves_through_injection_lookup():
     register_inner_wrapper("resolvable", attn_wrapper)
-    resolved = injection.resolve_injection("resolvable", "inner_wrapper", source="test")
+    resolved = resolve.resolve_injection("resolvable", "inner_wrapper", source="test")
     assert resolved.fn is attn_wrapper
     assert resolved.provider == "user"
 

@@ -216,7 +216,7 @@ def test_spec_field_validation(kwargs, match):
 
 def test_injection_field_forms():
     @inner_wrapper
-    def w(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    def w(target_module, ctx):
         return None
 
     t = Target("qwen2moe", {"capacity": 2})

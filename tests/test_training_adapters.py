@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hp_core import cli, register_training_adapter
+from hp_core.context import ParallelContext
 from hp_core.plan import ShardingPlan
 from hp_core.plugins import (
     TRAINING_ADAPTER_REGISTRY,
@@ -15,7 +16,7 @@ from hp_core.plugins import (
     reset_plugins,
     unregister,
 )
-from hp_core.training import TrainingAdapters, TrainingContext, active_axes
+from hp_core.training import TrainingAdapters, TrainingContext
 from tests._plugin_fakes import clean_plugin_env
 
 
@@ -74,9 +75,9 @@ def make_plan(shape=(2, 2), ep_size=1, axes=("cp", "tp")):
 
 
 def test_active_axes():
-    assert active_axes(make_plan((2, 2))) == ("cp", "tp")
-    assert active_axes(make_plan((1, 2), ep_size=2)) == ("tp", "ep")
-    assert active_axes(make_plan(None)) == ("cp", "tp")  # sizes unknown: every axis counts
+    assert ParallelContext.from_plan(make_plan((2, 2))).active_axes == ("cp", "tp")
+    assert ParallelContext.from_plan(make_plan((1, 2), ep_size=2)).active_axes == ("tp", "ep")
+    assert ParallelContext.from_plan(make_plan(None)).active_axes == ("cp", "tp")  # sizes unknown: every axis counts
 
 
 def test_user_registration_provenance_and_hp_plugins(capsys):

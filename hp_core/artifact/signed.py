@@ -48,13 +48,13 @@ from hp_core.errors import HpError
 from hp_core.plan.errors import PlanError
 from hp_core.plan.model import ShardingPlan
 from hp_core.plan.overrides import OverridesLike, overrides_to_list
-from hp_core.plugins import PluginRegistry, plugin_report
 from hp_core.plan_items import (
     INJECTION_FIELDS,
     is_import_path,
     missing_plan_items,
     named_injections,
 )
+from hp_core.plugins import PluginRegistry, plugin_report
 
 __all__ = [
     "FORMAT",

@@ -1,30 +1,18 @@
-"""The applier and the pieces it installs on a model (SPEC §5).
+"""The runtime mechanisms ``hp_core.apply`` installs on a model (SPEC §5).
 
-``apply`` (``hp_core.runtime.applier``) checks everything first — preflight and the
-verifier, on every rank, before any mutation or collective — then installs the plan
-(``hp_core.runtime.install``): parameters, boundaries, inner wraps, attributes, the
-derived gradient reductions and the loss, every mutation journaled so that a failure
-leaves the model as it was.
+This package imports none of its modules, so a runtime module importing another never
+pulls in the applier. What is where:
+
+* ``preflight`` — every check before the model is touched (``errors``: its refusals);
+* ``install`` — the journaled install (``journal``): parameters (``params``, ``experts``),
+  boundaries (``boundary``, ``outer``, ``fixes``), inputs (``guard``), random streams
+  (``rng``), gradient reductions (``grads``, ``partial``), the vocab-parallel loss
+  (``vocab``) and the sequence fallback (``sequence``);
+* ``applied`` — what ``apply`` leaves on the model (``hp_core.applied(model)``) and
+  ``finalize_grads``; ``clip`` — ``clip_grad_norm_`` over the applied layouts;
+* ``verdict`` — the ranks' exchange of verdicts around the install;
+* ``layouts`` / ``collectives`` — the layout transitions and their collectives.
+
+``apply`` itself is :mod:`hp_core.apply`: it sits above the verifier, which runs
+``install`` and ``preflight`` on meta-device copies.
 """
-
-from __future__ import annotations
-
-from hp_core.runtime.applier import apply, finalize_grads
-from hp_core.runtime.install import AppliedModel
-from hp_core.runtime.preflight import (
-    MeshMismatchError,
-    PlanMismatchError,
-    PreflightError,
-)
-from hp_core.runtime.verdict import ApplyFailedError, RankTimeoutError
-
-__all__ = [
-    "AppliedModel",
-    "ApplyFailedError",
-    "MeshMismatchError",
-    "PlanMismatchError",
-    "PreflightError",
-    "RankTimeoutError",
-    "apply",
-    "finalize_grads",
-]

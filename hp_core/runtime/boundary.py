@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,6 +37,9 @@ from hp_core.runtime.layouts import Redistribution, same_placement, to_placement
 from hp_core.runtime.partial import contract_partial_axes, is_expert_param
 from hp_core.spec.module_spec import ModuleShardingSpec
 from hp_core.spec.placements import PlacementMismatchError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["BoundaryForward", "InnerOutputCheck", "UndeclaredCommunicationError", "suspects"]
 
@@ -115,7 +118,7 @@ class BoundaryForward:
         fqn: str,
         module: nn.Module,
         spec: ModuleShardingSpec,
-        mesh: Any,
+        mesh: DeviceMesh,
         mode: str,
         *,
         compute: Callable[..., Any] | None = None,
@@ -355,7 +358,7 @@ class InnerOutputCheck:
     the layout outright. A mismatch is a ``PlacementMismatchError`` at stage ``inner_out_src``.
     """
 
-    def __init__(self, name: str, fn: Callable[..., Any], inner_out_src: Any, mesh: Any) -> None:
+    def __init__(self, name: str, fn: Callable[..., Any], inner_out_src: Any, mesh: DeviceMesh) -> None:
         self.name = name
         self.fn = fn
         self.mesh = mesh

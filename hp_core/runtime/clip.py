@@ -40,7 +40,7 @@ import functools
 import math
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -48,8 +48,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from hp_core.errors import HpError
-from hp_core.runtime.applier import finalize_grads
+from hp_core.runtime.applied import applied_module, finalize_grads
 from hp_core.runtime.partial import is_expert_param
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "GradLayoutMismatchError",
@@ -83,21 +86,6 @@ _REPLICAS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], tuple[int,
 
 #: One split of a local tensor: (mesh, mesh dim).
 _Split = tuple[Any, int]
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module ``apply`` was called on, through DDP and ``torch.compile`` wrappers."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    seen = model
-    while "_hp_applied" not in seen.__dict__:
-        if isinstance(seen, DistributedDataParallel):
-            seen = seen.module
-        elif isinstance(getattr(seen, "_orig_mod", None), nn.Module):  # torch.compile
-            seen = seen._orig_mod
-        else:
-            break
-    return seen
 
 
 def _not_applied(model: nn.Module) -> NotAppliedError:
@@ -178,7 +166,7 @@ def _splits(p: nn.Parameter, declared: dict[int, tuple[Any, dict[str, Any]]]) ->
     return [(m, d) for m, d in splits if m.size(d) > 1]
 
 
-def _mesh_key(mesh: Any, cache: dict[int, tuple[Any, ...]]) -> tuple[Any, ...]:
+def _mesh_key(mesh: DeviceMesh, cache: dict[int, tuple[Any, ...]]) -> tuple[Any, ...]:
     """What identifies a mesh's rank layout on this rank (equal meshes share layouts)."""
     key = cache.get(id(mesh))
     if key is None:
@@ -306,7 +294,7 @@ def clip_grad_norm_(
     docstring). Pending hp gradient reductions are flushed first.
     """
     p = _norm_type(norm_type)
-    root = _unwrap(model)
+    root = applied_module(model)
     state = root.__dict__.get("_hp_applied")
     if state is None:
         raise _not_applied(model)

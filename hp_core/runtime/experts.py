@@ -28,20 +28,25 @@ import functools
 import math
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
 
 from hp_core.mesh import MeshSpec, is_data_axis
 from hp_core.plan.model import ShardingPlan
+from hp_core.plan.overrides import compile_glob
+from hp_core.runtime.errors import PreflightError
 from hp_core.runtime.grads import GradReduction
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.partial import data_axes, is_expert_param
-from hp_core.runtime.preflight import PreflightError
 from hp_core.spec.module_spec import ModuleShardingSpec
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "EXPERT_MESH_AXES",
@@ -98,8 +103,8 @@ class ExpertGroups:
     """The process groups of one ep size: the ``(edp, ep)`` mesh and the replica group."""
 
     layout: ExpertLayout
-    mesh: Any  # DeviceMesh with dims EXPERT_MESH_AXES
-    replica_group: Any  # ProcessGroup of this rank's replicas, or None
+    mesh: DeviceMesh  # dims EXPERT_MESH_AXES
+    replica_group: ProcessGroup | None  # this rank's replicas
 
 
 class StackedExperts(nn.Module):
@@ -132,8 +137,6 @@ def expert_matches(plan: ShardingPlan, fqn: str) -> list[str]:
     One glob (``model.layers.*.mlp``) when it matches no other boundary; otherwise (dense
     MLPs between MoE layers, as in DeepSeek-V3) the blocks' FQNs one by one.
     """
-    from hp_core.plan.overrides import compile_glob
-
     blocks = [f for f, s in plan.items() if s.is_boundary and s._ep_size > 1]
     glob = every_layer(fqn)
     pattern = compile_glob(glob)
@@ -309,8 +312,6 @@ def check_expert_boundary(fqn: str, spec: ModuleShardingSpec, module: nn.Module)
 
 @functools.cache
 def _cached_groups(device_type: str, layout: ExpertLayout, world_key: int) -> ExpertGroups:
-    from torch.distributed.device_mesh import DeviceMesh
-
     ranks = torch.tensor(layout.ranks, dtype=torch.int).reshape(layout.edp, layout.ep)
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=EXPERT_MESH_AXES)
     mine = None
@@ -323,7 +324,7 @@ def _cached_groups(device_type: str, layout: ExpertLayout, world_key: int) -> Ex
     return ExpertGroups(layout=layout, mesh=mesh, replica_group=mine)
 
 
-def build_expert_groups(mesh: Any, layouts: Mapping[int, ExpertLayout]) -> dict[int, ExpertGroups]:
+def build_expert_groups(mesh: DeviceMesh, layouts: Mapping[int, ExpertLayout]) -> dict[int, ExpertGroups]:
     """The expert mesh and replica group of each ep size (collective; cached per process)."""
     world_key = id(dist.distributed_c10d._get_default_group())
     return {ep: _cached_groups(mesh.device_type, layouts[ep], world_key) for ep in sorted(layouts)}
@@ -332,7 +333,7 @@ def build_expert_groups(mesh: Any, layouts: Mapping[int, ExpertLayout]) -> dict[
 # ------------------------------------------------------------------ parameters
 
 
-def _distribute(t: torch.Tensor, mesh: Any, placements: tuple[Placement, ...], mode: str) -> torch.Tensor:
+def _distribute(t: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], mode: str) -> torch.Tensor:
     # A copy first: replicating broadcasts into the source's storage, which is the caller's
     # parameter until the install commits (a rollback must find this rank's own values).
     data = t if t.is_meta else t.detach().clone()

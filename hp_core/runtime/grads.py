@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from hp_core.errors import HpError
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.nested import tensors_in
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["BUCKET_BYTES", "GradReducer", "GradReduction", "UnreducedGradientError"]
 
@@ -214,7 +217,7 @@ class GradReducer:
         self._initial: list[torch.Tensor | None] = [e.param() for e in watched]
 
     @classmethod
-    def build(cls, model: nn.Module, reductions: Iterable[GradReduction], mesh: Any, mode: str) -> GradReducer:
+    def build(cls, model: nn.Module, reductions: Iterable[GradReduction], mesh: DeviceMesh, mode: str) -> GradReducer:
         """Group the reductions into buckets by process group (in the given order, identical on every rank)."""
         by_key: dict[str, tuple[Any, list[_Entry]]] = {}
         seen_params: dict[str, int] = {}

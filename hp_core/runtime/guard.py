@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ from hp_core.runtime.layouts import InputLayoutError
 from hp_core.runtime.nested import tensors_in
 from hp_core.runtime.partial import activations_on, is_data_axis
 from hp_core.spec.module_spec import ModuleShardingSpec
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["InputGuard", "InputMismatchError"]
 
@@ -50,7 +53,7 @@ def _checksum(t: torch.Tensor) -> int | float:
     return int((flat.long() * torch.arange(1, flat.numel() + 1, dtype=torch.int64)).sum())
 
 
-def _cpu_groups(mesh: Any) -> list[tuple[str, Any]]:
+def _cpu_groups(mesh: DeviceMesh) -> list[tuple[str, Any]]:
     """``(axis, gloo group of this rank along it)`` for every non-dp axis of size > 1.
 
     A CPU mesh's own groups are gloo already. Otherwise every rank creates a gloo group for
@@ -122,7 +125,7 @@ def _describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, 
 class InputGuard:
     """Root forward pre-hook: compare this call's input shapes over each non-dp mesh axis."""
 
-    def __init__(self, model_name: str, mesh: Any, modules: Mapping[str, ModuleShardingSpec], fallback: Any = None) -> None:
+    def __init__(self, model_name: str, mesh: DeviceMesh, modules: Mapping[str, ModuleShardingSpec], fallback: Any = None) -> None:
         self.model_name = model_name
         self.fallback = fallback  # a SequenceFallback: inference that cannot split its sequence runs whole
         self.groups = _cpu_groups(mesh)

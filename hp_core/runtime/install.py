@@ -10,15 +10,15 @@ gradient reductions and the injected compute replaced by the module's own.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.distributed.tensor import Shard
 
 from hp_core.injection import InjectionBindingError, check_forward_compatible
 from hp_core.plan.model import ShardingPlan
+from hp_core.runtime.applied import AppliedModel, InnerWrap
 from hp_core.runtime.boundary import BoundaryForward, InnerOutputCheck
 from hp_core.runtime.experts import expert_grad_reductions
 from hp_core.runtime.fixes import fix_match
@@ -32,37 +32,20 @@ from hp_core.runtime.preflight import PreflightResult
 from hp_core.runtime.rng import RngStreams
 from hp_core.runtime.sequence import SequenceFallback, SequenceSwitch
 from hp_core.runtime.vocab import VocabParallelCausalLMLoss, VocabParallelLookup
+from hp_core.spec.module_spec import ModuleShardingSpec
 
-__all__ = ["AppliedModel", "install", "vocab_axis"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
-
-@dataclasses.dataclass
-class AppliedModel:
-    """What ``apply`` left on the model (``model._hp_applied``), for introspection."""
-
-    plan: ShardingPlan
-    mode: str
-    mesh: Any
-    forwards: dict[str, BoundaryForward]
-    #: The derived gradient reductions (None when no gradient is partial anywhere).
-    grad_reducer: GradReducer | None
-    #: ep size → the derived ``(edp, ep)`` expert mesh its experts live on.
-    expert_meshes: dict[int, Any] = dataclasses.field(default_factory=dict)
-    #: What the verifier proved (``hp_core.VerifyReport``), or None if skipped.
-    report: Any = None
-    #: The input guard (None when apply(check_inputs=False)).
-    guard: Any = None
-    #: The tp-shared / tp-local random streams (``hp_core.runtime.rng``).
-    rng: Any = None
-    #: The whole-sequence variant for inference that cannot split its sequence (``hp_core.runtime.sequence``).
-    fallback: Any = None
+__all__ = ["install", "vocab_axis"]
 
 
-def _tp_group(mesh: Any) -> Any:
+def _tp_group(mesh: DeviceMesh) -> ProcessGroup | None:
     return mesh.get_group("tp") if "tp" in (mesh.mesh_dim_names or ()) else None
 
 
-def vocab_axis(module: nn.Module, spec: Any, mesh: Any) -> str | None:
+def vocab_axis(module: nn.Module, spec: ModuleShardingSpec, mesh: DeviceMesh) -> str | None:
     """The mesh axis an ``nn.Embedding`` boundary's vocabulary rows are sharded on, if any."""
     if not isinstance(module, nn.Embedding):
         return None
@@ -73,7 +56,9 @@ def vocab_axis(module: nn.Module, spec: Any, mesh: Any) -> str | None:
     return None
 
 
-def _compute_for(fqn: str, module: nn.Module, plan: ShardingPlan, mesh: Any, mode: str, pre: PreflightResult) -> tuple[Any, bool]:
+def _compute_for(
+    fqn: str, module: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, mode: str, pre: PreflightResult
+) -> tuple[Any, bool]:
     """The region's compute and whether validate dispatches DTensors through it."""
     spec = plan[fqn]
     inj = pre.injections.get(fqn)
@@ -88,8 +73,20 @@ def _compute_for(fqn: str, module: nn.Module, plan: ShardingPlan, mesh: Any, mod
     return None, spec.region_dispatch is not False
 
 
-def _inner_wrap(fqn: str, module: nn.Module, plan: ShardingPlan, mesh: Any, mode: str, pre: PreflightResult, journal: Journal) -> Any:
-    """Install an inner wrapper's replacement forward; returns it for a ``self`` target."""
+def _inner_wrap(
+    fqn: str,
+    module: nn.Module,
+    plan: ShardingPlan,
+    mesh: DeviceMesh,
+    mode: str,
+    pre: PreflightResult,
+    journal: Journal,
+    wraps: dict[str, InnerWrap],
+) -> Any:
+    """Install an inner wrapper's replacement forward; returns it for a ``self`` target.
+
+    What it installed is recorded in ``wraps`` (for ``AppliedModel.inner_wraps``), never on
+    the plan's spec."""
     inj = pre.injections.get(fqn)
     if inj is None or inj.inner_wrapper is None:
         return None
@@ -100,7 +97,7 @@ def _inner_wrap(fqn: str, module: nn.Module, plan: ShardingPlan, mesh: Any, mode
     source = f"plan[{fqn!r}].inner_wrapper"
     # The target's FQN, for the wrapper's error messages (it only receives the module).
     journal.set_attr(target, "_hp_fqn", fqn if inj.inner_target == "self" else f"{fqn}.{inj.inner_target}")
-    replacement = inj.inner_wrapper.bind({**pre.meshes, "target_module": target}, source=source)
+    replacement = inj.inner_wrapper.bind({"target_module": target, "ctx": pre.context}, source=source)
     if replacement is None:  # the wrapper installed it in place
         replacement = target.__dict__.get("forward")
         if replacement is None or replacement is before:
@@ -111,8 +108,7 @@ def _inner_wrap(fqn: str, module: nn.Module, plan: ShardingPlan, mesh: Any, mode
         # Undo the wrapper's own assignment if a later phase fails.
         journal.record(lambda: target.__dict__.pop("forward", None) if before is None else target.__dict__.__setitem__("forward", before))
     check_forward_compatible(replacement, original, source=source)
-    journal.set_attr(spec, "_resolved_inner_wrapper", inj.inner_wrapper.name)
-    journal.set_attr(spec, "_resolved_inner_target", fqn if inj.inner_target == "self" else f"{fqn}.{inj.inner_target}")
+    wraps[fqn] = InnerWrap(inj.inner_wrapper.name, fqn if inj.inner_target == "self" else f"{fqn}.{inj.inner_target}")
     if inj.inner_target == "self":
         return replacement
     if mode == "validate" and spec.region_dispatch is True:
@@ -124,7 +120,7 @@ def _inner_wrap(fqn: str, module: nn.Module, plan: ShardingPlan, mesh: Any, mode
 def install(
     model: nn.Module,
     plan: ShardingPlan,
-    mesh: Any,
+    mesh: DeviceMesh,
     mode: str,
     pre: PreflightResult,
     journal: Journal,
@@ -162,12 +158,13 @@ def install(
     strict = mode == "validate"  # validate refuses communication the contract does not declare
     dense = dense_mesh(mesh)  # hp's DTensors and collectives live off the dp axes
     forwards: dict[str, BoundaryForward] = {}
+    wraps: dict[str, InnerWrap] = {}
     for fqn, spec in plan.items():
         if not spec.is_boundary:
             continue
         journal.at(fqn)
         module = model.get_submodule(fqn) if fqn else model
-        replacement = _inner_wrap(fqn, module, plan, dense, mode, pre, journal)
+        replacement = _inner_wrap(fqn, module, plan, dense, mode, pre, journal, wraps)
         compute, dispatch = _compute_for(fqn, module, plan, dense, mode, pre)
         bf = BoundaryForward(
             fqn, module, spec, dense, mode, compute=compute or replacement, dispatch=dispatch,
@@ -198,13 +195,16 @@ def install(
     if plan.loss_parallel:
         _install_loss(model, mesh, journal)
     meshes = {ep: groups.mesh for ep, groups in pre.experts.items()}
-    state = AppliedModel(plan, mode, mesh, forwards, reducer, meshes, guard=guard, rng=rng, fallback=fallback if guard else None)
+    state = AppliedModel(
+        plan, mode, mesh, forwards, reducer, meshes, guard=guard, rng=rng,
+        fallback=fallback if guard else None, inner_wraps=wraps, context=pre.context,
+    )
     journal.set_attr(model, "_hp_applied", state)
     journal.phase("commit")  # after the last mutation
     return state
 
 
-def _install_loss(model: nn.Module, mesh: Any, journal: Journal) -> None:
+def _install_loss(model: nn.Module, mesh: DeviceMesh, journal: Journal) -> None:
     group = _tp_group(mesh)
     if group is None:
         return

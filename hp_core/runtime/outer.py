@@ -13,7 +13,7 @@ per wrapper) and refuses before the forward's first collective.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch import nn
@@ -22,6 +22,9 @@ from torch.nn.parallel import DistributedDataParallel
 from hp_core.errors import HpError
 from hp_core.mesh import is_data_axis
 from hp_core.runtime.journal import Journal
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["OuterWrapperCheck", "WrappedOverModelParallelRanksError"]
 
@@ -38,7 +41,7 @@ class WrappedOverModelParallelRanksError(HpError, RuntimeError):
 class OuterWrapperCheck:
     """Refuses a forward called through DDP over a group that spans a tp/cp/ep group."""
 
-    def __init__(self, model_name: str, mesh: Any) -> None:
+    def __init__(self, model_name: str, mesh: DeviceMesh) -> None:
         self.model_name = model_name
         names = [str(n) for n in (mesh.mesh_dim_names or ())]
         self.peers: dict[str, set[int]] = {}

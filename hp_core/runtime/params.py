@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from hp_core.runtime.experts import ExpertGroups, ShardedExperts, shard_expert_p
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.layouts import dense_mesh, to_placements
 from hp_core.runtime.partial import is_expert_param
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ParameterPlacementError", "ShardedParameters", "declared_params", "outside_boundaries", "shard_parameters"]
 
@@ -60,7 +63,7 @@ def outside_boundaries(plan: ShardingPlan) -> set[str]:
     }
 
 
-def _distribute(t: torch.Tensor, mesh: Any, named: dict, mode: str) -> torch.Tensor:
+def _distribute(t: torch.Tensor, mesh: DeviceMesh, named: dict, mode: str) -> torch.Tensor:
     # A copy first: replicating broadcasts into the source's storage, and the source is the
     # caller's parameter until the install commits (a rollback must find this rank's values).
     data = t.detach() if t.is_meta else t.detach().clone()
@@ -105,7 +108,7 @@ class ShardedParameters:
 def shard_parameters(
     model: nn.Module,
     plan: ShardingPlan,
-    mesh: Any,
+    mesh: DeviceMesh,
     mode: str,
     experts: Mapping[int, ExpertGroups] | None = None,
 ) -> ShardedParameters:

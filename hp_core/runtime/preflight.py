@@ -13,50 +13,48 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
 
-from hp_core.errors import HpError
-from hp_core.injection import (
-    InjectionBindingError,
-    ResolvedInjection,
-    check_forward_compatible,
-    resolve_injection,
-)
+from hp_core.context import ParallelContext
+from hp_core.injection import InjectionBindingError, Target, check_forward_compatible
 from hp_core.mesh import MeshSpec
 from hp_core.plan.model import ShardingPlan
 from hp_core.planner.lints import PlanningError, lint_plan
+from hp_core.planner.structure import model_architectures
+from hp_core.plugins import INNER_WRAPPER_REGISTRY, suggest_compute_factory
+from hp_core.resolve import ResolvedInjection, resolve_injection
+from hp_core.runtime.errors import MeshMismatchError, PlanMismatchError, PreflightError
+from hp_core.runtime.experts import (
+    ExpertGroups,
+    ExpertLayout,
+    ExpertParallelError,
+    build_expert_groups,
+    check_expert_boundary,
+    expert_layout,
+    expert_matches,
+    override_entries,
+)
 from hp_core.runtime.verdict import Verdict, VerdictExchange, failures, mismatches, resolve_timeout
 from hp_core.spec.keywords import close_matches
 from hp_core.spec.module_spec import ModuleShardingSpec
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hp_core.verifier.report import VerifyReport
+
 __all__ = [
     "InjectionPlan",
-    "MeshMismatchError",
-    "PlanMismatchError",
-    "PreflightError",
     "PreflightResult",
     "check_locally",
-    "context_meshes",
     "fingerprint_of",
     "preflight",
 ]
 
 MODES = ("production", "validate")
-
-
-class PreflightError(HpError, ValueError):
-    """``apply`` refused before touching the model; the message says what to fix."""
-
-
-class MeshMismatchError(PreflightError):
-    """The mesh lacks an axis the plan needs, or its sizes differ from the plan's."""
-
-
-class PlanMismatchError(PreflightError):
-    """Ranks hold different plans (or one rank failed its preflight)."""
 
 
 @dataclasses.dataclass
@@ -71,12 +69,15 @@ class InjectionPlan:
 
 @dataclasses.dataclass
 class PreflightResult:
+    """What preflight resolved: each boundary's injections and the job's parallel context."""
+
     injections: dict[str, InjectionPlan]
-    meshes: dict[str, Any]
-    #: ep size → ``hp_core.runtime.experts.ExpertGroups`` (expert mesh, replica group).
-    experts: dict[int, Any] = dataclasses.field(default_factory=dict)
-    #: What the verifier proved (``hp_core.VerifyReport``), when it ran.
-    report: Any = None
+    #: The parallel context every injection receives as ``ctx`` (None before the mesh check).
+    context: ParallelContext | None = None
+    #: ep size → the expert mesh and replica group.
+    experts: dict[int, ExpertGroups] = dataclasses.field(default_factory=dict)
+    #: What the verifier proved, when it ran.
+    report: VerifyReport | None = None
 
 
 def _yaml_cp_fix(fqn: str) -> str:
@@ -86,17 +87,7 @@ def _yaml_cp_fix(fqn: str) -> str:
     )
 
 
-def context_meshes(mesh: Any, plan: ShardingPlan) -> dict[str, Any]:
-    """The framework context every injection may declare (None for inactive axes)."""
-    names = list(mesh.mesh_dim_names)
-    out: dict[str, Any] = {"mesh": mesh, "tp_mesh": None, "cp_mesh": None, "ep_mesh": None}
-    for axis in ("tp", "cp"):
-        if axis in names and mesh[axis].size() > 1:
-            out[f"{axis}_mesh"] = mesh[axis]
-    return out
-
-
-def _check_mesh(plan: ShardingPlan, mesh: Any) -> None:
+def _check_mesh(plan: ShardingPlan, mesh: DeviceMesh) -> None:
     names = getattr(mesh, "mesh_dim_names", None)
     if names is None or not hasattr(mesh, "get_group"):
         raise MeshMismatchError(
@@ -127,9 +118,11 @@ def _check_modules(model: nn.Module, plan: ShardingPlan) -> dict[str, nn.Module]
     return modules
 
 
-def _bind_compute(fqn: str, resolved: ResolvedInjection, module: nn.Module, context: dict[str, Any]) -> Callable[..., Any]:
+def _bind_compute(
+    fqn: str, resolved: ResolvedInjection, module: nn.Module, ctx: ParallelContext
+) -> Callable[..., Any]:
     src = f"plan[{fqn!r}].local_compute_fn"
-    compute = resolved.bind({**context, "module": module}, source=src)
+    compute = resolved.bind({"module": module, "ctx": ctx}, source=src)
     if not callable(compute):
         raise PreflightError(
             f"{fqn}: the @local_compute factory {resolved.name!r} returned {compute!r}; it must return "
@@ -144,12 +137,12 @@ def _resolve(
     spec: ModuleShardingSpec,
     module: nn.Module,
     plan: ShardingPlan,
-    meshes: dict[str, Any],
+    ctx: ParallelContext,
     archs: tuple[str, ...] = (),
 ) -> InjectionPlan:
     src = f"plan[{fqn!r}]"
     result = InjectionPlan()
-    cp_active = meshes["cp_mesh"] is not None
+    cp_active = ctx.cp_mesh is not None
     if (spec.inner_target is None) != (spec.inner_wrapper is None):
         have, lack = ("inner_target", "inner_wrapper") if spec.inner_target is not None else ("inner_wrapper", "inner_target")
         raise PreflightError(
@@ -203,17 +196,14 @@ def _resolve(
         resolved = resolve_injection(spec.local_compute_fn, "local_compute", source=f"{src}.local_compute_fn")
         result.local_compute = resolved
         if spec._ep_size <= 1:  # an expert-parallel factory is bound after the exchange (it needs ep_mesh)
-            result.compute_fn = _bind_compute(fqn, resolved, module, meshes)
+            result.compute_fn = _bind_compute(fqn, resolved, module, ctx)
     if spec._needs_cp_attn and cp_active and spec.inner_wrapper is None and spec.local_compute_fn is None:
         raise PreflightError(
-            f"{fqn}: attention under cp={meshes['cp_mesh'].size()} needs a context-parallel attention "
+            f"{fqn}: attention under cp={ctx.size('cp')} needs a context-parallel attention "
             "wrapper (each rank holds only part of the sequence, so keys and values must be gathered). "
             f"Install hp-plugin-cp and add to your overrides:\n{_yaml_cp_fix(fqn)}"
         )
     if spec._ep_size > 1 and spec.local_compute_fn is None:
-        from hp_core.plugins import suggest_compute_factory
-        from hp_core.runtime.experts import expert_matches, override_entries
-
         # The model's architecture first, then the block's own class name.
         candidates = (*archs, type(module).__name__)
         name = next((n for n in map(suggest_compute_factory, candidates) if n), None)
@@ -229,16 +219,11 @@ def _resolve(
             f"block needs an expert-parallel compute that dispatches tokens with all-to-all. Add:\n{entries}{hint}"
         )
     if spec._ep_size > 1:
-        from hp_core.runtime.experts import check_expert_boundary
-
         check_expert_boundary(fqn, spec, module)
     return result
 
 
 def _registry_meta(value: Any) -> dict[str, Any]:
-    from hp_core.injection import Target
-    from hp_core.plugins import INNER_WRAPPER_REGISTRY
-
     name = value.target if isinstance(value, Target) else value
     if isinstance(name, str) and name in INNER_WRAPPER_REGISTRY:
         return dict(INNER_WRAPPER_REGISTRY.get_item(name).meta)
@@ -311,11 +296,9 @@ def _exchange(
         )
 
 
-def _expert_layouts(model: nn.Module, plan: ShardingPlan, mesh: Any) -> dict[int, Any]:
+def _expert_layouts(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh) -> dict[int, ExpertLayout]:
     """ep size → ``ExpertLayout`` of the plan's expert-parallel boundaries (pure)."""
-    from hp_core.runtime.experts import ExpertParallelError, expert_layout
-
-    layouts: dict[int, Any] = {}
+    layouts: dict[int, ExpertLayout] = {}
     spec_of: dict[int, str] = {}
     ranks: tuple[int, ...] = ()
     for fqn, spec in plan.items():
@@ -342,27 +325,28 @@ def _expert_layouts(model: nn.Module, plan: ShardingPlan, mesh: Any) -> dict[int
     return layouts
 
 
-def _bind_experts(model: nn.Module, plan: ShardingPlan, mesh: Any, result: PreflightResult, layouts: dict[int, Any]) -> None:
+def _bind_experts(
+    model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, result: PreflightResult, layouts: dict[int, ExpertLayout]
+) -> None:
     """Phase 2: create the expert meshes (collective), then bind the expert-parallel factories."""
-    from hp_core.runtime.experts import build_expert_groups
-
+    assert result.context is not None  # set by check_locally
     result.experts = build_expert_groups(mesh, layouts)
     for fqn, inj in result.injections.items():
         if inj.local_compute is None or inj.compute_fn is not None:
             continue
         module = model.get_submodule(fqn) if fqn else model
-        context = {**result.meshes, "ep_mesh": result.experts[plan[fqn]._ep_size].mesh}
+        ctx = result.context.with_ep_mesh(result.experts[plan[fqn]._ep_size].mesh)
         try:
-            inj.compute_fn = _bind_compute(fqn, inj.local_compute, module, context)
+            inj.compute_fn = _bind_compute(fqn, inj.local_compute, module, ctx)
         except (PreflightError, InjectionBindingError):
             raise
         except Exception as e:  # the factory refused the module: name the boundary
             raise PreflightError(f"{fqn}: the @local_compute factory {inj.local_compute.name!r} refused this module: {e}") from e
 
 
-def check_locally(model: nn.Module, plan: ShardingPlan, mesh: Any, mode: str) -> PreflightResult:
+def check_locally(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, mode: str) -> PreflightResult:
     """Every check that needs no other rank; raises the first failure. Mutates nothing."""
-    result = PreflightResult({}, {})
+    result = PreflightResult({})
     if not isinstance(model, nn.Module):
         raise PreflightError(f"apply(model, ...): model must be a torch.nn.Module, got {type(model).__name__} {model!r:.60}.")
     if mode not in MODES:
@@ -385,21 +369,19 @@ def check_locally(model: nn.Module, plan: ShardingPlan, mesh: Any, mode: str) ->
     except PlanningError as e:
         raise PreflightError(f"the plan does not fit this model: {e}") from e
     _check_attrs(model, plan)
-    meshes = context_meshes(mesh, plan)
-    result.meshes = meshes
-    from hp_core.planner.structure import model_architectures
-
+    ctx = ParallelContext.from_mesh(mesh, plan)
+    result.context = ctx
     archs = model_architectures(model)
     for fqn, spec in plan.items():
         if spec.is_boundary:
-            result.injections[fqn] = _resolve(fqn, spec, modules[fqn], plan, meshes, archs)
+            result.injections[fqn] = _resolve(fqn, spec, modules[fqn], plan, ctx, archs)
     return result
 
 
 def preflight(
     model: nn.Module,
     plan: ShardingPlan,
-    mesh: Any,
+    mesh: DeviceMesh,
     mode: str,
     *,
     verify: Callable[[PreflightResult], Any] | None = None,
@@ -414,8 +396,8 @@ def preflight(
     entries the ranks must agree on (apply's flags, the installed plugins).
     """
     error: BaseException | None = None
-    result = PreflightResult({}, {})
-    layouts: dict[int, Any] = {}
+    result = PreflightResult({})
+    layouts: dict[int, ExpertLayout] = {}
     try:
         result = check_locally(model, plan, mesh, mode)
         layouts = _expert_layouts(model, plan, mesh)

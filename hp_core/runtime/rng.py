@@ -22,13 +22,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from hp_core.runtime.journal import Journal
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["RngStreams"]
 
@@ -64,7 +67,7 @@ class _Generator:
 class RngStreams:
     """The tp-shared and tp-local random streams of one parallelized model."""
 
-    def __init__(self, mesh: Any, axis: str = "tp") -> None:
+    def __init__(self, mesh: DeviceMesh, axis: str = "tp") -> None:
         names = list(mesh.mesh_dim_names or ())
         self.active = axis in names and mesh[axis].size() > 1
         self.gen = _Generator(mesh.device_type)
@@ -77,7 +80,7 @@ class RngStreams:
         self._on = False
 
     @staticmethod
-    def _agree(mesh: Any, axis: str) -> int:
+    def _agree(mesh: DeviceMesh, axis: str) -> int:
         """The tp group's base seed: its first rank's initial seed (one broadcast, at apply)."""
         device = torch.device("cpu")
         if mesh.device_type != "cpu":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from hp_core.errors import HpError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["VocabLookupError", "VocabParallelCausalLMLoss", "VocabParallelLookup", "vocab_parallel_cross_entropy"]
 
@@ -79,7 +82,7 @@ class VocabParallelLookup:
     before anything runs. Production works on local tensors; validate on DTensors.
     """
 
-    def __init__(self, fqn: str, module: nn.Embedding, forward: Callable[..., Any], mesh: Any, axis: str, mode: str) -> None:
+    def __init__(self, fqn: str, module: nn.Embedding, forward: Callable[..., Any], mesh: DeviceMesh, axis: str, mode: str) -> None:
         self.fqn = fqn
         self.module = module
         self.forward = forward

@@ -6,7 +6,7 @@ import contextlib
 import inspect
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -17,11 +17,16 @@ from hp_core.plan.model import ShardingPlan
 from hp_core.runtime.partial import activations_on, is_data_axis
 from hp_core.verifier.errors import UnverifiableError
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hp_core.mesh import MeshLike
+
 __all__ = ["default_inputs", "to_meta_inputs", "verification_mesh", "whole_inputs"]
 
 
 @contextlib.contextmanager
-def verification_mesh(plan: ShardingPlan, mesh: Any) -> Iterator[Any]:
+def verification_mesh(plan: ShardingPlan, mesh: DeviceMesh | MeshLike | None) -> Iterator[DeviceMesh]:
     """A DeviceMesh to verify on: the given one, or one over a fake process group."""
     if mesh is not None and hasattr(mesh, "get_group"):
         yield mesh
@@ -48,13 +53,13 @@ def verification_mesh(plan: ShardingPlan, mesh: Any) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-def _sequence_length(mesh: Any) -> tuple[int, int]:
+def _sequence_length(mesh: DeviceMesh) -> tuple[int, int]:
     sizes = dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True))
     tp, cp = sizes.get("tp", 1), sizes.get("cp", 1)
     return 4 * tp * cp * 2, cp  # a multiple of tp, cp and 2*cp (load-balanced CP)
 
 
-def default_inputs(model: nn.Module, mesh: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def default_inputs(model: nn.Module, mesh: DeviceMesh) -> tuple[tuple[Any, ...], dict[str, Any]]:
     total, cp = _sequence_length(mesh)
     ids = torch.empty((2, total // cp), dtype=torch.long, device="meta")  # this rank's share of the sequence
     try:
@@ -95,7 +100,7 @@ def to_meta_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (conv(inputs),), {}
 
 
-def whole_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], plan: ShardingPlan, mesh: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def whole_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], plan: ShardingPlan, mesh: DeviceMesh) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The unsharded model's inputs: a rank's inputs are its chunk of the sequence (dim 1)
     along every axis that shards activations everywhere (context parallelism)."""
     sizes = dict(zip(mesh.mesh_dim_names, (int(n) for n in mesh.shape), strict=True))

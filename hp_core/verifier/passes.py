@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from hp_core.verifier.probes import (
     tensors_in,
 )
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 __all__ = [
     "map_to_rep",
     "plain_pass",
@@ -52,7 +55,7 @@ def verifier_pre(pre: PreflightResult, plan: ShardingPlan) -> PreflightResult:
     for fqn, inj in pre.injections.items():
         keep = plan[fqn].region_dispatch is True
         injections[fqn] = inj if keep else InjectionPlan()
-    return PreflightResult(injections, dict(pre.meshes))
+    return PreflightResult(injections, pre.context)
 
 
 def prefixes(fqn: str) -> list[str]:
@@ -109,7 +112,7 @@ def _region_params(model: nn.Module, plan: ShardingPlan, fqn: str) -> dict[str, 
     return out
 
 
-def _install_copy(model: nn.Module, plan: ShardingPlan, mesh: Any, mode: str, pre: PreflightResult, repeats: Mapping[str, str]) -> tuple[nn.Module, ShardingPlan, Any]:
+def _install_copy(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, mode: str, pre: PreflightResult, repeats: Mapping[str, str]) -> tuple[nn.Module, ShardingPlan, Any]:
     clone = meta_clone(model, repeats)
     adapt_for_meta(clone)
     clone.train()  # dropouts active: a random op on a partial sum must be seen

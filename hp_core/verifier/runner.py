@@ -27,7 +27,7 @@ meta tensors; without one, a fake process group of the plan's size is used, so a
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -51,13 +51,18 @@ from hp_core.verifier.probes import BoundaryRecord
 from hp_core.verifier.repeats import find_repeats
 from hp_core.verifier.report import VerifyReport
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hp_core.mesh import MeshLike
+
 __all__ = ["VerifyReport", "verify"]
 
 
 def verify(
     model: nn.Module,
     plan: ShardingPlan,
-    mesh: Any = None,
+    mesh: DeviceMesh | MeshLike | None = None,
     *,
     inputs: Any = None,
     exhaustive: bool = False,

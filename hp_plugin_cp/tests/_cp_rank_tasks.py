@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from hp_core import apply, plan
-from hp_core.planner import input_check_axes, step_collectives
+from hp_core import applied, apply, plan
+from hp_core.context import ParallelContext
+from hp_core.plan.prediction import input_check_axes, step_collectives
 from hp_core.testing.compare import (
     allclose_excess,
     gather_full_grads,
@@ -171,7 +172,8 @@ def hf_equivalence(family: str, mesh_shape: tuple[int, ...], mesh_names: tuple[s
             _compare(expected, results[mode], f"{tag}:{mode}-ref", worst)
         _compare(results["validate"], results["production"], f"{tag}:prod-val", worst)
         worst[f"{tag}:n_grads"] = len(expected[2])
-    worst["applied"] = sorted({s._resolved_inner_wrapper or "-" for s in models["production"]._hp_applied.plan.modules.values() if s._needs_cp_attn})
+    wraps = applied(models["production"]).inner_wraps
+    worst["applied"] = sorted({wraps[f].wrapper if f in wraps else "-" for f, s in applied(models["production"]).plan.items() if s._needs_cp_attn})
     return worst
 
 
@@ -282,7 +284,7 @@ def qkv_equivalence(cases: list[tuple[bool, bool]]) -> dict[str, Any]:
             total.backward()
             results[mode] = (total.detach(), gather_sequence(out, cp_mesh, load_balanced=lb), gather_full_grads(m, ref, mesh))
             _compare(expected, results[mode], f"{tag}:{mode}-ref", worst)
-            worst[f"{tag}:{mode}:resolved"] = m._hp_applied.plan["layers.0.self_attn"]._resolved_inner_target
+            worst[f"{tag}:{mode}:resolved"] = applied(m).inner_wraps["layers.0.self_attn"].target
         _compare(results["validate"], results["production"], f"{tag}:prod-val", worst)
     return worst
 
@@ -511,7 +513,7 @@ def direct_wrapper_checks() -> dict[str, Any]:
     mesh = _mesh((2,), ("cp",))
     cp_mesh = mesh["cp"]
     rank = cp_mesh.get_local_rank()
-    ctx = {"mesh": mesh, "tp_mesh": None, "cp_mesh": cp_mesh, "ep_mesh": None}
+    ctx = {"ctx": ParallelContext.from_mesh(mesh)}
     here = slice(rank * 8, (rank + 1) * 8)
     res: dict[str, Any] = {}
 

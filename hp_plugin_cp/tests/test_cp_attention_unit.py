@@ -10,6 +10,7 @@ import torch
 from hp_plugin_cp.attention import _block_mask, _global_score_mod
 from torch import nn
 
+from hp_core.context import ParallelContext
 from hp_plugin_cp import (
     CPBatchError,
     CPConfigError,
@@ -73,4 +74,4 @@ def test_reduce_cp_gradients_without_gradients_is_a_no_op():
 def test_flex_hf_without_transformers_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers.integrations.flex_attention", None)
     with pytest.raises(CPConfigError, match="Install transformers, or use flex_qkv"):
-        flex_hf(target_module=nn.Linear(2, 2), mesh=None, tp_mesh=None, cp_mesh=_cp_rank(), ep_mesh=None)
+        flex_hf(target_module=nn.Linear(2, 2), ctx=ParallelContext(("cp",), (2,), cp_mesh=_cp_rank()))

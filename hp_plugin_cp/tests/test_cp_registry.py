@@ -38,7 +38,7 @@ def test_wrappers_registered_with_requirements_and_provenance(plugins_env):
         assert (item.provider, item.distribution) == ("cp", "hp-plugin-cp")
         assert dict(item.meta) == {"needs_cp": True, "region_dispatch": False, "forward_style": style}
         meta = require_injection_meta(fn, "inner_wrapper", source=name)
-        assert meta.context == ("target_module", "mesh", "tp_mesh", "cp_mesh", "ep_mesh")
+        assert meta.context == ("target_module", "ctx")
     (row,) = [r for r in plugin_report() if r.name == "cp"]
     assert (row.status, row.items) == ("loaded", 5)  # 4 wrappers + the cp training adapter
 

@@ -27,10 +27,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import hp_plugin_moe
+from hp_core.apply import apply
+from hp_core.context import ParallelContext
 from hp_core.injection import Target, local_compute
-from hp_core.planner import input_check_axes, step_collectives
-from hp_core.planner import plan as make_plan
-from hp_core.runtime import apply
+from hp_core.plan.prediction import input_check_axes, step_collectives
+from hp_core.planner.plan import plan as make_plan
 from hp_core.testing.compare import (
     DEFAULT_EXPERT_PARAMS,
     gather_full_grads,
@@ -57,10 +58,10 @@ SPIES: list[Any] = []
 
 
 @local_compute
-def spy(module: nn.Module, mesh: Any, tp_mesh: Any, cp_mesh: Any, ep_mesh: Any, archetype: str = "qwen2moe", capacity_factor: float | None = None) -> Any:
+def spy(module: nn.Module, ctx: ParallelContext, archetype: str = "qwen2moe", capacity_factor: float | None = None) -> Any:
     """A registered archetype whose compute this process keeps, to read its routing statistics."""
     factory = getattr(hp_plugin_moe, archetype)
-    compute = factory(module=module, mesh=mesh, tp_mesh=tp_mesh, cp_mesh=cp_mesh, ep_mesh=ep_mesh, capacity_factor=capacity_factor)
+    compute = factory(module=module, ctx=ctx, capacity_factor=capacity_factor)
     SPIES.append(compute)
     return compute
 
@@ -257,7 +258,8 @@ def _first_expert(model: nn.Module) -> torch.Tensor:
 
 def count_collectives(family: str, mode: str, mesh_shape: Sequence[int], mesh_names: Sequence[str], *, ep: int, layers: int, sp: bool = True, **config: Any) -> dict[str, Any]:
     """Measured collectives of one forward and one backward, and the dense plan's prediction."""
-    from hp_core.runtime import finalize_grads
+
+    from hp_core.runtime.applied import finalize_grads
 
     model = build(family, num_hidden_layers=layers, **config) if family != "toy" else build(family, layers=layers, **config)
     mesh = _mesh(mesh_shape, mesh_names)
@@ -293,18 +295,18 @@ def _same(a: list[Any], b: list[Any]) -> bool:
 
 
 @local_compute
-def wrong_signature(module: nn.Module, mesh: Any, tp_mesh: Any, cp_mesh: Any, ep_mesh: Any) -> Any:
+def wrong_signature(module: nn.Module, ctx: ParallelContext) -> Any:
     def compute(module: nn.Module, x: torch.Tensor) -> torch.Tensor:  # the block's forward takes hidden_states
         return x
 
     return compute
 
 
-def not_decorated(module: nn.Module, mesh: Any, tp_mesh: Any, cp_mesh: Any, ep_mesh: Any) -> Any:
+def not_decorated(module: nn.Module, ctx: ParallelContext) -> Any:
     return None
 
 
-def fails_in_apply(target_module: nn.Module, mesh: Any, tp_mesh: Any, cp_mesh: Any, ep_mesh: Any) -> Any:
+def fails_in_apply(target_module: nn.Module, ctx: ParallelContext) -> Any:
     raise RuntimeError("boom: an inner wrapper failing after the experts were stacked")
 
 

@@ -12,6 +12,7 @@ from hp_plugin_moe.errors import MoEConfigError, MoEInterfaceError, MoERuntimeEr
 from moe_toys import PerExpertMoE
 
 import hp_plugin_moe as moe
+from hp_core.context import ParallelContext
 from hp_core.plugins import (
     UnknownRegistryItemError,
     register_router_adapter,
@@ -23,7 +24,7 @@ from hp_core.plugins import (
 from hp_core.testing.compare import allclose_excess, nan_safe_max
 from hp_core.testing.models import build_model
 
-CTX = {"mesh": None, "tp_mesh": None, "cp_mesh": None, "ep_mesh": None}
+CTX = {"ctx": ParallelContext((), ())}
 
 
 @pytest.fixture(autouse=True)
@@ -358,7 +359,7 @@ def test_expert_count_must_divide_over_the_expert_group():
             return 3
 
     with pytest.raises(MoEConfigError, match="mixtral: 4 experts cannot be split over ep=3 ranks"):
-        moe.mixtral(module=_block("mixtral"), **{**CTX, "ep_mesh": ExpertMesh()})
+        moe.mixtral(module=_block("mixtral"), ctx=CTX["ctx"].with_ep_mesh(ExpertMesh()))
 
 
 def test_experts_without_an_activation_use_silu():

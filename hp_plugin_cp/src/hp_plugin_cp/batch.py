@@ -18,7 +18,7 @@ helper fixes what that would break:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ from hp_plugin_cp.layout import (
     shard_sequence,
     unshard_sequence,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["SEQUENCE_KEYS", "gather_sequence", "shard_batch_for_cp"]
 
@@ -46,7 +49,7 @@ def _shift(labels: torch.Tensor, dim: int, ignore_index: int) -> torch.Tensor:
 
 def shard_batch_for_cp(
     batch: Mapping[str, Any],
-    cp_mesh: Any,
+    cp_mesh: DeviceMesh,
     *,
     load_balanced: bool = False,
     seq_dim: int = 1,
@@ -102,7 +105,7 @@ def shard_batch_for_cp(
     return out
 
 
-def gather_sequence(x: torch.Tensor, cp_mesh: Any, *, load_balanced: bool = False, seq_dim: int = 1) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, cp_mesh: DeviceMesh, *, load_balanced: bool = False, seq_dim: int = 1) -> torch.Tensor:
     """Every rank's chunk of ``x`` put back into the whole sequence, in natural order.
 
     For inspection and evaluation (e.g. logits): the result is detached, not differentiable.

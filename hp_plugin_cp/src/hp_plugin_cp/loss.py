@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,10 +21,13 @@ from hp_core.collectives import all_reduce
 from hp_plugin_cp.errors import CPBatchError
 from hp_plugin_cp.layout import CP_LAYOUT_KEY
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 __all__ = ["CPCausalLMLoss", "enable_cp_loss", "reduce_cp_gradients", "reduce_loss_over_cp"]
 
 
-def reduce_loss_over_cp(loss: torch.Tensor, cp_mesh: Any) -> torch.Tensor:
+def reduce_loss_over_cp(loss: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
     """Sum each rank's loss share over cp (differentiable; backward is the identity)."""
     return all_reduce(loss, cp_mesh.get_group())
 
@@ -69,7 +72,7 @@ class CPCausalLMLoss:
         return both[0] / both[1]
 
 
-def enable_cp_loss(model: nn.Module, cp_mesh: Any) -> nn.Module:
+def enable_cp_loss(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     """Make ``model(**sharded_batch).loss`` the global (single-device) loss on every cp rank.
 
     Wraps ``model.loss_function`` (HF causal LMs); call it after ``hp_core.apply`` so it
@@ -86,7 +89,7 @@ def enable_cp_loss(model: nn.Module, cp_mesh: Any) -> nn.Module:
     return model
 
 
-def reduce_cp_gradients(model: nn.Module, cp_mesh: Any) -> int:
+def reduce_cp_gradients(model: nn.Module, cp_mesh: DeviceMesh | None) -> int:
     """A no-op, kept so that existing training loops keep working; returns 0.
 
     ``hp_core.apply`` derives which gradients are partial over cp (every parameter sees only

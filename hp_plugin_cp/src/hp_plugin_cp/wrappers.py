@@ -24,7 +24,7 @@ import importlib
 import inspect
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,11 @@ from hp_core.injection import inner_wrapper
 from hp_plugin_cp.attention import cp_flex_attention, cp_sdpa, user_mask_error
 from hp_plugin_cp.errors import CPBatchError, CPConfigError, CPMisfireError, CPUnsupportedError
 from hp_plugin_cp.layout import CP_LAYOUT_KEY, CPLayout
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hp_core.context import ParallelContext
 
 __all__ = ["flex_hf", "flex_qkv", "sdpa_hf", "sdpa_qkv"]
 
@@ -53,7 +58,7 @@ def module_name(module: nn.Module) -> str:
 class _Binding:
     """What a wrapper learned at apply time: its module, the cp group and its config."""
 
-    def __init__(self, wrapper: str, module: nn.Module, cp_mesh: Any, load_balanced: bool | None) -> None:
+    def __init__(self, wrapper: str, module: nn.Module, cp_mesh: DeviceMesh | None, load_balanced: bool | None) -> None:
         self.wrapper = wrapper
         self.module = module
         self.where = f"{wrapper} on {module_name(module)}"
@@ -168,7 +173,7 @@ def _qkv_forward(b: _Binding, kernel: str, causal: bool | None) -> Callable[...,
 
 @inner_wrapper
 def sdpa_qkv(
-    target_module: nn.Module, mesh: Any, tp_mesh: Any, cp_mesh: Any, ep_mesh: Any,
+    target_module: nn.Module, ctx: ParallelContext,
     load_balanced: bool = False, causal: bool | None = None,
 ) -> Callable[..., Any]:
     """CP SDPA for a module called as ``(q, k, v, ...)`` with SDPA-layout tensors.
@@ -179,12 +184,12 @@ def sdpa_qkv(
     the batch was sharded), ``causal`` (overrides the call's ``is_causal``; default: the
     call's, else True).
     """
-    return _qkv_forward(_Binding("sdpa_qkv", target_module, cp_mesh, load_balanced), "sdpa", causal)
+    return _qkv_forward(_Binding("sdpa_qkv", target_module, ctx.cp_mesh, load_balanced), "sdpa", causal)
 
 
 @inner_wrapper
 def flex_qkv(
-    target_module: nn.Module, mesh: Any, tp_mesh: Any, cp_mesh: Any, ep_mesh: Any,
+    target_module: nn.Module, ctx: ParallelContext,
     load_balanced: bool = False, causal: bool | None = None,
 ) -> Callable[..., Any]:
     """CP flex attention for a module called as ``(q, k, v, ...)`` with SDPA-layout tensors.
@@ -193,7 +198,7 @@ def flex_qkv(
     ``enable_gqa``, ``kernel_options``, ``return_lse``/``return_aux``; a ``block_mask``
     must be None (the wrapper builds it). Config as for :func:`sdpa_qkv`.
     """
-    return _qkv_forward(_Binding("flex_qkv", target_module, cp_mesh, load_balanced), "flex", causal)
+    return _qkv_forward(_Binding("flex_qkv", target_module, ctx.cp_mesh, load_balanced), "flex", causal)
 
 
 # ---------------------------------------------------------------------- _hf
@@ -356,19 +361,19 @@ def _hf_forward(b: _Binding, kernel: str) -> Callable[..., Any]:
 
 @inner_wrapper
 def sdpa_hf(
-    target_module: nn.Module, mesh: Any, tp_mesh: Any, cp_mesh: Any, ep_mesh: Any, load_balanced: bool | None = None,
+    target_module: nn.Module, ctx: ParallelContext, load_balanced: bool | None = None,
 ) -> Callable[..., Any]:
     """CP for an HF-style attention module that calls ``F.scaled_dot_product_attention``.
 
     ``load_balanced``: None (default) follows the batch's layout (contiguous without one);
     True/False must match it.
     """
-    return _hf_forward(_Binding("sdpa_hf", target_module, cp_mesh, load_balanced), "sdpa")
+    return _hf_forward(_Binding("sdpa_hf", target_module, ctx.cp_mesh, load_balanced), "sdpa")
 
 
 @inner_wrapper
 def flex_hf(
-    target_module: nn.Module, mesh: Any, tp_mesh: Any, cp_mesh: Any, ep_mesh: Any, load_balanced: bool | None = None,
+    target_module: nn.Module, ctx: ParallelContext, load_balanced: bool | None = None,
 ) -> Callable[..., Any]:
     """CP for an HF-style attention module that calls flex attention through transformers.
 
@@ -381,4 +386,4 @@ def flex_hf(
             f"flex_hf on {module_name(target_module)}: it intercepts transformers' flex-attention call, "
             f"but {_HF_FLEX[0]} cannot be imported ({e}). Install transformers, or use flex_qkv."
         ) from None
-    return _hf_forward(_Binding("flex_hf", target_module, cp_mesh, load_balanced), "flex")
+    return _hf_forward(_Binding("flex_hf", target_module, ctx.cp_mesh, load_balanced), "flex")

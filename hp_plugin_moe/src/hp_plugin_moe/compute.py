@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,10 @@ from hp_plugin_moe.interface import (
     interface_error,
 )
 from hp_plugin_moe.routers import RouterAdapter, RouterOptions, resolve_router, router_options
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ARCHETYPES", "Archetype", "ExpertParallelMoE", "build_compute"]
 
@@ -77,7 +81,7 @@ def _check_shared(arch: Archetype, module: nn.Module) -> None:
         )
 
 
-def _ep_group(arch: str, ep_mesh: Any, num_experts: int) -> Any:
+def _ep_group(arch: str, ep_mesh: DeviceMesh | None, num_experts: int) -> ProcessGroup | None:
     if ep_mesh is None:
         return None
     names = tuple(getattr(ep_mesh, "mesh_dim_names", None) or ())
@@ -177,7 +181,7 @@ def _check_capacity(arch: str, capacity_factor: Any) -> float | None:
 def build_compute(
     arch_name: str,
     module: nn.Module | None,
-    ep_mesh: Any,
+    ep_mesh: DeviceMesh | None,
     *,
     capacity_factor: float | None = None,
     router: str = "auto",

@@ -1,19 +1,23 @@
 """The EP archetype factories (``@local_compute``), registered by name from the plugin.
 
-Each is called once at apply time with the MoE block (``module``) and the derived
-expert mesh (``ep_mesh``, ``None`` without expert parallelism), checks the block's
+Each is called once at apply time with the MoE block (``module``) and the job's
+``ParallelContext`` (``ctx``; its ``ep_mesh`` is the derived expert mesh, ``None``
+without expert parallelism), checks the block's
 interface and returns ``compute_fn(module, hidden_states)``. Every other parameter is
 a config key, bound by name from YAML (``{_target_: qwen2moe, capacity_factor: 1.5}``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from hp_core.injection import local_compute
 from hp_plugin_moe.compute import ExpertParallelMoE, build_compute
+
+if TYPE_CHECKING:
+    from hp_core.context import ParallelContext
 
 __all__ = ["deepseekv3", "mixtral", "qwen2moe", "routed_only"]
 
@@ -21,10 +25,7 @@ __all__ = ["deepseekv3", "mixtral", "qwen2moe", "routed_only"]
 @local_compute
 def routed_only(
     module: nn.Module,
-    mesh: Any,
-    tp_mesh: Any,
-    cp_mesh: Any,
-    ep_mesh: Any,
+    ctx: ParallelContext,
     capacity_factor: float | None = None,
     router: str = "auto",
     top_k: int | None = None,
@@ -37,17 +38,14 @@ def routed_only(
     ``norm_topk_prob`` (default: the block's attributes, else no renormalization).
     """
     return build_compute(
-        "routed_only", module, ep_mesh, capacity_factor=capacity_factor, router=router, top_k=top_k, norm_topk_prob=norm_topk_prob
+        "routed_only", module, ctx.ep_mesh, capacity_factor=capacity_factor, router=router, top_k=top_k, norm_topk_prob=norm_topk_prob
     )
 
 
 @local_compute
 def mixtral(
     module: nn.Module,
-    mesh: Any,
-    tp_mesh: Any,
-    cp_mesh: Any,
-    ep_mesh: Any,
+    ctx: ParallelContext,
     capacity_factor: float | None = None,
     router: str = "auto",
     jitter_noise: float | None = None,
@@ -57,16 +55,13 @@ def mixtral(
     Config: ``capacity_factor``, ``router``, ``jitter_noise`` (in training, hidden states
     are scaled by U(1 - j, 1 + j) before routing; default: the block's ``jitter_noise``).
     """
-    return build_compute("mixtral", module, ep_mesh, capacity_factor=capacity_factor, router=router, jitter_noise=jitter_noise)
+    return build_compute("mixtral", module, ctx.ep_mesh, capacity_factor=capacity_factor, router=router, jitter_noise=jitter_noise)
 
 
 @local_compute
 def qwen2moe(
     module: nn.Module,
-    mesh: Any,
-    tp_mesh: Any,
-    cp_mesh: Any,
-    ep_mesh: Any,
+    ctx: ParallelContext,
     capacity_factor: float | None = None,
     router: str = "auto",
 ) -> ExpertParallelMoE:
@@ -74,16 +69,13 @@ def qwen2moe(
 
     Config: ``capacity_factor`` (None: no limit), ``router`` (adapter name or ``auto``).
     """
-    return build_compute("qwen2moe", module, ep_mesh, capacity_factor=capacity_factor, router=router)
+    return build_compute("qwen2moe", module, ctx.ep_mesh, capacity_factor=capacity_factor, router=router)
 
 
 @local_compute
 def deepseekv3(
     module: nn.Module,
-    mesh: Any,
-    tp_mesh: Any,
-    cp_mesh: Any,
-    ep_mesh: Any,
+    ctx: ParallelContext,
     capacity_factor: float | None = None,
     router: str = "auto",
 ) -> ExpertParallelMoE:
@@ -93,4 +85,4 @@ def deepseekv3(
     ``hf_topk``; ``sigmoid_group_topk`` for a plain gate weight with
     ``e_score_correction_bias``).
     """
-    return build_compute("deepseekv3", module, ep_mesh, capacity_factor=capacity_factor, router=router)
+    return build_compute("deepseekv3", module, ctx.ep_mesh, capacity_factor=capacity_factor, router=router)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hp_core.plugins import ROUTER_ADAPTER_REGISTRY, lookup
 from hp_plugin_moe.errors import MoEConfigError
 from hp_plugin_moe.interface import find_router, interface_error
 
@@ -142,8 +143,6 @@ def resolve_router(name: str, module: nn.Module, factory: str) -> tuple[str, Rou
         raise MoEConfigError(f"{factory}: router must be a router adapter name, got {name!r}.")
     if name == "auto":
         name = auto_router(module, factory)
-    from hp_core.plugins import ROUTER_ADAPTER_REGISTRY, lookup
-
     if name not in ROUTER_ADAPTER_REGISTRY and name in BUILTIN_ROUTERS:
         return name, BUILTIN_ROUTERS[name]  # the plugin's own adapters work even when it is not loaded
     # Unknown names raise UnknownRegistryItemError listing the known ones and the closest match.

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hp_core.hookspecs import hookimpl
 from hp_core import Role, RoleRule
+from hp_core.hookspecs import hookimpl
 
 __all__ = ["ARCHITECTURE", "HP_PLUGIN_API", "PHI3_ROLE_RULES", "hp_register_templates"]
 

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata as importlib_metadata
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from hp_core.context import ParallelContext
 from hp_core.errors import HpError
 from hp_core.plan.model import ShardingPlan
 from hp_core.plugins import plugin_report
+from hp_core.runtime.errors import PreflightError
 from hp_core.runtime.install import install
 from hp_core.runtime.journal import Journal
-from hp_core.runtime.preflight import PreflightError, PreflightResult, preflight
+from hp_core.runtime.preflight import PreflightResult, preflight
 from hp_core.runtime.sequence import SequenceFallback
 from hp_core.runtime.verdict import (
     ApplyFailedError,
@@ -35,14 +38,22 @@ from hp_core.verifier.repeats import find_repeats
 from hp_core.verifier.report import VerifyReport
 from hp_core.verifier.runner import verify as run_verifier
 
-__all__ = ["ApplyFailedError", "VerificationRequiredError", "apply", "finalize_grads"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["VerificationRequiredError", "apply"]
+
+#: What ``apply(verify=...)`` accepts: True, or a report of this plan (False is refused).
+VerifyArg = bool | VerifyReport
 
 
 class VerificationRequiredError(PreflightError, HpError):
     """``apply(verify=False)`` without a report: hp cannot know which gradients to sum."""
 
 
-def _verifier(model: nn.Module, plan: ShardingPlan, mesh: Any, verify: Any) -> Any:
+def _verifier(
+    model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, verify: VerifyArg
+) -> Callable[[PreflightResult], VerifyReport | None]:
     if verify is True:
         return lambda pre: run_verifier(model, plan, mesh, preflight=pre)
     if isinstance(verify, VerifyReport):
@@ -50,7 +61,8 @@ def _verifier(model: nn.Module, plan: ShardingPlan, mesh: Any, verify: Any) -> A
         def check(_pre: PreflightResult) -> VerifyReport:
             if verify.fingerprint != plan.fingerprint():
                 raise PreflightError(
-                    "apply(verify=report): the report was made for another plan (fingerprints differ); verify this "
+                    "apply(verify=report): the report was made for another plan (fingerprints "
+                    "differ); verify this "
                     "plan, or pass verify=True."
                 )
             return verify
@@ -60,12 +72,15 @@ def _verifier(model: nn.Module, plan: ShardingPlan, mesh: Any, verify: Any) -> A
 
         def refuse(_pre: PreflightResult) -> None:
             raise VerificationRequiredError(
-                "apply(verify=False): the verifier is what derives which gradients are partial sums, so hp "
+                "apply(verify=False): the verifier is what derives which gradients are partial "
+                "sums, so hp "
                 "cannot skip it without its result. Verify once and pass the report: "
-                "report = hp_core.verify(model, plan, mesh); apply(model, plan, mesh, verify=report)."
+                "report = hp_core.verify(model, plan, mesh); apply(model, plan, mesh, "
+                "verify=report)."
             )
 
         return refuse
+
     def wrong(_pre: PreflightResult) -> None:
         raise PreflightError(f"apply(verify={verify!r}): expected True, or a hp_core.VerifyReport.")
 
@@ -75,10 +90,10 @@ def _verifier(model: nn.Module, plan: ShardingPlan, mesh: Any, verify: Any) -> A
 def apply(
     model: nn.Module,
     plan: ShardingPlan,
-    mesh: Any,
+    mesh: DeviceMesh,
     *,
     mode: str = "production",
-    verify: Any = True,
+    verify: VerifyArg = True,
     check_inputs: bool = True,
     timeout: float | None = None,
 ) -> nn.Module:
@@ -113,7 +128,8 @@ def apply(
         if not isinstance(check_inputs, bool):
             raise PreflightError(f"apply(check_inputs={check_inputs!r}): expected True or False.")
         report = verifier(pre)
-        fallback.append(_sequence_fallback(model, plan, mesh))  # local work: before the exchange
+        # local work: before the exchange
+        fallback.append(_sequence_fallback(model, plan, mesh, pre.context))
         return report
 
     pre = preflight(model, plan, mesh, mode, verify=checks, exchange=exchange, extra=extra)
@@ -121,8 +137,15 @@ def apply(
     error: BaseException | None = None
     try:
         state = install(
-            model, plan, mesh, mode, pre, journal, reductions=pre.report.reductions,
-            check_inputs=check_inputs, fallback=fallback[0],
+            model,
+            plan,
+            mesh,
+            mode,
+            pre,
+            journal,
+            reductions=pre.report.reductions,
+            check_inputs=check_inputs,
+            fallback=fallback[0],
         )
         state.report = pre.report
     except BaseException as e:  # even an interrupt: the other ranks must hear of it
@@ -142,15 +165,17 @@ def apply(
     raise ApplyFailedError(
         f"apply() failed on rank {rank} in phase {first.where!r} ({first.error})"
         + (f"; also on rank(s) {sorted(failed)[1:]}" if len(failed) > 1 else "")
-        + ". Every rank restored its model as it was (parameters, values, hooks, forwards); fix the cause "
+        + ". Every rank restored its model as it was (parameters, values, hooks, forwards); fix "
+        "the cause "
         "and call apply() again."
     ) from error
 
 
-def _settings(check_inputs: bool, verify: Any) -> dict[str, str]:
+def _settings(check_inputs: bool, verify: VerifyArg) -> dict[str, str]:
     """apply()'s other behaviour-changing inputs, as fingerprint entries the ranks compare."""
     plugins = ",".join(
-        f"{p.name}={p.distribution or '-'}@{p.version or '-'}:{p.status}" for p in sorted(plugin_report(), key=lambda p: p.name)
+        f"{p.name}={p.distribution or '-'}@{p.version or '-'}:{p.status}"
+        for p in sorted(plugin_report(), key=lambda p: p.name)
     )
     return {
         "check_inputs": str(bool(check_inputs)),
@@ -167,22 +192,12 @@ def _version(dist_name: str) -> str:
         return "unknown"
 
 
-def _sequence_fallback(model: nn.Module, plan: ShardingPlan, mesh: Any) -> SequenceFallback | None:
+def _sequence_fallback(
+    model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, ctx: ParallelContext | None
+) -> SequenceFallback | None:
     """Under sequence parallelism: the whole-sequence variant for inference, verified when first
     needed on a weightless copy of the model taken now (before the parameters are sharded)."""
-    names = list(mesh.mesh_dim_names or ())
-    if not plan.sequence_parallel or "tp" not in names or mesh["tp"].size() == 1:
+    if ctx is None or not ctx.sequence_parallel:
         return None
     copy = meta_clone(model, find_repeats(model, plan.modules))
     return SequenceFallback(plan, lambda variant: run_verifier(copy, variant, mesh))
-
-
-def finalize_grads(model: nn.Module) -> None:
-    """Run the pending gradient reductions now.
-
-    hp runs them automatically at the end of every backward; calling this afterwards
-    changes nothing. It is there for code that reads gradients before backward returns.
-    """
-    state = getattr(model, "_hp_applied", None)
-    if state is not None and state.grad_reducer is not None:
-        state.grad_reducer.flush()

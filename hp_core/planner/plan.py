@@ -1,0 +1,236 @@
+"""``plan(model, mesh)``: model structure + mesh + overrides → ``ShardingPlan`` (SPEC §4).
+
+Pure: it reads names, shapes and the module tree, so it works on a meta-device model
+and a mesh that is only names and sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from hp_core.context import ParallelContext
+from hp_core.mesh import MeshLike, MeshSpec
+from hp_core.plan.errors import ArgumentTypeError, PlanError
+from hp_core.plan.model import ShardingPlan
+from hp_core.plan.overrides import OverridesLike, resolve_overrides
+from hp_core.planner.lints import (
+    MeshTypeError,
+    PlanningError,
+    TemplateBuildError,
+    compute_deferred_biases,
+    compute_tp_local_attrs,
+    lint_plan,
+)
+from hp_core.planner.structure import analyse, check_unclaimed
+from hp_core.planner.templates.context import TemplateContext
+from hp_core.planner.templates.roles import BoundaryTemplate, RoleRule
+from hp_core.plugins import TEMPLATE_REGISTRY
+from hp_core.spec.module_spec import ModuleShardingSpec
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["plan"]
+
+
+def _registered() -> tuple[list[RoleRule], list[BoundaryTemplate]]:
+    rules = [i.value for i in TEMPLATE_REGISTRY.values() if isinstance(i.value, RoleRule)]
+    templates = [
+        i.value for i in TEMPLATE_REGISTRY.values() if isinstance(i.value, BoundaryTemplate)
+    ]
+    return rules, templates
+
+
+def _pick(
+    templates: Sequence[BoundaryTemplate], kind: str, archs: Sequence[str]
+) -> BoundaryTemplate | None:
+    """Architecture-scoped templates win over general ones; among equals, the last registered
+    (plugins and users register after the built-in plugin)."""
+    candidates = [t for t in templates if t.kind == kind and t.applies_to(archs)]
+    scoped = [t for t in candidates if t.architectures]
+    pool = scoped or candidates
+    return pool[-1] if pool else None
+
+
+def _provider_of(template: BoundaryTemplate) -> str:
+    """Who registered ``template``, in words (the registry knows; a template not found there
+    was handed to the planner some other way)."""
+    item = TEMPLATE_REGISTRY.get(template.name)
+    if item is not None and item.value is template:
+        return item.describe_provider()
+    return "no registered provider"
+
+
+def _who_fixes(provider: str) -> str:
+    if provider.startswith("provider 'user'"):
+        return "correct the template you registered with register_template"
+    return f"report it to {provider} with this model"
+
+
+def _build(template: BoundaryTemplate, ctx: TemplateContext) -> Any:
+    """``template.build(ctx)``; a failure becomes TemplateBuildError naming the template, its
+    provider and the module. PlanErrors (which name the module) and KeyboardInterrupt pass."""
+    try:
+        return template.build(ctx)
+    except PlanError:
+        raise
+    except Exception as e:
+        fqn = ctx.fqn
+        provider = _provider_of(template)
+        raise TemplateBuildError(
+            f"{fqn or '<root>'}: boundary template {template.name!r} (kind {template.kind!r}, from "
+            f"{provider}) "
+            f"failed to build the spec of {type(ctx.block.module).__name__} {fqn!r}: "
+            f"{type(e).__name__}: {e}\n"
+            f"Fix: {_who_fixes(provider)}; meanwhile declare the module's full contract yourself "
+            "in "
+            f"an override (match: {fqn!r}), or unregister the template. The original exception is "
+            "chained below.",
+            template=template.name,
+            provider=provider,
+            fqn=fqn,
+        ) from e
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_model(model: Any) -> None:
+    if isinstance(model, nn.Module):
+        return
+    if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+        hint = (
+            " plan() takes the model object, not its name or path: build it first (on the meta "
+            "device is enough), e.g. with torch.device('meta'): model = "
+            "AutoModelForCausalLM.from_config(config). "
+            "From the command line, 'hp plan --model PATH' takes a path."
+        )
+    else:
+        hint = " Pass the torch.nn.Module to parallelize (a meta-device copy is enough to plan)."
+    raise ArgumentTypeError(
+        f"plan(model, mesh): model must be a torch.nn.Module, got {type(model).__name__} "
+        f"{_short(model)}.{hint}"
+    )
+
+
+def _check_mesh(mesh: object) -> None:
+    if isinstance(mesh, (MeshSpec, str, Mapping)) or (
+        getattr(mesh, "shape", None) is not None and hasattr(mesh, "get_group")
+    ):
+        return
+    raise MeshTypeError(
+        f"plan(model, mesh): mesh: expected a DeviceMesh, a MeshSpec, an {{axis: size}} mapping "
+        "such as "
+        f"{{'tp': 2}} or a string such as 'tp=2,cp=2', got {type(mesh).__name__} {_short(mesh)}. "
+        "Example: hp_core.plan(model, 'tp=2'); a DeviceMesh needs mesh_dim_names."
+    )
+
+
+def _check_flags(sequence_parallel: Any, loss_parallel: Any, ep_size: Any) -> None:
+    for name, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
+        if not isinstance(value, bool):
+            raise PlanningError(f"plan(): {name} must be True or False, got {value!r}")
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+        raise PlanningError(f"plan(): ep_size must be a positive integer, got {ep_size!r}")
+
+
+def _check_loss(model: nn.Module) -> None:
+    """Loss parallelism replaces the model's loss function: only one whose semantics hp's
+    vocab-parallel cross-entropy reproduces (transformers' causal-LM loss) may be replaced."""
+    loss = getattr(type(model), "loss_function", None)
+    if loss is None:
+        return  # preflight refuses models without one
+    current = getattr(model, "loss_function", None)
+    qualname = getattr(current, "__qualname__", type(current).__name__)
+    name = f"{getattr(current, '__module__', '?')}.{qualname}"
+    if name != "transformers.loss.loss_utils.ForCausalLMLoss":
+        raise PlanningError(
+            f"plan(loss_parallel=True): {type(model).__name__} computes its loss with {name}, not "
+            "transformers' "
+            "causal-LM cross-entropy, and hp's vocab-parallel loss would replace it with something "
+            "else. "
+            "Plan with loss_parallel=False (the logits are then gathered and your loss runs "
+            "unchanged)."
+        )
+
+
+def plan(
+    model: nn.Module,
+    mesh: DeviceMesh | MeshLike,
+    *,
+    overrides: OverridesLike | None = None,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = False,
+    ep_size: int = 1,
+) -> ShardingPlan:
+    """Derive every boundary's contract for ``model`` on ``mesh`` and merge ``overrides``.
+
+    ``mesh`` is a ``DeviceMesh``, a :class:`~hp_core.MeshSpec`, ``{"tp": 8}`` or
+    ``"tp=8,cp=2"``; ``overrides`` a ``{fqn_or_glob: ModuleShardingSpec}`` dict, a list of
+    YAML-style entries, or a path to a YAML file. Nothing is mutated.
+    """
+    _check_model(model)
+    _check_mesh(mesh)
+    ms = MeshSpec.from_any(mesh)
+    _check_flags(sequence_parallel, loss_parallel, ep_size)
+    if loss_parallel:
+        _check_loss(model)
+    rules, templates = _registered()
+    structure = analyse(model, rules)
+    derived: dict[str, ModuleShardingSpec] = {}
+    first_layer = True
+    for block in structure.blocks:
+        template = _pick(templates, block.kind, structure.architectures)
+        if template is None:
+            raise PlanningError(
+                f"{block.fqn}: no boundary template for kind {block.kind!r} is registered. The "
+                "built-in plugin provides one for every kind; is hp-core's builtin plugin failing? "
+                "Run 'hp plugins'."
+            )
+        ctx = TemplateContext(
+            block, ms, sequence_parallel, loss_parallel, ep_size, is_first_layer=first_layer
+        )
+        spec = _build(template, ctx)
+        if block.kind == "layer":
+            first_layer = False
+        if spec is None:
+            continue
+        if not isinstance(spec, ModuleShardingSpec):
+            raise PlanningError(
+                f"{block.fqn}: template {template.name!r} returned {type(spec).__name__}, not a "
+                "ModuleShardingSpec (or None to skip the block)."
+            )
+        derived[block.fqn] = spec
+    active = set(
+        ParallelContext.from_spec(
+            ms, sequence_parallel=sequence_parallel, ep_size=ep_size
+        ).guard_axes
+    )
+    modules, notes = resolve_overrides(
+        derived,
+        overrides if overrides is not None else [],
+        module_names=structure.module_names,
+        active=active,
+        mesh_axis_names=ms.axis_names,
+    )
+    if "tp" in ms or "cp" in ms:  # as lint_plan's coverage check: else nothing is sharded
+        check_unclaimed(structure, modules)
+    lint_plan(model, modules, ms, structure.roles)
+    for fqn, spec in modules.items():
+        spec._deferred_bias_params = compute_deferred_biases(model, fqn, spec)
+        if ms.size("tp") > 1:
+            spec._tp_local_attr_plan = compute_tp_local_attrs(model, fqn, spec, ms)
+    return ShardingPlan(
+        modules=modules,
+        mesh_axis_names=ms.axis_names,
+        mesh_shape=ms.sizes,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        ep_size=ep_size,
+        notes=notes,
+    )
