@@ -22,12 +22,12 @@ pytestmark = pytest.mark.usefixtures("plugin_env")
 
 
 @inner_wrapper
-def _wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+def _wrapper(target_module, ctx):
     return None
 
 
 @local_compute
-def _factory(mesh, tp_mesh, cp_mesh, ep_mesh):
+def _factory(ctx):
     return None
 
 
