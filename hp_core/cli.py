@@ -220,7 +220,7 @@ def _check_plugin_items(plan: Any, args: argparse.Namespace, err: Console, verb:
 
 def _add_planning_args(parser: argparse.ArgumentParser) -> None:
     """The model, mesh and planning options shared by ``hp plan`` and ``hp freeze``."""
-    from hp_core.testing.models import PRESETS
+    from hp_core.presets import PRESETS
 
     parser.add_argument(
         "--model",
@@ -321,7 +321,7 @@ def _load_config(model: str) -> Any:
 
     from hp_core.bounded import InputLimitError, loads_json, read_bounded
     from hp_core.spec import close_matches
-    from hp_core.testing.models import PRESETS, UnknownModelPresetError, preset_config
+    from hp_core.presets import PRESETS, UnknownModelPresetError, preset_config
 
     path = Path(model)
     looks_like_path = path.exists() or model.endswith(".json") or "/" in model or "\\" in model
@@ -388,7 +388,7 @@ class _Failed(Exception):
 
 def _load_model(name: str) -> Any:
     """``--model``: a preset or an HF config, built on the meta device (usage errors exit 2)."""
-    from hp_core.testing.models import model_from_config
+    from hp_core.presets import model_from_config
 
     try:
         config = _load_config(name)
@@ -695,7 +695,7 @@ def add_demo_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 def cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
     """Choose the setup, print the plan summary, train on spawned ranks, print the table and verdict."""
     from hp_core import demo
-    from hp_core.testing.models import build_model
+    from hp_core.presets import build_model
 
     try:
         setup = demo.default_setup(

@@ -225,7 +225,7 @@ def train(rank: int, setup: DemoSetup, *, progress: bool) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from hp_core.runtime import apply
-    from hp_core.testing.models import build_model
+    from hp_core.presets import build_model
     from hp_core.testing.probe import CollectiveCounter
     from hp_core.training import TrainingAdapters
 

@@ -13,8 +13,8 @@ import hp_core.runtime.install as R
 from hp_core.injection import inner_wrapper, local_compute
 from hp_core.mesh import MeshSpec
 from hp_core.planner import plan as make_plan
+from hp_core.presets import build_model
 from hp_core.runtime import apply
-from hp_core.testing.models import build_model
 from hp_core.verifier import verify
 from tests._snapshots import differences, snapshot
 

@@ -9,8 +9,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from hp_core.planner import plan as make_plan
+from hp_core.presets import build_model
 from hp_core.runtime import apply
-from hp_core.testing.models import build_model
 
 
 def ddp_over_world() -> dict[str, Any]:

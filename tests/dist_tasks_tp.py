@@ -22,6 +22,7 @@ from torch.distributed.tensor import Shard
 
 from hp_core.planner import input_check_axes, step_collectives
 from hp_core.planner import plan as make_plan
+from hp_core.presets import build_model
 from hp_core.runtime import apply
 from hp_core.testing.compare import (
     allclose_excess,
@@ -35,7 +36,6 @@ from hp_core.testing.compare import (
     unmoved_params,
 )
 from hp_core.testing.families import family_model, perturb_
-from hp_core.testing.models import build_model
 
 VOCAB = 128
 RTOL = 1e-5

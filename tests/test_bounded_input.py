@@ -38,8 +38,8 @@ from hp_core.codegen import (
     read_artifact,
 )
 from hp_core.planner import plan
+from hp_core.presets import build_model, tiny_config
 from hp_core.sharding_plan import PlanYAMLError, PlanYAMLInputLimitError, load_overrides, load_plan
-from hp_core.testing.models import build_model, tiny_config
 from hp_core.verifier.report import ReportFormatError, ReportFormatInputLimitError, VerifyReport
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 

@@ -13,14 +13,14 @@ import pytest
 import hp_core
 from hp_core import cli
 from hp_core.planner import plan, step_collectives
-from hp_core.sharding_plan import load_plan
-from hp_core.testing.families import tiny_family_config
-from hp_core.testing.models import (
+from hp_core.presets import (
     build_model,
     model_from_config,
     preset_config,
     tiny_config,
 )
+from hp_core.sharding_plan import load_plan
+from hp_core.testing.families import tiny_family_config
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("builtin_only")

@@ -13,8 +13,8 @@ import torch
 
 from hp_core.mesh import MeshSpec
 from hp_core.planner import active_axes, plan
+from hp_core.presets import build_model, model_from_config, preset_config
 from hp_core.sharding_plan import ShardingPlan
-from hp_core.testing.models import build_model, model_from_config, preset_config
 from tests._planner_helpers import (
     S1,
     L,

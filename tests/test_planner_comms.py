@@ -18,8 +18,8 @@ from hp_core.planner.comms import (
     step_collectives,
     transition,
 )
+from hp_core.presets import build_model
 from hp_core.spec import ModuleShardingSpec
-from hp_core.testing.models import build_model
 from tests._planner_helpers import (
     S0,
     S1,

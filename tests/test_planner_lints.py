@@ -19,10 +19,10 @@ from hp_core.planner import (
     plan,
 )
 from hp_core.plugins import register_template
+from hp_core.presets import build_model
 from hp_core.sharding_plan import IncompleteOverrideError, OverrideError, PlanError
 from hp_core.spec import ModuleShardingSpec
 from hp_core.templates import BoundaryTemplate
-from hp_core.testing.models import build_model
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 from tests._toy_models import (
     WithStrayParameter,

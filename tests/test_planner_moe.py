@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hp_core.planner import DivisibilityError, MeshAxisError, plan
-from hp_core.testing.models import build_model
+from hp_core.presets import build_model
 from tests._planner_helpers import (
     L,
     builtin_only,  # noqa: F401  (fixture)

@@ -10,9 +10,9 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from hp_core.planner import plan
+from hp_core.presets import build_model
 from hp_core.sharding_plan import OverrideMatchWarning, dump_plan, load_plan
 from hp_core.spec import ModuleShardingSpec
-from hp_core.testing.models import build_model
 from tests._planner_helpers import (
     L,
     builtin_only,  # noqa: F401  (fixture)

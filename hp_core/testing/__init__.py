@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hp_core.testing.models import FAMILIES, build_model, tiny_config
+from hp_core.presets import FAMILIES, build_model, tiny_config
 from hp_core.testing.world import (
     World,
     WorldError,

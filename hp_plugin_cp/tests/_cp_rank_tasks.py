@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from hp_core import apply, plan
+from hp_core.presets import build_model
 from hp_core.testing.compare import (
     allclose_excess,
     gather_full_grads,
@@ -35,7 +36,6 @@ from hp_core.testing.compare import (
     unmoved_params,
 )
 from hp_core.testing.families import family_model, perturb_
-from hp_core.testing.models import build_model
 from hp_plugin_cp import (
     enable_cp_loss,
     gather_sequence,

@@ -31,6 +31,7 @@ import hp_plugin_moe
 from hp_core.injection import Target, local_compute
 from hp_core.planner import input_check_axes, step_collectives
 from hp_core.planner import plan as make_plan
+from hp_core.presets import build_model
 from hp_core.runtime import apply
 from hp_core.testing.compare import (
     DEFAULT_EXPERT_PARAMS,
@@ -41,7 +42,6 @@ from hp_core.testing.compare import (
     unmoved_params,
 )
 from hp_core.testing.families import family_model, perturb_
-from hp_core.testing.models import build_model
 
 RTOL = 1e-5
 MOE = "model.layers.*.mlp"
