@@ -30,7 +30,8 @@ from typing import Any, Union
 import yaml
 from torch.distributed.tensor import Placement
 
-from hp_core.bounded import InputLimitError, load_yaml, read_bounded
+from hp_core.bounded.limits import InputLimitError, read_bounded
+from hp_core.bounded.yaml_reader import load_yaml
 from hp_core.errors import HpError
 from hp_core.injection import Target, TargetError
 from hp_core.spec import (

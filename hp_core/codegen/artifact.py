@@ -41,7 +41,8 @@ from typing import Any
 
 from torch import nn
 
-from hp_core.bounded import InputLimitError, loads_json, read_bounded
+from hp_core.bounded.json_reader import loads_json
+from hp_core.bounded.limits import InputLimitError, read_bounded
 from hp_core.codegen.freeze import FreezeError, freeze, json_value
 from hp_core.codegen.rebuild import MetaError, rebuild
 from hp_core.errors import HpError
