@@ -160,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     moe_name = _moe_preset()
     moe: dict[str, Any] = {"preset": moe_name}
     if moe_name is None:
-        moe["skipped"] = "hp_core.presets has no 7B-shaped MoE preset (SEVEN_B has no mixtral/qwen2moe entry)"
+        moe["skipped"] = (
+            "hp_core.presets has no 7B-shaped MoE preset (SEVEN_B has no mixtral/qwen2moe entry)"
+        )
     else:
         from hp_core.presets import SEVEN_B
 

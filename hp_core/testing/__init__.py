@@ -1,4 +1,8 @@
-"""Testing helpers for hp and for plugin authors: a reusable gloo world and tiny models."""
+"""Testing helpers for hp and for plugin authors: a reusable gloo world and tiny models.
+
+The tiny models are :mod:`hp_core.presets`' (re-exported here); the differential-test
+families are in :mod:`hp_core.testing.families` and :mod:`hp_core.testing.family_matrix`.
+"""
 
 from __future__ import annotations
 
