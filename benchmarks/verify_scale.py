@@ -10,7 +10,7 @@ median of the per-repetition ratios (robust to load drift). The warm-up (the
 first plan() and verify() in the process) is reported on its own: a user's first apply
 pays it. Also: the verifier with ``exhaustive=True`` at 32 layers (what repeat detection
 saves), the floor under it (torch's meta kernels alone for the layers it checks, one forward
-and backward), and a 7B-shaped MoE preset when ``hp_core.testing.models`` has one.
+and backward), and a 7B-shaped MoE preset when ``hp_core.presets`` has one.
 
     python benchmarks/verify_scale.py [--layers 32 64 128 256 512 1024] [--repeat 5] [--quick] [--json out.json]
 """
@@ -32,7 +32,7 @@ MOE_FAMILIES = ("mixtral", "qwen2moe")
 
 
 def _model(layers: int, preset: str = "llama-7b"):
-    from hp_core.testing.models import model_from_config, preset_config
+    from hp_core.presets import model_from_config, preset_config
 
     return model_from_config(preset_config(preset, num_hidden_layers=layers))
 
@@ -107,7 +107,7 @@ def meta_floor(layers: int, repeat: int) -> dict[str, Any]:
 
 
 def _moe_preset() -> str | None:
-    from hp_core.testing.models import SEVEN_B
+    from hp_core.presets import SEVEN_B
 
     return next((name for name, (family, _) in SEVEN_B.items() if family in MOE_FAMILIES), None)
 
@@ -160,9 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     moe_name = _moe_preset()
     moe: dict[str, Any] = {"preset": moe_name}
     if moe_name is None:
-        moe["skipped"] = "hp_core.testing.models has no 7B-shaped MoE preset (SEVEN_B has no mixtral/qwen2moe entry)"
+        moe["skipped"] = (
+            "hp_core.presets has no 7B-shaped MoE preset (SEVEN_B has no mixtral/qwen2moe entry)"
+        )
     else:
-        from hp_core.testing.models import SEVEN_B
+        from hp_core.presets import SEVEN_B
 
         n = SEVEN_B[moe_name][1].get("num_hidden_layers", 32)
         row = measure(_model(n, moe_name), args.repeat, sequence_parallel=True)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import hp_core
-from hp_core.testing.models import build_model
+from hp_core.presets import build_model
 
 
 def train(rank: int, world: int, args: argparse.Namespace) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import queue
 import re
 import socket
 import sys
@@ -19,7 +20,20 @@ import traceback
 from collections import Counter
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from torch.distributed.device_mesh import init_device_mesh
+
 from hp_core.errors import HpError
+from hp_core.plan.prediction import input_check_axes, step_collectives
+from hp_core.planner.plan import plan as plan_model
+from hp_core.plugins import INNER_WRAPPER_REGISTRY, suggest_compute_factory
+from hp_core.presets import build_model
+from hp_core.testing.probe import CollectiveCounter
+from hp_core.training import TrainingAdapters
 
 __all__ = [
     "DemoSetup",
@@ -120,8 +134,6 @@ def default_setup(
     seq: int = 16,
 ) -> DemoSetup:
     """The richest setup the loaded plugins allow; ``notes`` say what was left out and why."""
-    from hp_core.plugins import INNER_WRAPPER_REGISTRY, suggest_compute_factory
-
     notes: list[str] = []
     has_cp = "sdpa_hf" in INNER_WRAPPER_REGISTRY
     if mesh is not None:
@@ -163,14 +175,12 @@ def default_setup(
 
 
 def plan_for(setup: DemoSetup, model: Any, mesh: Any) -> Any:
-    from hp_core.planner.plan import plan
-
-    return plan(model, mesh, ep_size=setup.ep, overrides=setup.overrides or None)
+    """The demo's plan of ``model`` for ``mesh``: ``setup``'s ep size and overrides."""
+    return plan_model(model, mesh, ep_size=setup.ep, overrides=setup.overrides or None)
 
 
 def plan_summary(plan: Any) -> list[str]:
     """A few lines: boundaries per kind (FQN with layer numbers as ``*``), injections, collectives."""
-    from hp_core.plan.prediction import input_check_axes, step_collectives
 
     kinds: Counter[str] = Counter()
     extras: dict[str, set[str]] = {}
@@ -213,8 +223,6 @@ def verdict(rows: list[StepRow], *, rtol: float = RTOL, atol: float = ATOL) -> i
 
 def _batch(setup: DemoSetup, step: int) -> dict[str, Any]:
     """A synthetic next-token batch (labels = inputs; the model shifts them)."""
-    import torch
-
     ids = torch.randint(0, VOCAB, (setup.batch, setup.seq), generator=torch.Generator().manual_seed(step))
     return {"input_ids": ids, "labels": ids}
 
@@ -222,12 +230,8 @@ def _batch(setup: DemoSetup, step: int) -> dict[str, Any]:
 def train(rank: int, setup: DemoSetup, *, progress: bool) -> dict[str, Any]:
     """One rank: plan, apply (production), train; rank 0 also trains the single-process copy."""
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
 
     from hp_core.apply import apply
-    from hp_core.testing.models import build_model
-    from hp_core.testing.probe import CollectiveCounter
-    from hp_core.training import TrainingAdapters
 
     names = tuple(axis for axis, _ in setup.mesh)
     mesh = init_device_mesh("cpu", tuple(size for _, size in setup.mesh), mesh_dim_names=names)
@@ -272,9 +276,7 @@ def train(rank: int, setup: DemoSetup, *, progress: bool) -> dict[str, Any]:
 
 
 def _progress(total: int) -> tuple[Any, Any]:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+    """Rank 0's training progress bar on stderr (shown only on a terminal): ``(bar, task)``."""
     console = Console(file=sys.stderr)
     progress = Progress(
         TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -288,9 +290,6 @@ def _progress(total: int) -> tuple[Any, Any]:
 def rank_main(rank: int, world: int, port: int, setup: DemoSetup, results: Any) -> None:
     """Spawned target: join the gloo group, train, report ``(rank, ok, payload)`` on ``results``."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -304,10 +303,6 @@ def rank_main(rank: int, world: int, port: int, setup: DemoSetup, results: Any) 
 
 def run_demo(setup: DemoSetup, *, timeout: float = 300.0) -> list[dict[str, Any]]:
     """Spawn ``setup.world`` ranks and return their reports in rank order (DemoError on failure)."""
-    import queue
-
-    import torch.multiprocessing as mp
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -9,7 +9,7 @@ the message ``apply`` would give, before anything is written or launched. Dotted
 paths (``pkg.module.attr``) are not registry items and are left to ``apply``.
 
 This is the one finder of missing registry items: ``hp plan`` / ``hp freeze`` use it, and
-so does :func:`hp_core.codegen.artifact.missing_registry_items` (``read_artifact``,
+so does :func:`hp_core.artifact.signed.missing_registry_items` (``read_artifact``,
 ``hp check``), with the table below. It sits above the plugin layer and the injection
 resolution it calls; the table is derived from the registry kinds' rows.
 """

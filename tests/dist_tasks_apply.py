@@ -14,7 +14,7 @@ from hp_core.apply import apply
 from hp_core.injection import inner_wrapper, local_compute
 from hp_core.mesh import MeshSpec
 from hp_core.planner.plan import plan as make_plan
-from hp_core.testing.models import build_model
+from hp_core.presets import build_model
 from hp_core.verifier import verify
 from tests._snapshots import differences, snapshot
 

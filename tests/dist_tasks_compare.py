@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import hp_core
+from hp_core.presets import build_model
 from hp_core.testing.compare import (
     GradientCheckError,
     allclose_excess,
@@ -32,7 +33,6 @@ from hp_core.testing.compare import (
     unmoved_params,
     weights_changed,
 )
-from hp_core.testing.models import build_model
 
 VOCAB = 128
 RTOL = 1e-5

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hp_core.apply import apply
 from hp_core.planner.plan import plan as make_plan
-from hp_core.testing.models import build_model
+from hp_core.presets import build_model
 
 
 def ddp_over_world() -> dict[str, Any]:

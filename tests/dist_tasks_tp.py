@@ -23,6 +23,7 @@ from torch.distributed.tensor import Shard
 from hp_core.apply import apply
 from hp_core.plan.prediction import input_check_axes, step_collectives
 from hp_core.planner.plan import plan as make_plan
+from hp_core.presets import build_model
 from hp_core.testing.compare import (
     allclose_excess,
     full_tensor,
@@ -35,7 +36,6 @@ from hp_core.testing.compare import (
     unmoved_params,
 )
 from hp_core.testing.families import family_model, perturb_
-from hp_core.testing.models import build_model
 from hp_core.testing.probe import by_phase, count_step
 
 VOCAB = 128

@@ -39,7 +39,7 @@ from hp_core.bounded import (
 )
 from hp_core.plan import PlanYAMLError, PlanYAMLInputLimitError, load_overrides, load_plan
 from hp_core.planner.plan import plan
-from hp_core.testing.models import build_model, tiny_config
+from hp_core.presets import build_model, tiny_config
 from hp_core.verifier.report import ReportFormatError, ReportFormatInputLimitError, VerifyReport
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 

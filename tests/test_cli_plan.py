@@ -15,13 +15,13 @@ from hp_core import cli
 from hp_core.plan import load_plan
 from hp_core.plan.prediction import step_collectives
 from hp_core.planner.plan import plan
-from hp_core.testing.families import tiny_family_config
-from hp_core.testing.models import (
+from hp_core.presets import (
     build_model,
     model_from_config,
     preset_config,
     tiny_config,
 )
+from hp_core.testing.families import tiny_family_config
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("builtin_only")

@@ -17,7 +17,7 @@ from hp_core.artifact import (
     same_plan,
 )
 from hp_core.planner.plan import plan
-from hp_core.testing.models import build_model
+from hp_core.presets import build_model
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 from tests._toy_models import list_moe_lm
 

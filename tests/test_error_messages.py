@@ -419,8 +419,7 @@ def test_factory_interrupt_and_hp_errors_pass_through():
 #: Exceptions used for control flow inside one module, caught there and never raised to a
 #: caller (named one by one, so a new exception class cannot slip in unseen).
 _INTERNAL_EXCEPTIONS = {
-    "hp_core.cli._UsageError",
-    "hp_core.cli._Failed",
+    "hp_core.cli.failure.CommandFailed",
     "hp_core.plugins._state.PluginFailure",
 }
 #: Base classes that carry no builtin type of their own (their subclasses do).

@@ -9,6 +9,7 @@ import pytest
 
 from hp_core.mesh import MeshSpec
 from hp_core.planner.plan import plan
+from hp_core.presets import build_model
 from hp_core.runtime.errors import PreflightError
 from hp_core.runtime.experts import (
     ExpertParallelError,
@@ -17,7 +18,6 @@ from hp_core.runtime.experts import (
     expert_layout,
     expert_placements,
 )
-from hp_core.testing.models import build_model
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 from tests._toy_models import list_moe_lm
 

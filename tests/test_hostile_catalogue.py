@@ -641,7 +641,7 @@ class Ctx:
     def model(self, name: str, fresh: bool = False) -> nn.Module:
         if fresh or name not in self._models:
             if name == "llama":
-                from hp_core.testing.models import build_model
+                from hp_core.presets import build_model
 
                 torch.manual_seed(0)
                 built = build_model("llama")

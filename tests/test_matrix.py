@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from hp_core.testing import get_world
-from hp_core.testing.families import FAMILY_NAMES
+from hp_core.testing.family_matrix import FAMILY_NAMES
 from tests import dist_tasks_matrix as tasks
 
 pytestmark = pytest.mark.distributed

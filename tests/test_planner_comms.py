@@ -15,8 +15,8 @@ from hp_core.plan.prediction import (
     step_collectives,
 )
 from hp_core.planner.plan import plan
+from hp_core.presets import build_model
 from hp_core.spec import ModuleShardingSpec
-from hp_core.testing.models import build_model
 from tests._planner_helpers import (
     S0,
     S1,

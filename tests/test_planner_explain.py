@@ -12,8 +12,8 @@ from hp_core.injection import local_compute
 from hp_core.plan import PlanError, ShardingPlan
 from hp_core.plan.explain import explain
 from hp_core.planner.plan import plan
+from hp_core.presets import build_model
 from hp_core.spec import ModuleShardingSpec
-from hp_core.testing.models import build_model
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 from tests._toy_models import head_attention_lm, list_moe_lm
 

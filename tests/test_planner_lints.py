@@ -21,8 +21,8 @@ from hp_core.planner.plan import plan
 from hp_core.planner.structure import UncoveredParameterError
 from hp_core.planner.templates import BoundaryTemplate
 from hp_core.plugins import register_template
+from hp_core.presets import build_model
 from hp_core.spec import ModuleShardingSpec
-from hp_core.testing.models import build_model
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 from tests._toy_models import (
     WithStrayParameter,

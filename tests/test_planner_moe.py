@@ -9,7 +9,7 @@ import torch
 
 from hp_core.planner.lints import DivisibilityError, MeshAxisError
 from hp_core.planner.plan import plan
-from hp_core.testing.models import build_model
+from hp_core.presets import build_model
 from tests._planner_helpers import (
     L,
     builtin_only,  # noqa: F401  (fixture)

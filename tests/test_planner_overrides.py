@@ -11,8 +11,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from hp_core.plan import OverrideMatchWarning, dump_plan, load_plan
 from hp_core.planner.plan import plan
+from hp_core.presets import build_model
 from hp_core.spec import ModuleShardingSpec
-from hp_core.testing.models import build_model
 from tests._planner_helpers import (
     L,
     builtin_only,  # noqa: F401  (fixture)

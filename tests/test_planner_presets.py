@@ -1,4 +1,4 @@
-"""``hp_core.testing.models``: the tiny presets every planner test (and plugin author) builds on."""
+"""``hp_core.presets``: the tiny presets every planner test (and plugin author) builds on."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hp_core.testing as testing
-from hp_core.testing.models import (
+from hp_core.presets import (
     FAMILIES,
     PRESETS,
     SEVEN_B,

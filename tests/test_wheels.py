@@ -226,7 +226,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import hp_core
-from hp_core.testing.models import build_model
+from hp_core.presets import build_model
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo")

@@ -14,7 +14,8 @@ import hashlib
 import json
 from typing import Any
 
-from hp_core.bounded import InputLimitError, loads_json
+from hp_core.bounded.json_reader import loads_json
+from hp_core.bounded.limits import InputLimitError
 from hp_core.errors import HpError
 from hp_core.runtime.grads import GradReduction
 from hp_core.spec.keywords import keyword_checked

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from hp_core import applied, apply, plan
 from hp_core.context import ParallelContext
 from hp_core.plan.prediction import input_check_axes, step_collectives
+from hp_core.presets import build_model
 from hp_core.testing.compare import (
     allclose_excess,
     gather_full_grads,
@@ -37,7 +38,6 @@ from hp_core.testing.compare import (
     unmoved_params,
 )
 from hp_core.testing.families import family_model, perturb_
-from hp_core.testing.models import build_model
 from hp_core.testing.probe import by_phase, count_step
 from hp_plugin_cp import (
     enable_cp_loss,

@@ -18,7 +18,7 @@ from hp_core.plugins import (
     plugin_report,
     reset_plugins,
 )
-from hp_core.testing.models import build_model
+from hp_core.presets import build_model
 from hp_plugin_cp import flex_hf, flex_qkv, sdpa_hf, sdpa_qkv
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "cp.md"

@@ -32,6 +32,7 @@ from hp_core.context import ParallelContext
 from hp_core.injection import Target, local_compute
 from hp_core.plan.prediction import input_check_axes, step_collectives
 from hp_core.planner.plan import plan as make_plan
+from hp_core.presets import build_model
 from hp_core.testing.compare import (
     DEFAULT_EXPERT_PARAMS,
     gather_full_grads,
@@ -41,7 +42,6 @@ from hp_core.testing.compare import (
     unmoved_params,
 )
 from hp_core.testing.families import family_model, perturb_
-from hp_core.testing.models import build_model
 from hp_core.testing.probe import by_phase, count_step
 
 RTOL = 1e-5

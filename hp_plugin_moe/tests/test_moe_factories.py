@@ -21,8 +21,8 @@ from hp_core.plugins import (
     suggest_compute_factory,
     unregister,
 )
+from hp_core.presets import build_model
 from hp_core.testing.compare import allclose_excess, nan_safe_max
-from hp_core.testing.models import build_model
 
 CTX = {"ctx": ParallelContext((), ())}
 

@@ -1,4 +1,7 @@
-"""Tiny Hugging Face model presets for tests, demos and plugin authors.
+"""Model presets: tiny and 7B-shaped Hugging Face causal-LM configs, by name.
+
+The names ``hp plan --model llama`` and ``--model llama-7b`` take resolve here: the
+CLI, ``hp demo``, the tests and plugin authors all build their models from these presets.
 
 Every family shares one shape (hidden 64, 4 attention heads, 2 key/value heads, 2
 layers, vocabulary 128, MLP intermediate 128; MoE: 4 experts, top-2, expert
@@ -9,7 +12,8 @@ compare against a single-device run. ``*-7b`` presets give 7B-shaped configs for
 planning on the meta device (nothing is downloaded; weights are never materialized
 unless you build on a real device).
 
-``transformers`` is imported lazily, so importing this module is cheap.
+``transformers`` is imported lazily (an optional dependency, the ``hf`` extra), so
+importing this module is cheap and works without it.
 """
 
 from __future__ import annotations
@@ -128,7 +132,7 @@ def _unknown(name: Any, valid: tuple[str, ...], what: str) -> UnknownModelPreset
 
 
 def _transformers_class(name: str) -> Any:
-    import transformers
+    import transformers  # optional dependency (the hf extra): imported only when a model is built
 
     return getattr(transformers, name)
 
@@ -168,7 +172,7 @@ def preset_config(name: str, **overrides: Any) -> Any:
 
 def model_from_config(config: Any, *, device: str | torch.device = "meta") -> nn.Module:
     """A causal LM for ``config`` built on ``device`` (default meta: no memory, no init cost)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # optional dependency (the hf extra)
 
     with torch.device(device):
         return AutoModelForCausalLM.from_config(config)

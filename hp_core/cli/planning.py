@@ -1,0 +1,152 @@
+"""What ``hp plan`` and ``hp freeze`` share: the planning arguments, planning on the meta
+device, verifying, and refusing a plan that names registry items no plugin provides."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.text import Text
+
+# The public facade, looked up at call time: ``hp plan --verify`` runs ``hp_core.verify``
+# (tests replace it there).
+import hp_core
+from hp_core.cli.arg_types import positive_int
+from hp_core.cli.failure import CommandFailed, failing
+from hp_core.cli.model_args import load_model
+from hp_core.errors import HpError
+from hp_core.mesh import MeshSpec, MeshSpecError
+from hp_core.plan_items import missing_plan_items
+from hp_core.planner.plan import plan
+from hp_core.presets import PRESETS
+
+__all__ = [
+    "ALLOW_MISSING_HELP",
+    "ALLOW_MISSING_PLUGINS",
+    "add_planning_args",
+    "check_plugin_items",
+    "plan_from_args",
+    "verify_plan",
+]
+
+#: Plan/freeze anyway when the plan names registry items no installed plugin provides.
+ALLOW_MISSING_PLUGINS = "--allow-missing-plugins"
+ALLOW_MISSING_HELP = (
+    "warn instead of refusing (exit 2) when the plan names an inner wrapper or compute factory "
+    "that no installed plugin provides (hp_core.apply still refuses such a plan)"
+)
+_DOING = {"plan": "planning", "freeze": "freezing"}
+
+
+def add_planning_args(parser: argparse.ArgumentParser) -> None:
+    """The model, mesh and planning options shared by ``hp plan`` and ``hp freeze``."""
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="NAME_OR_CONFIG",
+        help=f"a preset ({', '.join(PRESETS)}) or a path to an HF config.json (or its folder)",
+    )
+    parser.add_argument(
+        "--mesh", required=True, help="mesh axes and sizes, e.g. tp=8,cp=2 or dp=2,tp=4"
+    )
+    parser.add_argument("--overrides", metavar="FILE", help="a YAML overrides file")
+    parser.add_argument(
+        "--sp",
+        dest="sequence_parallel",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="sequence parallelism between blocks when tp > 1 (default: on)",
+    )
+    parser.add_argument(
+        "--loss-parallel",
+        action="store_true",
+        help="keep the logits vocab-sharded for a parallel loss",
+    )
+    parser.add_argument(
+        "--ep",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="expert-parallel size for MoE blocks (default 1)",
+    )
+
+
+def check_plugin_items(planned: Any, args: argparse.Namespace, err: Console, verb: str) -> None:
+    """Refuse (exit 2) a plan naming registry items that are not installed; with
+    ``--allow-missing-plugins`` print one warning line per missing item instead.
+
+    The message is ``hp_core.apply``'s: the items are resolved with the function its
+    preflight uses (``hp_core.injection.resolve_injection``).
+    """
+    missing = missing_plan_items(planned)
+    if not missing:
+        return
+    if args.allow_missing_plugins:
+        for item in missing:
+            err.print(
+                Text(
+                    f"warning: {item.one_line().rstrip('.')}; {_DOING[verb]} anyway "
+                    f"({ALLOW_MISSING_PLUGINS}): hp_core.apply refuses this plan until a plugin "
+                    "provides it."
+                ),
+                soft_wrap=True,
+            )
+        return
+    first = missing[0].one_line()
+    also = "".join(f" Also missing: {m.name!r} ({m.where})." for m in missing[1:])
+    stop = "" if first.endswith(".") else "."
+    raise CommandFailed(2, f"{first}{stop}{also} To {verb} anyway, pass {ALLOW_MISSING_PLUGINS}.")
+
+
+def _print_hp_warnings(
+    caught: list[warnings.WarningMessage], err: Console, **print_kw: Any
+) -> None:
+    """Print the warnings hp itself raised (e.g. a glob matching nothing) to ``err``."""
+    for w in caught:
+        if w.category.__module__.startswith("hp_core"):
+            err.print(Text(f"warning: {w.message}"), **print_kw)
+
+
+def plan_from_args(args: argparse.Namespace, err: Console) -> tuple[Any, Any]:
+    """Plan ``--model`` for ``--mesh`` with the planning options; returns ``(plan, model)``.
+
+    Raises :class:`CommandFailed`; prints hp's own warnings (e.g. a glob matching nothing)
+    to ``err``.
+    """
+    with failing(2, MeshSpecError, message=lambda e: f"--mesh: {e}"):
+        mesh = MeshSpec.parse(args.mesh)
+    if args.overrides is not None and not Path(args.overrides).is_file():
+        raise CommandFailed(2, f"--overrides: {args.overrides!r}: no such file.")
+    model = load_model(args.model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # PlanError and friends: every planner error is a ValueError
+        with failing(1, ValueError):
+            result = plan(
+                model,
+                mesh,
+                overrides=args.overrides,
+                sequence_parallel=args.sequence_parallel,
+                loss_parallel=args.loss_parallel,
+                ep_size=args.ep,
+            )
+    _print_hp_warnings(caught, err)
+    return result, model
+
+
+def verify_plan(model: Any, planned: Any, mesh: Any, err: Console) -> Any:
+    """``hp_core.verify(model, planned, mesh)`` on the meta-device model; returns the report.
+
+    Raises :class:`CommandFailed` (exit 1) with the refusal's message; prints hp's own
+    warnings.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # VerificationError, preflight and placement errors
+        with failing(1, HpError, ValueError):
+            report = hp_core.verify(model, planned, mesh)
+    _print_hp_warnings(caught, err, soft_wrap=True)
+    return report
