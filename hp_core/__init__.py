@@ -62,8 +62,7 @@ from hp_core.spec.placements import (
     resolve_placements,
 )
 from hp_core.verifier import VerificationError, VerifyReport, verify
-
-__version__ = "0.1.0"
+from hp_core.version import __version__
 
 __all__ = [
     "CP",

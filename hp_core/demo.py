@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch.distributed.device_mesh import init_device_mesh
 
+from hp_core.apply import apply
 from hp_core.errors import HpError
 from hp_core.plan.prediction import input_check_axes, step_collectives
 from hp_core.planner.plan import plan as plan_model
@@ -229,10 +230,6 @@ def _batch(setup: DemoSetup, step: int) -> dict[str, Any]:
 
 def train(rank: int, setup: DemoSetup, *, progress: bool) -> dict[str, Any]:
     """One rank: plan, apply (production), train; rank 0 also trains the single-process copy."""
-    import torch
-
-    from hp_core.apply import apply
-
     names = tuple(axis for axis, _ in setup.mesh)
     mesh = init_device_mesh("cpu", tuple(size for _, size in setup.mesh), mesh_dim_names=names)
     model = build_model(setup.model, seed=0)

@@ -22,6 +22,7 @@ from typing import Any
 
 from hp_core.injection import Target
 from hp_core.plugins import REGISTRY_KINDS, UnknownRegistryItemError
+from hp_core.resolve import resolve_injection
 
 __all__ = [
     "INJECTION_FIELDS",
@@ -87,8 +88,6 @@ def missing_plan_items(plan: Any) -> list[MissingPlanItem]:
     :class:`UnknownRegistryItemError` (closest name, providing distribution, ``pip
     install`` hint) that ``hp_core.apply`` raises. Imports nothing.
     """
-    from hp_core.resolve import resolve_injection
-
     found: dict[tuple[str, str], MissingPlanItem] = {}
     resolved: set[tuple[str, str]] = set()
     for fqn, field, ref in named_injections(plan):

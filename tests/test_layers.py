@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Layers of hp_core, bottom first. A module may import modules of its own layer or below.
 #: The first matching prefix wins, so list a package's special children before the package.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundations", ("hp_core.errors", "hp_core.bounded")),
+    ("foundations", ("hp_core.errors", "hp_core.version", "hp_core.bounded")),
     ("spec and mesh", ("hp_core.spec", "hp_core.mesh", "hp_core.context")),
     ("collectives", ("hp_core.collectives",)),
     ("injection decorators", ("hp_core.injection",)),
@@ -37,11 +37,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("runtime", ("hp_core.runtime",)),
     ("verifier", ("hp_core.verifier",)),
     ("apply", ("hp_core.apply",)),
+    ("public surface", ("hp_core",)),
     ("tools", ("hp_core.artifact", "hp_core.training", "hp_core.hf_trainer", "hp_core.presets",
                "hp_core.testing")),
     ("demo", ("hp_core.demo",)),
     ("command line", ("hp_core.cli",)),
-    ("public surface", ("hp_core",)),
 )
 
 #: The hp_core modules a plugin may import: the public surface, nothing private.

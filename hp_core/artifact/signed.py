@@ -55,6 +55,7 @@ from hp_core.plan_items import (
     named_injections,
 )
 from hp_core.plugins import PluginRegistry, plugin_report
+from hp_core.version import __version__
 
 __all__ = [
     "FORMAT",
@@ -176,14 +177,12 @@ def model_digest(model: nn.Module) -> str:
 
 def installed_versions() -> dict[str, Any]:
     """hp's version and every loaded plugin's ``{distribution, version}`` (the built-in included)."""
-    import hp_core
-
     plugins = {
         info.name: {"distribution": info.distribution, "version": info.version}
         for info in plugin_report()
         if info.status in ("builtin", "loaded")
     }
-    return {"hp_version": hp_core.__version__, "plugins": plugins}
+    return {"hp_version": __version__, "plugins": plugins}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,9 +373,7 @@ def loads_artifact(data: bytes | str, *, source: str = "<artifact>", check_regis
 
 
 def _hp_version() -> str:
-    import hp_core
-
-    return f"hp {hp_core.__version__}"
+    return f"hp {__version__}"
 
 
 def missing_registry_items(plan: ShardingPlan) -> list[str]:
