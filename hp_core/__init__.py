@@ -21,15 +21,6 @@ from hp_core.injection import (
     trust_packages,
 )
 from hp_core.mesh import MeshSpec
-from hp_core.plan.errors import (
-    ArgumentTypeError,
-    DuplicateOverrideError,
-    OverridesTypeError,
-    PlanTypeError,
-)
-from hp_core.plan.model import ShardingPlan
-from hp_core.plan.overrides import OverrideEntry, dump_overrides, load_overrides
-from hp_core.plan.yaml_io import dump_plan, load_plan
 from hp_core.planner.lints import MeshTypeError, TemplateBuildError
 from hp_core.planner.plan import plan
 from hp_core.planner.templates.roles import (
@@ -38,6 +29,15 @@ from hp_core.planner.templates.roles import (
     RoleRule,
     TemplateDefinitionError,
 )
+from hp_core.plans.errors import (
+    ArgumentTypeError,
+    DuplicateOverrideError,
+    OverridesTypeError,
+    PlanTypeError,
+)
+from hp_core.plans.model import ShardingPlan
+from hp_core.plans.overrides import OverrideEntry, dump_overrides, load_overrides
+from hp_core.plans.yaml_io import dump_plan, load_plan
 from hp_core.plugins import (
     register_compute_factory,
     register_inner_wrapper,

@@ -19,7 +19,7 @@ from torch import nn
 
 from hp_core.context import ParallelContext
 from hp_core.errors import HpError
-from hp_core.plan.model import ShardingPlan
+from hp_core.plans.model import ShardingPlan
 from hp_core.plugins import plugin_report
 from hp_core.runtime.errors import PreflightError
 from hp_core.runtime.install import install

@@ -22,7 +22,7 @@ from hp_core.mesh import MeshSpec
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from hp_core.plan.model import ShardingPlan
+    from hp_core.plans.model import ShardingPlan
 
 __all__ = ["GUARD_AXES", "ParallelContext"]
 

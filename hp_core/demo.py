@@ -29,8 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from hp_core.apply import apply
 from hp_core.errors import HpError
-from hp_core.plan.prediction import input_check_axes, step_collectives
 from hp_core.planner.plan import plan as plan_model
+from hp_core.plans.prediction import input_check_axes, step_collectives
 from hp_core.plugins import INNER_WRAPPER_REGISTRY, suggest_compute_factory
 from hp_core.presets import build_model
 from hp_core.testing.probe import CollectiveCounter

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from hp_core.context import ParallelContext
-from hp_core.plan.model import ShardingPlan
+from hp_core.plans.model import ShardingPlan
 from hp_core.plugins import TRAINING_ADAPTER_REGISTRY
 
 if TYPE_CHECKING:

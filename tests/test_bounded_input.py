@@ -37,7 +37,7 @@ from hp_core.bounded import (
     loads_json,
     read_bounded,
 )
-from hp_core.plan import PlanYAMLError, PlanYAMLInputLimitError, load_overrides, load_plan
+from hp_core.plans import PlanYAMLError, PlanYAMLInputLimitError, load_overrides, load_plan
 from hp_core.planner.plan import plan
 from hp_core.presets import build_model, tiny_config
 from hp_core.verifier.report import ReportFormatError, ReportFormatInputLimitError, VerifyReport
@@ -143,7 +143,7 @@ def test_limit_errors_survive_a_round_trip_through_another_process():
     errors = [plan_info.value, report_info.value, artifact_info.value]
     back = _unpickled_elsewhere(errors)
     assert [row[:2] for row in back] == [
-        ["hp_core.plan.errors", "PlanYAMLInputLimitError"],
+        ["hp_core.plans.errors", "PlanYAMLInputLimitError"],
         ["hp_core.verifier.report", "ReportFormatInputLimitError"],
         ["hp_core.artifact.signed", "ArtifactLimitError"],
     ]

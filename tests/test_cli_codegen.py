@@ -177,7 +177,7 @@ def test_check_reports_lint_problems(capsys, tmp_path):
     model = build_model("llama", device="meta")
     live = plan(model, "tp=2")
     from hp_core.artifact import make_artifact, write_artifact
-    from hp_core.plan import ShardingPlan
+    from hp_core.plans import ShardingPlan
 
     holed = ShardingPlan({f: s for f, s in live.items() if f != "model.norm"}, ("tp",), (2,), sequence_parallel=True)
     path = write_artifact(make_artifact(holed, model=model), tmp_path / "holed.json")

@@ -12,8 +12,8 @@ import pytest
 
 import hp_core
 from hp_core import cli
-from hp_core.plan import load_plan
-from hp_core.plan.prediction import step_collectives
+from hp_core.plans import load_plan
+from hp_core.plans.prediction import step_collectives
 from hp_core.planner.plan import plan
 from hp_core.presets import (
     build_model,

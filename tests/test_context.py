@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from hp_core import MeshSpec, ParallelContext
-from hp_core.plan import ShardingPlan
+from hp_core.plans import ShardingPlan
 
 
 class FakeDeviceMesh:

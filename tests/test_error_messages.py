@@ -17,7 +17,7 @@ import hp_core
 from hp_core import HpError
 from hp_core.injection import InjectionCallError, InjectionMeta, Target, local_compute
 from hp_core.mesh import MeshSpecError
-from hp_core.plan import (
+from hp_core.plans import (
     ArgumentTypeError,
     DuplicateOverrideError,
     OverrideEntry,

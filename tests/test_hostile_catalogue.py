@@ -55,7 +55,7 @@ from hp_core.artifact.signed import (
 from hp_core.bounded import ENV_MAX_BYTES, ENV_MAX_DEPTH, ENV_MAX_NODES, InputLimitError
 from hp_core.injection import InjectionDefinitionError, TargetError
 from hp_core.mesh import MeshSpecError
-from hp_core.plan import (
+from hp_core.plans import (
     ArgumentTypeError,
     DuplicateOverrideError,
     IncompleteOverrideError,

@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("collectives", ("hp_core.collectives",)),
     ("injection decorators", ("hp_core.injection",)),
     ("plugins", ("hp_core.hookspecs", "hp_core.plugins")),
-    ("plan", ("hp_core.resolve", "hp_core.plan")),
+    ("plan", ("hp_core.resolve", "hp_core.plans")),
     ("planner", ("hp_core.planner", "hp_core.plan_items")),
     ("runtime", ("hp_core.runtime",)),
     ("verifier", ("hp_core.verifier",)),

@@ -11,7 +11,7 @@ import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from hp_core.injection import Target, local_compute
-from hp_core.plan import (
+from hp_core.plans import (
     WHEN_VALUES,
     IncompleteOverrideError,
     OverrideEntry,

@@ -8,8 +8,8 @@ import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from hp_core.injection import Target, local_compute
-from hp_core.plan import OVERRIDE_FIELDS, USER_FIELDS, PlanError, ShardingPlan, copy_spec
-from hp_core.plan.spec_codec import INTERNAL_FIELDS as _INTERNAL_FIELDS
+from hp_core.plans import OVERRIDE_FIELDS, USER_FIELDS, PlanError, ShardingPlan, copy_spec
+from hp_core.plans.spec_codec import INTERNAL_FIELDS as _INTERNAL_FIELDS
 from hp_core.spec import MeshAxisName, ModuleShardingSpec
 from hp_core.spec.fields import RUNTIME_FIELDS as _RUNTIME_FIELDS
 from hp_core.spec.module_spec import spec_field_names

@@ -9,7 +9,7 @@ import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from hp_core.injection import Target, inner_wrapper
-from hp_core.plan import (
+from hp_core.plans import (
     PlanError,
     PlanYAMLError,
     ShardingPlan,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hp_core.collectives import Collective, Transition, grad_is_partial, transition
-from hp_core.plan.prediction import (
+from hp_core.plans.prediction import (
     boundary_collectives,
     boundary_transitions,
     sp_grad_params,

@@ -9,7 +9,7 @@ from transformers import Phi3Config, Phi3ForCausalLM
 
 import hp_core.planner.plan as planner_pkg
 from hp_core.mesh import MeshSpecError
-from hp_core.plan import IncompleteOverrideError, OverrideError, PlanError
+from hp_core.plans import IncompleteOverrideError, OverrideError, PlanError
 from hp_core.planner.lints import (
     CoverageError,
     DivisibilityError,

@@ -6,7 +6,7 @@ import pytest
 
 from hp_core import cli, register_training_adapter
 from hp_core.context import ParallelContext
-from hp_core.plan import ShardingPlan
+from hp_core.plans import ShardingPlan
 from hp_core.plugins import (
     TRAINING_ADAPTER_REGISTRY,
     DuplicateRegistrationError,

@@ -20,7 +20,7 @@ from typing import Any
 
 from hp_core.artifact.freeze import FreezeError, callable_target
 from hp_core.injection import Target
-from hp_core.plan.model import ShardingPlan
+from hp_core.plans.model import ShardingPlan
 from hp_core.spec.fields import FROZEN_FIELDS, SpecField
 
 __all__ = ["plan_differences", "same_plan"]

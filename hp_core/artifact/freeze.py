@@ -24,7 +24,7 @@ from typing import Any
 
 from hp_core.errors import HpError
 from hp_core.injection import InjectionMeta, Target
-from hp_core.plan.model import ShardingPlan
+from hp_core.plans.model import ShardingPlan
 from hp_core.spec.fields import FROZEN_GROUPS, MATCH_KEY, PARAM_PLAN, fields_in_group
 from hp_core.spec.module_spec import ModuleShardingSpec
 from hp_core.spec.placements import PlacementSyntaxError, format_placement, parse_placement

@@ -24,9 +24,9 @@ from hp_core.artifact.freeze import FreezeError, freeze, json_value
 from hp_core.errors import HpError
 from hp_core.injection import Target, TargetError
 from hp_core.mesh import MeshSpec
-from hp_core.plan.errors import PlanError
-from hp_core.plan.model import ShardingPlan
 from hp_core.planner.lints import compute_tp_local_attrs
+from hp_core.plans.errors import PlanError
+from hp_core.plans.model import ShardingPlan
 from hp_core.spec.fields import (
     DERIVED_FIELDS,
     FROZEN_GROUPS,

@@ -45,15 +45,15 @@ from hp_core.artifact.freeze import FreezeError, freeze, json_value
 from hp_core.artifact.rebuild import MetaError, rebuild
 from hp_core.bounded import InputLimitError, loads_json, read_bounded
 from hp_core.errors import HpError
-from hp_core.plan.errors import PlanError
-from hp_core.plan.model import ShardingPlan
-from hp_core.plan.overrides import OverridesLike, overrides_to_list
 from hp_core.plan_items import (
     INJECTION_FIELDS,
     is_import_path,
     missing_plan_items,
     named_injections,
 )
+from hp_core.plans.errors import PlanError
+from hp_core.plans.model import ShardingPlan
+from hp_core.plans.overrides import OverridesLike, overrides_to_list
 from hp_core.plugins import PluginRegistry, plugin_report
 from hp_core.version import __version__
 

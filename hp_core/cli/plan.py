@@ -16,7 +16,7 @@ from hp_core.cli.planning import (
     plan_from_args,
     verify_plan,
 )
-from hp_core.plan.yaml_io import dump_plan
+from hp_core.plans.yaml_io import dump_plan
 
 __all__ = ["add_plan_command", "cmd_plan"]
 

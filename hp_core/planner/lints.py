@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from hp_core.mesh import MeshSpec, MeshSpecError
-from hp_core.plan.errors import ArgumentTypeError, PlanError
 from hp_core.planner.templates.roles import Role
+from hp_core.plans.errors import ArgumentTypeError, PlanError
 from hp_core.spec.axes import CANONICAL_AXES
 from hp_core.spec.keywords import close_matches
 from hp_core.spec.module_spec import ModuleShardingSpec

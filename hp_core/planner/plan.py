@@ -13,9 +13,6 @@ from torch import nn
 
 from hp_core.context import ParallelContext
 from hp_core.mesh import MeshLike, MeshSpec
-from hp_core.plan.errors import ArgumentTypeError, PlanError
-from hp_core.plan.model import ShardingPlan
-from hp_core.plan.overrides import OverridesLike, resolve_overrides
 from hp_core.planner.lints import (
     MeshTypeError,
     PlanningError,
@@ -27,6 +24,9 @@ from hp_core.planner.lints import (
 from hp_core.planner.structure import analyse, check_unclaimed
 from hp_core.planner.templates.context import TemplateContext
 from hp_core.planner.templates.roles import BoundaryTemplate, RoleRule
+from hp_core.plans.errors import ArgumentTypeError, PlanError
+from hp_core.plans.model import ShardingPlan
+from hp_core.plans.overrides import OverridesLike, resolve_overrides
 from hp_core.plugins import TEMPLATE_REGISTRY
 from hp_core.spec.module_spec import ModuleShardingSpec
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from hp_core.context import ParallelContext
-    from hp_core.plan.model import ShardingPlan
+    from hp_core.plans.model import ShardingPlan
     from hp_core.runtime.boundary import BoundaryForward
     from hp_core.runtime.grads import GradReducer
     from hp_core.runtime.guard import InputGuard

@@ -37,8 +37,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
 
 from hp_core.mesh import MeshSpec, is_data_axis
-from hp_core.plan.model import ShardingPlan
-from hp_core.plan.overrides import compile_glob
+from hp_core.plans.model import ShardingPlan
+from hp_core.plans.overrides import compile_glob
 from hp_core.runtime.errors import PreflightError
 from hp_core.runtime.grads import GradReduction
 from hp_core.runtime.journal import Journal

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from torch.distributed.tensor import Placement, Replicate
 
-from hp_core.plan.overrides import dump_overrides
+from hp_core.plans.overrides import dump_overrides
 from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = ["fix_match", "keep_whole", "keep_whole_yaml"]

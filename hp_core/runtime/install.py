@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from hp_core.injection import InjectionBindingError, check_forward_compatible
-from hp_core.plan.model import ShardingPlan
+from hp_core.plans.model import ShardingPlan
 from hp_core.runtime.applied import AppliedModel, InnerWrap
 from hp_core.runtime.boundary import BoundaryForward, InnerOutputCheck
 from hp_core.runtime.experts import expert_grad_reductions

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from hp_core.errors import HpError
-from hp_core.plan.model import ShardingPlan
+from hp_core.plans.model import ShardingPlan
 from hp_core.runtime.experts import ExpertGroups, ShardedExperts, shard_expert_parameters
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.layouts import dense_mesh, to_placements

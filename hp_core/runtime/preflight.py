@@ -21,9 +21,9 @@ from torch import nn
 from hp_core.context import ParallelContext
 from hp_core.injection import InjectionBindingError, Target, check_forward_compatible
 from hp_core.mesh import MeshSpec
-from hp_core.plan.model import ShardingPlan
 from hp_core.planner.lints import PlanningError, lint_plan
 from hp_core.planner.structure import model_architectures
+from hp_core.plans.model import ShardingPlan
 from hp_core.plugins import INNER_WRAPPER_REGISTRY, suggest_compute_factory
 from hp_core.resolve import ResolvedInjection, resolve_injection
 from hp_core.runtime.errors import MeshMismatchError, PlanMismatchError, PreflightError

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from hp_core.plan.model import ShardingPlan
+from hp_core.plans.model import ShardingPlan
 from hp_core.spec.module_spec import copy_spec
 
 __all__ = ["SequenceFallback", "SequenceSwitch", "whole_sequence_plan"]

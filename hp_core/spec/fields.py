@@ -2,7 +2,7 @@
 
 Every other classification is derived from it: the dataclass's validation and merge rule
 (:mod:`hp_core.spec.module_spec`, :mod:`hp_core.spec.merge`), the plan document's YAML
-codec (:mod:`hp_core.plan.spec_codec`) and freeze/rebuild (:mod:`hp_core.artifact`). The
+codec (:mod:`hp_core.plans.spec_codec`) and freeze/rebuild (:mod:`hp_core.artifact`). The
 first six columns are SPEC §8 (upstream hyper-parallel's names) and their row order is the
 key order of a frozen entry:
 

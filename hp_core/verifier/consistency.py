@@ -15,7 +15,7 @@ from typing import Any
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from hp_core.collectives import grad_is_partial
-from hp_core.plan.model import ShardingPlan
+from hp_core.plans.model import ShardingPlan
 from hp_core.runtime.partial import is_data_axis
 from hp_core.verifier.errors import InputGradientError, LayoutMismatchError, ProductionDiffersError
 from hp_core.verifier.probes import BoundaryRecord

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate
 
-from hp_core.plan.model import ShardingPlan
+from hp_core.plans.model import ShardingPlan
 from hp_core.runtime.grads import GradReduction
 from hp_core.runtime.partial import (
     AmbiguousGradientError,

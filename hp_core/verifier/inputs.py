@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_core.mesh import MeshSpec
-from hp_core.plan.model import ShardingPlan
+from hp_core.plans.model import ShardingPlan
 from hp_core.runtime.partial import activations_on, is_data_axis
 from hp_core.verifier.errors import UnverifiableError
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hp_core.errors import HpError
-from hp_core.plan.model import ShardingPlan
+from hp_core.plans.model import ShardingPlan
 from hp_core.runtime.install import install
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.partial import is_expert_param

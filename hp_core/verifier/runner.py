@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from hp_core.errors import HpError
-from hp_core.plan.model import ShardingPlan
+from hp_core.plans.model import ShardingPlan
 from hp_core.runtime.preflight import PreflightResult, check_locally
 from hp_core.verifier.consistency import (
     arrival_check,

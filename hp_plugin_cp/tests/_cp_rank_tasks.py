@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from hp_core import applied, apply, plan
 from hp_core.context import ParallelContext
-from hp_core.plan.prediction import input_check_axes, step_collectives
+from hp_core.plans.prediction import input_check_axes, step_collectives
 from hp_core.presets import build_model
 from hp_core.testing.compare import (
     allclose_excess,

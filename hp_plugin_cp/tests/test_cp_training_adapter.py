@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hp_plugin_cp.plugin import CPTrainingAdapter
 
-from hp_core.plan import ShardingPlan
+from hp_core.plans import ShardingPlan
 from hp_core.plugins import TRAINING_ADAPTER_REGISTRY, lookup
 from hp_core.training import TrainingAdapters
 from hp_plugin_cp import plugin

@@ -30,7 +30,7 @@ import hp_plugin_moe
 from hp_core.apply import apply
 from hp_core.context import ParallelContext
 from hp_core.injection import Target, local_compute
-from hp_core.plan.prediction import input_check_axes, step_collectives
+from hp_core.plans.prediction import input_check_axes, step_collectives
 from hp_core.planner.plan import plan as make_plan
 from hp_core.presets import build_model
 from hp_core.testing.compare import (

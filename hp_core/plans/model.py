@@ -12,8 +12,9 @@ import json
 from collections.abc import ItemsView, Iterable, Iterator, Mapping
 from typing import Any
 
-from hp_core.plan.errors import PlanError
-from hp_core.plan.spec_codec import is_int, parse_bool, plan_data, tname
+from hp_core.plans.errors import PlanError
+from hp_core.plans.explain import explain as explain_plan
+from hp_core.plans.spec_codec import is_int, parse_bool, plan_data, tname
 from hp_core.spec.keywords import did_you_mean, keyword_checked
 from hp_core.spec.module_spec import ModuleShardingSpec, copy_spec
 
@@ -164,8 +165,3 @@ class ShardingPlan:
             ep_size=self.ep_size,
             notes=list(self.notes),
         )
-
-
-# Last, once ShardingPlan exists: explain reads the collective table in hp_core.plan.prediction,
-# and importing that runs hp_core.planner's __init__, which imports this module back.
-from hp_core.plan.explain import explain as explain_plan  # noqa: E402

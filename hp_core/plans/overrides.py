@@ -16,7 +16,7 @@ from typing import Any, Union
 
 import yaml
 
-from hp_core.plan.errors import (
+from hp_core.plans.errors import (
     DuplicateOverrideError,
     IncompleteOverrideError,
     OverrideError,
@@ -24,7 +24,7 @@ from hp_core.plan.errors import (
     OverridesTypeError,
     PlanError,
 )
-from hp_core.plan.spec_codec import (
+from hp_core.plans.spec_codec import (
     LAYOUT_FIELDS,
     OVERRIDE_FIELDS,
     build_spec,
@@ -33,7 +33,7 @@ from hp_core.plan.spec_codec import (
     spec_to_data,
     tname,
 )
-from hp_core.plan.yaml_io import in_file, read_source, yaml_dump, yaml_load
+from hp_core.plans.yaml_io import in_file, read_source, yaml_dump, yaml_load
 from hp_core.spec.axes import CANONICAL_AXES
 from hp_core.spec.keywords import close_matches, did_you_mean, keyword_checked
 from hp_core.spec.merge import IncompleteContractError, finalize_insert, merge_specs

@@ -1,13 +1,13 @@
-"""A plan <-> its plain document (the dict that :func:`hp_core.plan.dump_plan` writes as YAML)."""
+"""A plan <-> its plain document (the dict that :func:`hp_core.plans.dump_plan` writes as YAML)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from hp_core.plan.errors import PlanTypeError, PlanYAMLError
-from hp_core.plan.model import ShardingPlan, check_axis_names, check_shape
-from hp_core.plan.spec_codec import (
+from hp_core.plans.errors import PlanTypeError, PlanYAMLError
+from hp_core.plans.model import ShardingPlan, check_axis_names, check_shape
+from hp_core.plans.spec_codec import (
     PLAN_FORMAT_VERSION,
     USER_FIELDS,
     apply_internals,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.tensor import Placement
 
 from hp_core.injection import Target, TargetError
-from hp_core.plan.errors import PlanError, PlanYAMLError
+from hp_core.plans.errors import PlanError, PlanYAMLError
 from hp_core.spec.derived import Derived
 from hp_core.spec.fields import AUTO, LAYOUT_FIELDS, NONE, RUNTIME_FIELDS, SPEC_FIELDS_BY_NAME
 from hp_core.spec.keywords import close_matches, did_you_mean
@@ -31,7 +31,7 @@ from hp_core.spec.placements import (
 )
 
 if TYPE_CHECKING:
-    from hp_core.plan.model import ShardingPlan
+    from hp_core.plans.model import ShardingPlan
 
 __all__ = [
     "INTERNAL_FIELDS",
@@ -50,7 +50,7 @@ __all__ = [
     "tname",
 ]
 
-#: Version of the YAML/dict plan document written by :func:`hp_core.plan.dump_plan`.
+#: Version of the YAML/dict plan document written by :func:`hp_core.plans.dump_plan`.
 PLAN_FORMAT_VERSION = 1
 
 #: User fields of ModuleShardingSpec, in dataclass order (the key order of a dumped spec).

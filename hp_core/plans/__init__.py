@@ -1,26 +1,20 @@
 """Sharding plans as plain data: the plan model, its document codec, YAML I/O and overrides.
 
-- :mod:`~hp_core.plan.model`: ``ShardingPlan`` and its fingerprint;
-- :mod:`~hp_core.plan.spec_codec`: one spec <-> plain data;
-- :mod:`~hp_core.plan.codec`: a plan <-> its document (``plan_to_dict`` / ``plan_from_dict``);
-- :mod:`~hp_core.plan.yaml_io`: YAML text and files (``dump_plan`` / ``load_plan``);
-- :mod:`~hp_core.plan.overrides`: ``OverrideEntry``, reading them, ``resolve_overrides``;
-- :mod:`~hp_core.plan.explain`: a plan as text;
-- :mod:`~hp_core.plan.errors`: the errors.
+- :mod:`~hp_core.plans.model`: ``ShardingPlan`` and its fingerprint;
+- :mod:`~hp_core.plans.spec_codec`: one spec <-> plain data;
+- :mod:`~hp_core.plans.codec`: a plan <-> its document (``plan_to_dict`` / ``plan_from_dict``);
+- :mod:`~hp_core.plans.yaml_io`: YAML text and files (``dump_plan`` / ``load_plan``);
+- :mod:`~hp_core.plans.overrides`: ``OverrideEntry``, reading them, ``resolve_overrides``;
+- :mod:`~hp_core.plans.explain`: a plan as text;
+- :mod:`~hp_core.plans.errors`: the errors.
 
 Inside hp_core, import from the defining module; this package re-exports for users.
-(``hp_core.plan`` the attribute is the planner's ``plan()`` function; import from this
-package with ``from hp_core.plan import ...``.)
 """
 
 from __future__ import annotations
 
-# The model first: its explain() imports hp_core.planner, whose __init__ imports the rest
-# of this package back, which needs ShardingPlan to exist already.
-from hp_core.plan.model import ShardingPlan  # isort: skip
-
-from hp_core.plan.codec import plan_from_dict, plan_to_dict
-from hp_core.plan.errors import (
+from hp_core.plans.codec import plan_from_dict, plan_to_dict
+from hp_core.plans.errors import (
     ArgumentTypeError,
     DuplicateOverrideError,
     IncompleteOverrideError,
@@ -32,8 +26,9 @@ from hp_core.plan.errors import (
     PlanYAMLError,
     PlanYAMLInputLimitError,
 )
-from hp_core.plan.explain import explain
-from hp_core.plan.overrides import (
+from hp_core.plans.explain import explain
+from hp_core.plans.model import ShardingPlan
+from hp_core.plans.overrides import (
     WHEN_VALUES,
     OverrideEntry,
     OverridesLike,
@@ -44,8 +39,8 @@ from hp_core.plan.overrides import (
     overrides_to_list,
     resolve_overrides,
 )
-from hp_core.plan.spec_codec import OVERRIDE_FIELDS, PLAN_FORMAT_VERSION, USER_FIELDS
-from hp_core.plan.yaml_io import dump_plan, load_plan
+from hp_core.plans.spec_codec import OVERRIDE_FIELDS, PLAN_FORMAT_VERSION, USER_FIELDS
+from hp_core.plans.yaml_io import dump_plan, load_plan
 from hp_core.spec.module_spec import copy_spec
 
 __all__ = [

@@ -16,10 +16,10 @@ from typing import Any
 import yaml
 
 from hp_core.bounded import load_yaml, read_bounded
-from hp_core.plan.codec import plan_from_dict
-from hp_core.plan.errors import PlanError, PlanTypeError, PlanYAMLError, PlanYAMLInputLimitError
-from hp_core.plan.model import ShardingPlan
-from hp_core.plan.spec_codec import plan_data, short, tname
+from hp_core.plans.codec import plan_from_dict
+from hp_core.plans.errors import PlanError, PlanTypeError, PlanYAMLError, PlanYAMLInputLimitError
+from hp_core.plans.model import ShardingPlan
+from hp_core.plans.spec_codec import plan_data, short, tname
 
 __all__ = ["dump_plan", "in_file", "load_plan", "read_source", "yaml_dump", "yaml_load"]
 
@@ -134,7 +134,7 @@ def load_plan(text_or_path: str | os.PathLike[str]) -> ShardingPlan:
         hint = " (it is one already: use it as is, or plan.copy())" if isinstance(text_or_path, ShardingPlan) else ""
         raise PlanTypeError(
             f"a plan: expected YAML text or a file path, got {tname(text_or_path)} {short(text_or_path)} "
-            f"(load_plan takes a str or an os.PathLike){hint}. For a dict, use hp_core.plan.plan_from_dict."
+            f"(load_plan takes a str or an os.PathLike){hint}. For a dict, use hp_core.plans.plan_from_dict."
         )
     text, name, is_file = read_source(text_or_path, "a plan")
     data = yaml_load(text, name)

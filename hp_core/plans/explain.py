@@ -16,8 +16,8 @@ from torch.distributed.tensor import Placement
 
 from hp_core.collectives import Transition
 from hp_core.injection import Target
-from hp_core.plan.errors import PlanError
-from hp_core.plan.prediction import (
+from hp_core.plans.errors import PlanError
+from hp_core.plans.prediction import (
     boundary_transitions,
     input_check_axes,
     plugin_collectives,
@@ -29,7 +29,7 @@ from hp_core.spec.module_spec import ModuleShardingSpec
 from hp_core.spec.placements import PlacementSyntaxError, format_placement
 
 if TYPE_CHECKING:
-    from hp_core.plan.model import ShardingPlan
+    from hp_core.plans.model import ShardingPlan
 
 __all__ = ["explain"]
 
@@ -181,7 +181,8 @@ def _on_off(flag: bool) -> str:
 def explain(plan: ShardingPlan, report: Any = None) -> str:
     """The plan as plain text: per boundary its params, transitions, injections, attrs; then
     the predicted collectives of one training step (forward + backward)."""
-    if type(plan).__name__ != "ShardingPlan" or not hasattr(plan, "modules"):  # model imports us
+    # Duck-typed: the plan model imports this module for ShardingPlan.explain().
+    if not (hasattr(plan, "modules") and hasattr(plan, "mesh_axis_names")):
         raise PlanError(f"explain: expected a ShardingPlan, got {type(plan).__name__}.")
     n_boundaries = sum(1 for s in plan.modules.values() if s.is_boundary)
     try:
