@@ -55,8 +55,23 @@ def run_case(case: str) -> dict[str, Any]:
 
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     batch: dict[str, Any] = {"input_ids": ids, "labels": ids}
-    cp_yaml = [{"match": "*.self_attn", "when": "cp", "inner_target": "self", "inner_wrapper": "sdpa_hf", "region_dispatch": False}]
-    moe_yaml = [{"match": "model.layers.*.mlp", "when": "ep", "local_compute_fn": "qwen2moe", "region_dispatch": False}]
+    cp_yaml = [
+        {
+            "match": "*.self_attn",
+            "when": "cp",
+            "inner_target": "self",
+            "inner_wrapper": "sdpa_hf",
+            "region_dispatch": False,
+        }
+    ]
+    moe_yaml = [
+        {
+            "match": "model.layers.*.mlp",
+            "when": "ep",
+            "local_compute_fn": "qwen2moe",
+            "region_dispatch": False,
+        }
+    ]
     family, names, sp, ep, overrides = {
         "TP": ("llama", ("dp", "tp"), False, 1, None),
         "TP+SP": ("llama", ("dp", "tp"), True, 1, None),
@@ -98,7 +113,13 @@ def minimum(case: str) -> dict[str, int]:
         "CP": cp,
         "TPxCP": {k: sp.get(k, 0) + cp.get(k, 0) for k in set(sp) | set(cp)},
         "EP": ep,
-        "TPxEP": {**{k: v - (2 * n if k in ("all_gather", "reduce_scatter") else 0) for k, v in sp.items()}, **ep},
+        "TPxEP": {
+            **{
+                k: v - (2 * n if k in ("all_gather", "reduce_scatter") else 0)
+                for k, v in sp.items()
+            },
+            **ep,
+        },
     }
     return table[case]
 
@@ -114,14 +135,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for case in args.cases:
             r = get_world(4).run(run_case, case)[0]
-            rows.append({"plan": case, "measured": r["calls"], "bytes_per_rank": r["bytes"], "minimum": minimum(case)})
+            rows.append(
+                {
+                    "plan": case,
+                    "measured": r["calls"],
+                    "bytes_per_rank": r["bytes"],
+                    "minimum": minimum(case),
+                }
+            )
     finally:
         shutdown_worlds()
-    lines = ["| plan | collectives measured | theoretical minimum | measured / minimum | KiB sent per rank |", "|---|---|---|---|---|"]
+    lines = [
+        "| plan | collectives measured | theoretical minimum | measured / minimum | KiB sent per rank |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         fmt = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items()))  # noqa: E731
         m, mn = sum(r["measured"].values()), sum(r["minimum"].values())
-        lines.append(f"| {r['plan']} | {fmt(r['measured'])} | {fmt(r['minimum'])} | {m}/{mn} = {m / mn:.2f} | {r['bytes_per_rank'] / 1024:.1f} |")
+        lines.append(
+            f"| {r['plan']} | {fmt(r['measured'])} | {fmt(r['minimum'])} | {m}/{mn} = {m / mn:.2f} | {r['bytes_per_rank'] / 1024:.1f} |"
+        )
     print("\n".join(lines))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=2, sort_keys=True) + "\n")

@@ -27,7 +27,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-CONFIG = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, vocab_size=4096)
+CONFIG = dict(
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=4096,
+)
 
 
 def _rank(rank: int, port: int, meta: bool, results: Any) -> None:
@@ -56,8 +63,16 @@ def _rank(rank: int, port: int, meta: bool, results: Any) -> None:
     hp_core.apply(model, plan, mesh, mode="production")
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
-    results.put({"rank": rank, "meta": meta, "full_bytes": sum(full.values()), "held_bytes": held,
-                 "exact_shard_bytes": expected, "peak_rss_mib": peak})
+    results.put(
+        {
+            "rank": rank,
+            "meta": meta,
+            "full_bytes": sum(full.values()),
+            "held_bytes": held,
+            "exact_shard_bytes": expected,
+            "peak_rss_mib": peak,
+        }
+    )
     dist.destroy_process_group()
 
 
@@ -84,10 +99,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     real, meta = _job(False), _job(True)
     mib = 2**20
-    lines = ["| rank | full model (MiB) | held after apply (MiB) | exact shard (MiB) | held / exact |", "|---|---|---|---|---|"]
+    lines = [
+        "| rank | full model (MiB) | held after apply (MiB) | exact shard (MiB) | held / exact |",
+        "|---|---|---|---|---|",
+    ]
     for r in real:
-        lines.append(f"| {r['rank']} | {r['full_bytes'] / mib:.1f} | {r['held_bytes'] / mib:.1f} | {r['exact_shard_bytes'] / mib:.1f} | {r['held_bytes'] / r['exact_shard_bytes']:.3f} |")
-    lines += ["", "| rank | peak RSS, real weights: build + apply (MiB) | peak RSS, meta device: build + apply (MiB) |", "|---|---|---|"]
+        lines.append(
+            f"| {r['rank']} | {r['full_bytes'] / mib:.1f} | {r['held_bytes'] / mib:.1f} | {r['exact_shard_bytes'] / mib:.1f} | {r['held_bytes'] / r['exact_shard_bytes']:.3f} |"
+        )
+    lines += [
+        "",
+        "| rank | peak RSS, real weights: build + apply (MiB) | peak RSS, meta device: build + apply (MiB) |",
+        "|---|---|---|",
+    ]
     for r, m in zip(real, meta, strict=True):
         lines.append(f"| {r['rank']} | {r['peak_rss_mib']:.0f} | {m['peak_rss_mib']:.0f} |")
     print("\n".join(lines))

@@ -21,8 +21,14 @@ import torch
 def _model(layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
-                      vocab_size=32000, num_hidden_layers=layers)
+    cfg = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        num_hidden_layers=layers,
+    )
     with torch.device("meta"):
         return LlamaForCausalLM(cfg)
 
@@ -49,9 +55,18 @@ def time_torch(layers: int, mesh) -> float:
     )
 
     model = _model(layers)
-    tp_plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()), "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    tp_plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
     for i in range(layers):
-        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        for n in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        ):
             tp_plan[f"model.layers.{i}.{n}"] = ColwiseParallel()
         for n in ("self_attn.o_proj", "mlp.down_proj"):
             tp_plan[f"model.layers.{i}.{n}"] = RowwiseParallel()
@@ -75,12 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in args.layers:
         rows.append({"layers": n, "hp_s": time_hp(n), "torch_s": time_torch(n, mesh)})
-    lines = ["| layers | hp plan + checks (s) | parallelize_module (s) | hp t(2N)/t(N) | torch t(2N)/t(N) | hp speed-up |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| layers | hp plan + checks (s) | parallelize_module (s) | hp t(2N)/t(N) | torch t(2N)/t(N) | hp speed-up |",
+        "|---|---|---|---|---|---|",
+    ]
     for i, r in enumerate(rows):
         prev = rows[i - 1] if i else None
         g_hp = f"{r['hp_s'] / prev['hp_s']:.2f}" if prev else "-"
         g_t = f"{r['torch_s'] / prev['torch_s']:.2f}" if prev else "-"
-        lines.append(f"| {r['layers']} | {r['hp_s']:.3f} | {r['torch_s']:.3f} | {g_hp} | {g_t} | {r['torch_s'] / r['hp_s']:.1f}x |")
+        lines.append(
+            f"| {r['layers']} | {r['hp_s']:.3f} | {r['torch_s']:.3f} | {g_hp} | {g_t} | {r['torch_s'] / r['hp_s']:.1f}x |"
+        )
     print("\n".join(lines))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=2) + "\n")

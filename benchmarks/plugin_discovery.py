@@ -28,18 +28,24 @@ PROBES = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/plugin_discovery.json"))
+    parser.add_argument(
+        "--json", type=Path, default=Path("benchmarks/results/plugin_discovery.json")
+    )
     args = parser.parse_args(argv)
     results = {}
     for _ in range(args.repeat):  # interleaved: one round of every probe per repetition
         for name, code in PROBES.items():
-            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+            )
             results.setdefault(name, []).append(1e3 * float(out.stdout.strip().splitlines()[-1]))
     base = statistics.median(results["import torch"])
     lines = ["| what | median ms | min-max ms | beyond `import torch` |", "|---|---|---|---|"]
     for name, times in results.items():
         med = statistics.median(times)
-        lines.append(f"| {name} | {med:.0f} | {min(times):.0f}-{max(times):.0f} | {med - base:+.0f} ms |")
+        lines.append(
+            f"| {name} | {med:.0f} | {min(times):.0f}-{max(times):.0f} | {med - base:+.0f} ms |"
+        )
     print("\n".join(lines))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2) + "\n")

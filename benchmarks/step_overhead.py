@@ -28,7 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 SHAPES = ((1, 16), (4, 128))
-CONFIG = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512, num_hidden_layers=2, vocab_size=1024)
+CONFIG = dict(
+    hidden_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    vocab_size=1024,
+)
 
 
 # ---------------------------------------------------------------- hand-written Megatron TP
@@ -134,7 +141,13 @@ def torch_tp(model: nn.Module, mesh: Any) -> nn.Module:
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
     }
     for i in range(len(model.model.layers)):
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        ):
             plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
         for name in ("self_attn.o_proj", "mlp.down_proj"):
             plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
@@ -153,7 +166,9 @@ def _step(model: nn.Module, ids: torch.Tensor) -> None:
 def measure(rank: int, world: int, port: int, args: argparse.Namespace, results: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -175,7 +190,9 @@ def measure(rank: int, world: int, port: int, args: argparse.Namespace, results:
     variants["parallelize_module"] = torch_tp(copy.deepcopy(base), mesh)
     table = {}
     for batch, seq in SHAPES:
-        ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(
+            0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)
+        )
         times: dict[str, list[float]] = {k: [] for k in variants}
         names = list(variants)
         for it in range(args.warmup + args.steps):
@@ -196,7 +213,9 @@ def measure(rank: int, world: int, port: int, args: argparse.Namespace, results:
                 "max_ms": 1e3 * max(v),
                 # Each iteration times every variant back to back, so the ratio within one
                 # iteration cancels the machine's drift; its median is the robust figure.
-                "paired_ratio": statistics.median(a / b for a, b in zip(v, base_times, strict=True)),
+                "paired_ratio": statistics.median(
+                    a / b for a, b in zip(v, base_times, strict=True)
+                ),
             }
             for k, v in times.items()
         }

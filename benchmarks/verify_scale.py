@@ -45,10 +45,17 @@ def _timed(fn, *args, **kwargs) -> tuple[float, Any]:
 
 
 def _stats(times: list[float]) -> dict[str, Any]:
-    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "samples_s": times}
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "samples_s": times,
+    }
 
 
-def measure(model, repeat: int, *, sequence_parallel: bool, exhaustive: bool = False) -> dict[str, Any]:
+def measure(
+    model, repeat: int, *, sequence_parallel: bool, exhaustive: bool = False
+) -> dict[str, Any]:
     """``repeat`` interleaved (plan, verify) pairs on one model; medians and spreads."""
     import hp_core
 
@@ -133,8 +140,14 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024])
-    parser.add_argument("--repeat", type=int, default=5, help="timed repetitions per size, after the warm-up")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 32 and 64 layers, 1 repetition, sequence parallel only")
+    parser.add_argument(
+        "--repeat", type=int, default=5, help="timed repetitions per size, after the warm-up"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 32 and 64 layers, 1 repetition, sequence parallel only",
+    )
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/verify_scale.json"))
     args = parser.parse_args(argv)
     if args.quick:
@@ -171,8 +184,19 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"model": moe_name, "layers": n, "sequence_parallel": True, **row})
 
     lines = _table(rows)
-    warm32 = next((r for r in rows if r["layers"] == 32 and r["sequence_parallel"] and r["model"] == "llama-7b"), None)
-    lines += ["", "| first call in the process (32 layers, sequence parallel) | s | warm median s | first-call extra s |", "|---|---|---|---|"]
+    warm32 = next(
+        (
+            r
+            for r in rows
+            if r["layers"] == 32 and r["sequence_parallel"] and r["model"] == "llama-7b"
+        ),
+        None,
+    )
+    lines += [
+        "",
+        "| first call in the process (32 layers, sequence parallel) | s | warm median s | first-call extra s |",
+        "|---|---|---|---|",
+    ]
     for name, first, key in (("plan()", first_plan, "plan"), ("verify()", first_verify, "verify")):
         med = warm32[key]["median_s"] if warm32 else float("nan")
         lines.append(f"| {name} | {first:.3f} | {med:.3f} | {first - med:+.3f} |")

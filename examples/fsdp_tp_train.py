@@ -46,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="compare every step with one device")
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
-        print("launch with torchrun, e.g.: torchrun --nproc-per-node 4 examples/fsdp_tp_train.py", file=sys.stderr)
+        print(
+            "launch with torchrun, e.g.: torchrun --nproc-per-node 4 examples/fsdp_tp_train.py",
+            file=sys.stderr,
+        )
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
@@ -70,7 +73,9 @@ def train(args: argparse.Namespace, device: str) -> bool:
     if args.ddp:
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped: torch.nn.Module = DistributedDataParallel(model, process_group=mesh["dp"].get_group())
+        wrapped: torch.nn.Module = DistributedDataParallel(
+            model, process_group=mesh["dp"].get_group()
+        )
     else:
         from torch.distributed.fsdp import fully_shard
 
@@ -78,12 +83,19 @@ def train(args: argparse.Namespace, device: str) -> bool:
             fully_shard(layer, mesh=mesh["dp"])
         wrapped = fully_shard(model, mesh=mesh["dp"])
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, eps=1e-6)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6) if reference is not None else None
+    ref_opt = (
+        torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+        if reference is not None
+        else None
+    )
 
     dp, n_dp = mesh.get_local_rank("dp"), mesh["dp"].size()
     ok = True
     if rank == 0:
-        print(f"{'step':>4}  {'loss':>10}  {'grad norm':>10}" + (f"  {'single':>10}  {'|diff|':>9}" if reference else ""))
+        print(
+            f"{'step':>4}  {'loss':>10}  {'grad norm':>10}"
+            + (f"  {'single':>10}  {'|diff|':>9}" if reference else "")
+        )
     for step in range(args.steps):
         batches = [family_batch(args.model, seed=1000 * step + r).to(device) for r in range(n_dp)]
         opt.zero_grad(set_to_none=True)
@@ -97,19 +109,27 @@ def train(args: argparse.Namespace, device: str) -> bool:
         line = f"{step:>4}  {float(mean):>10.6f}  {float(norm):>10.6f}"
         if reference is not None and ref_opt is not None:
             ref_opt.zero_grad(set_to_none=True)
-            ref_loss = sum(reference(input_ids=b, labels=b, use_cache=False).loss for b in batches) / n_dp
+            ref_loss = (
+                sum(reference(input_ids=b, labels=b, use_cache=False).loss for b in batches) / n_dp
+            )
             ref_loss.backward()
             ref_loss = ref_loss.detach()
             ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), args.max_norm)
             ref_opt.step()
             # nan_safe_max: a NaN loss or norm is an infinite difference (max(0.0, nan) is 0.0)
-            diff = nan_safe_max([abs(float(mean) - float(ref_loss)), abs(float(norm) - float(ref_norm))])
+            diff = nan_safe_max(
+                [abs(float(mean) - float(ref_loss)), abs(float(norm) - float(ref_norm))]
+            )
             ok &= diff <= 1e-5 * (1 + abs(float(ref_loss)))
             line += f"  {float(ref_loss):>10.6f}  {diff:>9.2e}"
         if rank == 0:
             print(line)
     if rank == 0 and reference is not None:
-        print("every step matches the single-device run" if ok else "MISMATCH against the single-device run")
+        print(
+            "every step matches the single-device run"
+            if ok
+            else "MISMATCH against the single-device run"
+        )
     return ok
 
 

@@ -43,7 +43,14 @@ class _Norms(TrainerCallback):
     def __init__(self) -> None:
         self.norms: list[float] = []
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
         if logs and "grad_norm" in logs:
             self.norms.append(float(logs["grad_norm"]))
 
@@ -53,10 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="llama")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--check", action="store_true", help="compare with one device")
-    parser.add_argument("--plain", action="store_true", help="use transformers.Trainer instead (hp refuses it)")
+    parser.add_argument(
+        "--plain", action="store_true", help="use transformers.Trainer instead (hp refuses it)"
+    )
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
-        print("launch with torchrun, e.g.: torchrun --nproc-per-node 4 examples/hf_trainer_train.py", file=sys.stderr)
+        print(
+            "launch with torchrun, e.g.: torchrun --nproc-per-node 4 examples/hf_trainer_train.py",
+            file=sys.stderr,
+        )
         return 2
     dist.init_process_group("gloo")
     try:
@@ -77,11 +89,27 @@ def train(args: argparse.Namespace) -> bool:
     norms = _Norms()
     with tempfile.TemporaryDirectory() as out:
         training = TrainingArguments(
-            output_dir=out, max_steps=STEPS, per_device_train_batch_size=PER_DEVICE, learning_rate=LR,
-            lr_scheduler_type="constant", max_grad_norm=MAX_NORM, logging_steps=1, save_strategy="no",
-            report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=42,
+            output_dir=out,
+            max_steps=STEPS,
+            per_device_train_batch_size=PER_DEVICE,
+            learning_rate=LR,
+            lr_scheduler_type="constant",
+            max_grad_norm=MAX_NORM,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            seed=42,
         )
-        common = {"model": model, "args": training, "train_dataset": dataset, "data_collator": default_data_collator, "callbacks": [norms]}
+        common = {
+            "model": model,
+            "args": training,
+            "train_dataset": dataset,
+            "data_collator": default_data_collator,
+            "callbacks": [norms],
+        }
         trainer = Trainer(**common) if args.plain else HpTrainer(**common, mesh=mesh)
         trainer.train()
     if reference is None:
@@ -93,24 +121,55 @@ def train(args: argparse.Namespace) -> bool:
     with torch.no_grad():
         got = model(input_ids=probe, labels=probe, use_cache=False)
         want = reference(input_ids=probe, labels=probe, use_cache=False)
-    diffs = [abs(a - b) for a, b in zip(norms.norms, ref_norms, strict=True)] if len(norms.norms) == len(ref_norms) else [float("inf")]
-    diffs += [abs(float(got.loss) - float(want.loss)), float((got.logits - want.logits).abs().max())]
+    diffs = (
+        [abs(a - b) for a, b in zip(norms.norms, ref_norms, strict=True)]
+        if len(norms.norms) == len(ref_norms)
+        else [float("inf")]
+    )
+    diffs += [
+        abs(float(got.loss) - float(want.loss)),
+        float((got.logits - want.logits).abs().max()),
+    ]
     worst = nan_safe_max(diffs)  # a NaN anywhere is an infinite difference
     ok = worst <= 1e-5
     if rank == 0:
-        print(f"grad norms {[round(n, 6) for n in norms.norms]} vs one device {[round(n, 6) for n in ref_norms]}; worst difference {worst:.2e}")
-        print("every step matches the single-device run" if ok else "MISMATCH against the single-device run")
+        print(
+            f"grad norms {[round(n, 6) for n in norms.norms]} vs one device {[round(n, 6) for n in ref_norms]}; worst difference {worst:.2e}"
+        )
+        print(
+            "every step matches the single-device run"
+            if ok
+            else "MISMATCH against the single-device run"
+        )
     return ok
 
 
-def _reference(model: torch.nn.Module, dataset: list[dict[str, torch.Tensor]], dp: int, training: TrainingArguments) -> list[float]:
+def _reference(
+    model: torch.nn.Module,
+    dataset: list[dict[str, torch.Tensor]],
+    dp: int,
+    training: TrainingArguments,
+) -> list[float]:
     """The same steps on one device: each step's batch is the union of the dp ranks' batches."""
-    samplers = [DistributedSampler(dataset, num_replicas=dp, rank=r, shuffle=True, seed=training.seed) for r in range(dp)]
+    samplers = [
+        DistributedSampler(dataset, num_replicas=dp, rank=r, shuffle=True, seed=training.seed)
+        for r in range(dp)
+    ]
     orders = [list(s) for s in samplers]
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_epsilon, weight_decay=0.0)
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=LR,
+        betas=(training.adam_beta1, training.adam_beta2),
+        eps=training.adam_epsilon,
+        weight_decay=0.0,
+    )
     norms: list[float] = []
     for step in range(STEPS):
-        rows = [dataset[i]["input_ids"] for order in orders for i in order[step * PER_DEVICE:(step + 1) * PER_DEVICE]]
+        rows = [
+            dataset[i]["input_ids"]
+            for order in orders
+            for i in order[step * PER_DEVICE : (step + 1) * PER_DEVICE]
+        ]
         batch = torch.stack(rows)
         opt.zero_grad(set_to_none=True)
         model(input_ids=batch, labels=batch, use_cache=False).loss.backward()

@@ -37,7 +37,9 @@ def train(rank: int, world: int, args: argparse.Namespace) -> bool:
     if rank == 0:
         print(f"{'step':>4}  {'sharded':>10}  {'single':>10}  {'|diff|':>9}")
     for step in range(args.steps):
-        ids = torch.randint(0, 128, (args.batch, args.seq), generator=torch.Generator().manual_seed(step))
+        ids = torch.randint(
+            0, 128, (args.batch, args.seq), generator=torch.Generator().manual_seed(step)
+        )
         for m, o in ((model, opt), (reference, ref_opt)):
             o.zero_grad(set_to_none=True)
             loss = m(input_ids=ids, labels=ids, use_cache=False).loss
@@ -57,7 +59,9 @@ def train(rank: int, world: int, args: argparse.Namespace) -> bool:
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, results: object) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
         results.put((rank, train(rank, world, args)))  # type: ignore[attr-defined]
     finally:
@@ -71,8 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=16)
-    parser.add_argument("--no-sp", action="store_true", help="plain tensor parallelism, no sequence parallelism")
-    parser.add_argument("--explain", action="store_true", help="print the plan with its collectives")
+    parser.add_argument(
+        "--no-sp", action="store_true", help="plain tensor parallelism, no sequence parallelism"
+    )
+    parser.add_argument(
+        "--explain", action="store_true", help="print the plan with its collectives"
+    )
     args = parser.parse_args(argv)
     if "RANK" in os.environ:  # launched by torchrun
         dist.init_process_group("gloo")
@@ -88,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_spawned, args=(r, args.world, port, args, results)) for r in range(args.world)]
+    procs = [
+        ctx.Process(target=_spawned, args=(r, args.world, port, args, results))
+        for r in range(args.world)
+    ]
     for p in procs:
         p.start()
     for p in procs:

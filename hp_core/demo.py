@@ -119,7 +119,9 @@ def parse_mesh(text: str) -> dict[str, int]:
     for part in text.split(","):
         m = re.fullmatch(r"\s*(tp|cp)\s*=\s*(\d+)\s*", part)
         if not m or int(m.group(2)) < 1 or m.group(1) in axes:
-            raise DemoError(f"--mesh: {part.strip()!r} is not tp=N or cp=N (each once), e.g. --mesh tp=2,cp=2")
+            raise DemoError(
+                f"--mesh: {part.strip()!r} is not tp=N or cp=N (each once), e.g. --mesh tp=2,cp=2"
+            )
         axes[m.group(1)] = int(m.group(2))
     return axes
 
@@ -145,16 +147,22 @@ def default_setup(
                 "hp-plugin-cp (pip install ./hp_plugin_cp) or check `hp plugins` and HP_PLUGINS."
             )
         if world is not None and world != axes.get("cp", 1) * axes.get("tp", 1):
-            raise DemoError(f"--world {world} does not match --mesh {mesh} (its sizes multiply to "
-                            f"{axes.get('cp', 1) * axes.get('tp', 1)})")
+            raise DemoError(
+                f"--world {world} does not match --mesh {mesh} (its sizes multiply to "
+                f"{axes.get('cp', 1) * axes.get('tp', 1)})"
+            )
     elif has_cp:
         world = 4 if world is None else world
         axes = {"cp": 2, "tp": world // 2} if world % 2 == 0 and world >= 4 else {"tp": world}
     else:
-        notes.append("hp-plugin-cp is not loaded: no cp axis (its attention wrapper sdpa_hf is missing)")
+        notes.append(
+            "hp-plugin-cp is not loaded: no cp axis (its attention wrapper sdpa_hf is missing)"
+        )
         if world is None:
             world = 2
-            notes.append("default mesh degraded to tp=2 on 2 ranks (the tiny models' 2 kv heads allow tp <= 2)")
+            notes.append(
+                "default mesh degraded to tp=2 on 2 ranks (the tiny models' 2 kv heads allow tp <= 2)"
+            )
         axes = {"tp": world}
     # cp outer, tp inner: each cp chunk is split contiguously over tp (docs/cp.md).
     dims = tuple((axis, axes[axis]) for axis in ("cp", "tp") if axis in axes)
@@ -166,9 +174,15 @@ def default_setup(
     if ep is None:
         ep = 2 if factory is not None else 1
         if is_moe and factory is None:
-            notes.append(f"hp-plugin-moe is not loaded: no expert parallelism (no compute factory for {architecture})")
+            notes.append(
+                f"hp-plugin-moe is not loaded: no expert parallelism (no compute factory for {architecture})"
+            )
     elif ep > 1 and factory is None:
-        why = "is not an MoE model" if not is_moe else f"has no compute factory ({architecture}): install hp-plugin-moe"
+        why = (
+            "is not an MoE model"
+            if not is_moe
+            else f"has no compute factory ({architecture}): install hp-plugin-moe"
+        )
         raise DemoError(f"--ep {ep}: {model} {why}.")
     if ep > 1:
         overrides += _EP_OVERRIDE.format(factory=factory)
@@ -190,16 +204,29 @@ def plan_summary(plan: Any) -> list[str]:
             continue
         kind = re.sub(r"\.\d+(?=\.|$)", ".*", fqn) or "<root>"
         kinds[kind] += 1
-        for label, value in (("inner_wrapper", spec.inner_wrapper), ("local_compute_fn", spec.local_compute_fn)):
+        for label, value in (
+            ("inner_wrapper", spec.inner_wrapper),
+            ("local_compute_fn", spec.local_compute_fn),
+        ):
             if value is not None:
-                name = value if isinstance(value, str) else getattr(value, "target", None) or repr(value)
+                name = (
+                    value
+                    if isinstance(value, str)
+                    else getattr(value, "target", None) or repr(value)
+                )
                 extras.setdefault(kind, set()).add(f"{label}={name}")
     lines = [f"{sum(kinds.values())} boundaries:"]
     for kind, n in kinds.items():
         extra = f"  [{', '.join(sorted(extras[kind]))}]" if kind in extras else ""
         lines.append(f"  {n} x {kind}{extra}")
-    counts = step_collectives(plan.modules, loss_parallel=plan.loss_parallel, check_axes=input_check_axes(plan.mesh_axis_names, plan.mesh_shape or ()))
-    lines.append("predicted collectives per step (the plan's boundaries; plugin compute adds its own):")
+    counts = step_collectives(
+        plan.modules,
+        loss_parallel=plan.loss_parallel,
+        check_axes=input_check_axes(plan.mesh_axis_names, plan.mesh_shape or ()),
+    )
+    lines.append(
+        "predicted collectives per step (the plan's boundaries; plugin compute adds its own):"
+    )
     for phase in ("forward", "backward"):
         rows = sorted((op, axis, n) for (ph, op, axis), n in counts.items() if ph == phase)
         text = ", ".join(f"{n} {op} on {axis}" for op, axis, n in rows) or "none"
@@ -209,7 +236,9 @@ def plan_summary(plan: Any) -> list[str]:
 
 def measured_lines(measured: dict[str, dict[str, int]]) -> list[str]:
     """Rank 0's collectives in one training step, everything included."""
-    lines = ["measured collectives per step on rank 0 (plan, plugin compute and training adapters):"]
+    lines = [
+        "measured collectives per step on rank 0 (plan, plugin compute and training adapters):"
+    ]
     for phase in ("forward", "backward"):
         calls = measured.get(phase, {})
         text = ", ".join(f"{n} {op}" for op, n in sorted(calls.items())) or "none"
@@ -224,7 +253,9 @@ def verdict(rows: list[StepRow], *, rtol: float = RTOL, atol: float = ATOL) -> i
 
 def _batch(setup: DemoSetup, step: int) -> dict[str, Any]:
     """A synthetic next-token batch (labels = inputs; the model shifts them)."""
-    ids = torch.randint(0, VOCAB, (setup.batch, setup.seq), generator=torch.Generator().manual_seed(step))
+    ids = torch.randint(
+        0, VOCAB, (setup.batch, setup.seq), generator=torch.Generator().manual_seed(step)
+    )
     return {"input_ids": ids, "labels": ids}
 
 
@@ -242,7 +273,11 @@ def train(rank: int, setup: DemoSetup, *, progress: bool) -> dict[str, Any]:
     # eps 1e-6: with the default 1e-8, Adam's first step divides by sqrt(v) ~ |g|, so grads
     # that differ by fp32 rounding (sharded vs unsharded sums) can move a weight by ±lr.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6) if reference is not None else None
+    ref_opt = (
+        torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
+        if reference is not None
+        else None
+    )
     losses: list[tuple[float, float]] = []
     measured: dict[str, dict[str, int]] = {}
     bar = _progress(setup.steps) if progress else None
@@ -269,15 +304,26 @@ def train(rank: int, setup: DemoSetup, *, progress: bool) -> dict[str, Any]:
             bar[0].advance(bar[1])
     if bar is not None:
         bar[0].stop()
-    return {"rank": rank, "params": params, "losses": losses, "adapters": adapters.names, "measured": measured}
+    return {
+        "rank": rank,
+        "params": params,
+        "losses": losses,
+        "adapters": adapters.names,
+        "measured": measured,
+    }
 
 
 def _progress(total: int) -> tuple[Any, Any]:
     """Rank 0's training progress bar on stderr (shown only on a terminal): ``(bar, task)``."""
     console = Console(file=sys.stderr)
     progress = Progress(
-        TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True, disable=not console.is_terminal,
+        TextColumn("training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
     )
     task = progress.add_task("train", total=total)
     progress.start()
@@ -288,7 +334,9 @@ def rank_main(rank: int, world: int, port: int, setup: DemoSetup, results: Any) 
     """Spawned target: join the gloo group, train, report ``(rank, ok, payload)`` on ``results``."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
         results.put((rank, True, train(rank, setup, progress=rank == 0)))
     except Exception:
@@ -305,7 +353,10 @@ def run_demo(setup: DemoSetup, *, timeout: float = 300.0) -> list[dict[str, Any]
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, setup.world, port, setup, results)) for r in range(setup.world)]
+    procs = [
+        ctx.Process(target=rank_main, args=(r, setup.world, port, setup, results))
+        for r in range(setup.world)
+    ]
     for p in procs:
         p.start()
     reports: dict[int, Any] = {}

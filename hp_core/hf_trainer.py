@@ -73,7 +73,9 @@ class HpTrainer(Trainer):
         return self._size("cp")
 
     # ------------------------------------------------------------------ the wrap
-    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: DataLoader | None = None) -> nn.Module:
+    def _wrap_model(
+        self, model: nn.Module, training: bool = True, dataloader: DataLoader | None = None
+    ) -> nn.Module:
         if isinstance(model, DistributedDataParallel) or not training:
             return model
         return DistributedDataParallel(
@@ -89,7 +91,11 @@ class HpTrainer(Trainer):
         dataset = self.train_dataset
         dp = self.hp_mesh["dp"]
         sampler = DistributedSampler(
-            dataset, num_replicas=dp.size(), rank=dp.get_local_rank(), shuffle=True, seed=self.args.seed,
+            dataset,
+            num_replicas=dp.size(),
+            rank=dp.get_local_rank(),
+            shuffle=True,
+            seed=self.args.seed,
             drop_last=self.args.dataloader_drop_last,
         )
         return DataLoader(

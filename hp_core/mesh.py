@@ -51,10 +51,14 @@ class MeshSpec:
         names = tuple(str(n) for n in self.axis_names)
         sizes = tuple(self.sizes)
         if len(names) != len(sizes):
-            raise MeshSpecError(f"mesh has {len(names)} axis names {names} but {len(sizes)} sizes {sizes}")
+            raise MeshSpecError(
+                f"mesh has {len(names)} axis names {names} but {len(sizes)} sizes {sizes}"
+            )
         for n in names:
             if not _AXIS.match(n):
-                raise MeshSpecError(f"mesh axis name {n!r} is not an identifier (letters, digits, '_').")
+                raise MeshSpecError(
+                    f"mesh axis name {n!r} is not an identifier (letters, digits, '_')."
+                )
         if len(set(names)) != len(names):
             raise MeshSpecError(f"mesh axis names must be unique, got {names}")
         for n, s in zip(names, sizes, strict=True):
@@ -74,7 +78,9 @@ class MeshSpec:
             name, sep, size = part.partition("=")
             # ASCII digits only: isdigit() accepts "²" and isdecimal() "٨", as the placement grammar refuses.
             if not sep or not (size.strip().isascii() and size.strip().isdecimal()):
-                raise MeshSpecError(f"mesh {text!r}: {part.strip()!r} is not AXIS=SIZE (e.g. 'tp=4,cp=2')")
+                raise MeshSpecError(
+                    f"mesh {text!r}: {part.strip()!r} is not AXIS=SIZE (e.g. 'tp=4,cp=2')"
+                )
             names.append(name.strip())
             sizes.append(int(size))
         return cls(tuple(names), tuple(sizes))

@@ -31,8 +31,17 @@ def L(**axes: str) -> dict[str, Any]:
 
 def contract(spec: ModuleShardingSpec) -> dict[str, Any]:
     """The parts of a spec a test pins: the five layouts always, the rest only when set."""
-    out: dict[str, Any] = {f: getattr(spec, f) for f in ("params", "in_src", "in_dst", "out_src", "out_dst")}
-    for f in ("out_names", "tp_divide_attrs", "region_dispatch", "inner_target", "inner_wrapper", "local_compute_fn"):
+    out: dict[str, Any] = {
+        f: getattr(spec, f) for f in ("params", "in_src", "in_dst", "out_src", "out_dst")
+    }
+    for f in (
+        "out_names",
+        "tp_divide_attrs",
+        "region_dispatch",
+        "inner_target",
+        "inner_wrapper",
+        "local_compute_fn",
+    ):
         if getattr(spec, f) is not None:
             out[f] = getattr(spec, f)
     if not spec.is_boundary:

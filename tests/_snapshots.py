@@ -10,20 +10,33 @@ from torch import nn
 __all__ = ["differences", "snapshot"]
 
 _HOOK_DICTS = (
-    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-    "_state_dict_hooks", "_load_state_dict_pre_hooks", "_forward_hooks_always_called",
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+    "_forward_hooks_always_called",
 )
 
 
 def snapshot(model: nn.Module) -> dict[str, Any]:
     """Everything apply may touch, by identity and by value."""
     return {
-        "params": [(n, id(p), p.requires_grad, p.dtype, p.detach().clone()) for n, p in model.named_parameters(remove_duplicate=False)],
+        "params": [
+            (n, id(p), p.requires_grad, p.dtype, p.detach().clone())
+            for n, p in model.named_parameters(remove_duplicate=False)
+        ],
         "buffers": [(n, id(b), b.clone()) for n, b in model.named_buffers(remove_duplicate=False)],
         "modules": [(n, id(m), type(m)) for n, m in model.named_modules(remove_duplicate=False)],
         "attrs": {n: {k: id(v) for k, v in vars(m).items()} for n, m in model.named_modules()},
-        "hooks": {n: [list(getattr(m, h).items()) for h in _HOOK_DICTS] for n, m in model.named_modules()},
-        "global_hooks": [len(torch.nn.modules.module._global_forward_hooks), len(torch.nn.modules.module._global_forward_pre_hooks)],
+        "hooks": {
+            n: [list(getattr(m, h).items()) for h in _HOOK_DICTS] for n, m in model.named_modules()
+        },
+        "global_hooks": [
+            len(torch.nn.modules.module._global_forward_hooks),
+            len(torch.nn.modules.module._global_forward_pre_hooks),
+        ],
     }
 
 

@@ -37,8 +37,16 @@ class HeadAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         b, s, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(b, s, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(b, s, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        k = (
+            self.k_proj(hidden_states)
+            .view(b, s, self.num_key_value_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        v = (
+            self.v_proj(hidden_states)
+            .view(b, s, self.num_key_value_heads, self.head_dim)
+            .transpose(1, 2)
+        )
         rep = self.num_heads // self.num_key_value_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -72,7 +80,9 @@ class Expert(nn.Module):
 class ListMoE(nn.Module):
     """Top-k routed MoE with one module per expert (the older Mixtral layout)."""
 
-    def __init__(self, hidden: int = HIDDEN, inter: int = 32, experts: int = 4, top_k: int = 2) -> None:
+    def __init__(
+        self, hidden: int = HIDDEN, inter: int = 32, experts: int = 4, top_k: int = 2
+    ) -> None:
         super().__init__()
         self.top_k = top_k
         self.gate = nn.Linear(hidden, experts, bias=False)
@@ -140,13 +150,23 @@ class ToyCausalLM(nn.Module):
         return self.lm_head(self.model(input_ids))
 
 
-def head_attention_lm(n_layers: int = 2, heads: int = HEADS, kv_heads: int = KV_HEADS) -> ToyCausalLM:
-    return ToyCausalLM([Layer(HeadAttention(heads=heads, kv_heads=kv_heads), MLP(), "mlp") for _ in range(n_layers)])
+def head_attention_lm(
+    n_layers: int = 2, heads: int = HEADS, kv_heads: int = KV_HEADS
+) -> ToyCausalLM:
+    return ToyCausalLM(
+        [
+            Layer(HeadAttention(heads=heads, kv_heads=kv_heads), MLP(), "mlp")
+            for _ in range(n_layers)
+        ]
+    )
 
 
 def list_moe_lm(n_layers: int = 2, experts: int = 4) -> ToyCausalLM:
     return ToyCausalLM(
-        [Layer(HeadAttention(), ListMoE(experts=experts), "block_sparse_moe") for _ in range(n_layers)]
+        [
+            Layer(HeadAttention(), ListMoE(experts=experts), "block_sparse_moe")
+            for _ in range(n_layers)
+        ]
     )
 
 
@@ -223,7 +243,9 @@ class PositionEmbeddingLM(ToyCausalLM):
         self.wpe = nn.Embedding(64, HIDDEN)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids) + self.wpe(torch.arange(input_ids.shape[1], device=input_ids.device))
+        h = self.model.embed_tokens(input_ids) + self.wpe(
+            torch.arange(input_ids.shape[1], device=input_ids.device)
+        )
         for layer in self.model.layers:
             h = layer(h)
         return self.lm_head(self.model.norm(h))

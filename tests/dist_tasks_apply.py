@@ -47,7 +47,18 @@ def _case(name: str, model: nn.Module) -> tuple[Any, Any, Any, str]:
     mode = "production"
     attn = "model.layers.0.self_attn"
     if name == "mesh_missing_axis":
-        p = make_plan(model, MeshSpec(("tp", "cp"), (2, 2)), overrides=[{"match": "*.self_attn", "inner_target": "self", "inner_wrapper": identity_wrapper, "region_dispatch": False}])
+        p = make_plan(
+            model,
+            MeshSpec(("tp", "cp"), (2, 2)),
+            overrides=[
+                {
+                    "match": "*.self_attn",
+                    "inner_target": "self",
+                    "inner_wrapper": identity_wrapper,
+                    "region_dispatch": False,
+                }
+            ],
+        )
     elif name == "mesh_size":
         p = make_plan(model, "tp=1")
     elif name == "not_a_mesh":
@@ -71,16 +82,34 @@ def _case(name: str, model: nn.Module) -> tuple[Any, Any, Any, str]:
     elif name == "wrapper_without_target":
         p[attn].inner_wrapper, p[attn].region_dispatch = identity_wrapper, False
     elif name == "child_without_inner_out_src":
-        p[attn].inner_target, p[attn].inner_wrapper, p[attn].region_dispatch = "q_proj", identity_wrapper, False
+        p[attn].inner_target, p[attn].inner_wrapper, p[attn].region_dispatch = (
+            "q_proj",
+            identity_wrapper,
+            False,
+        )
     elif name == "child_typo":
-        p[attn].inner_target, p[attn].inner_wrapper, p[attn].region_dispatch = "q_prj", identity_wrapper, False
+        p[attn].inner_target, p[attn].inner_wrapper, p[attn].region_dispatch = (
+            "q_prj",
+            identity_wrapper,
+            False,
+        )
         p[attn].inner_out_src = "first_input"
     elif name == "unknown_wrapper_name":
-        p[attn].inner_target, p[attn].inner_wrapper, p[attn].region_dispatch = "self", "sdpa_hff", False
+        p[attn].inner_target, p[attn].inner_wrapper, p[attn].region_dispatch = (
+            "self",
+            "sdpa_hff",
+            False,
+        )
     elif name == "undecorated_compute":
-        p["model.layers.0.mlp"].local_compute_fn, p["model.layers.0.mlp"].region_dispatch = undecorated, False
+        p["model.layers.0.mlp"].local_compute_fn, p["model.layers.0.mlp"].region_dispatch = (
+            undecorated,
+            False,
+        )
     elif name == "compute_signature":
-        p["model.layers.0.mlp"].local_compute_fn, p["model.layers.0.mlp"].region_dispatch = mismatched_compute, False
+        p["model.layers.0.mlp"].local_compute_fn, p["model.layers.0.mlp"].region_dispatch = (
+            mismatched_compute,
+            False,
+        )
     elif name == "cp_without_wrapper":
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
         p = make_plan(model, mesh)
@@ -120,7 +149,12 @@ def apply_error(name: str) -> dict[str, Any]:
     try:
         apply(model, p, mesh, mode=mode)
     except Exception as e:
-        return {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e), "untouched": not differences(before, snapshot(model))}
+        return {
+            "type": type(e).__name__,
+            "mro": [c.__name__ for c in type(e).__mro__],
+            "message": str(e),
+            "untouched": not differences(before, snapshot(model)),
+        }
     return {"type": None}
 
 
@@ -144,7 +178,14 @@ def rollback(phase: str, mode: str) -> dict[str, Any]:
     if phase == "inner":
         from tests.dist_tasks_inject import installs_in_place
 
-        overrides = [{"match": "*.self_attn", "inner_target": "self", "inner_wrapper": installs_in_place, "region_dispatch": True}]
+        overrides = [
+            {
+                "match": "*.self_attn",
+                "inner_target": "self",
+                "inner_wrapper": installs_in_place,
+                "region_dispatch": True,
+            }
+        ]
     p = make_plan(model, mesh, loss_parallel=phase == "loss", overrides=overrides)
     # Verified before the failure is injected: the verifier installs the plan on meta copies
     # with the same functions, and the failure is meant for the real install.

@@ -127,8 +127,12 @@ def tp(mode: str, sp: bool, **config: Any) -> dict[str, Any]:
     hp_core.apply(par, hp_core.plan(par, mesh, sequence_parallel=sp), mesh, mode=mode)
     batch = _batch("llama", 2)
     return _run(
-        ref, par, batch, lambda: par(**batch, use_cache=False).loss,
-        lambda: gather_full_grads(par, ref, mesh), naive_group=mesh.get_group("tp"),
+        ref,
+        par,
+        batch,
+        lambda: par(**batch, use_cache=False).loss,
+        lambda: gather_full_grads(par, ref, mesh),
+        naive_group=mesh.get_group("tp"),
     )
 
 
@@ -168,8 +172,12 @@ def dp_tp(wrap: str) -> dict[str, Any]:
 
         wrapped: nn.Module = DistributedDataParallel(par, process_group=mesh["dp"].get_group())
         return _run(
-            ref, par, full, lambda: wrapped(**mine, use_cache=False).loss,
-            lambda: gather_full_grads(par, ref, mesh), clip_target=wrapped,
+            ref,
+            par,
+            full,
+            lambda: wrapped(**mine, use_cache=False).loss,
+            lambda: gather_full_grads(par, ref, mesh),
+            clip_target=wrapped,
             naive_group=dist.group.WORLD,
         )
     from torch.distributed.fsdp import fully_shard
@@ -178,7 +186,10 @@ def dp_tp(wrap: str) -> dict[str, Any]:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(par, mesh=mesh["dp"])
     return _run(
-        ref, par, full, lambda: par(**mine, use_cache=False).loss,
+        ref,
+        par,
+        full,
+        lambda: par(**mine, use_cache=False).loss,
         lambda: _gather_fsdp_tp(par, ref, mesh),
     )
 
@@ -198,8 +209,13 @@ def ep() -> dict[str, Any]:
             return gather_full_grads(par, ref, mesh, expert_groups=experts)
 
         out[mode] = _run(
-            ref, par, batch, lambda par=par: par(**batch, use_cache=False).loss, gather,
-            naive_group=mesh.get_group("tp"), norm_types=(2.0, math.inf),
+            ref,
+            par,
+            batch,
+            lambda par=par: par(**batch, use_cache=False).loss,
+            gather,
+            naive_group=mesh.get_group("tp"),
+            norm_types=(2.0, math.inf),
         )
     return out
 
@@ -216,8 +232,12 @@ def cp() -> dict[str, Any]:
     batch = _batch("llama", 2)
     sharded = shard_batch_for_cp(batch, mesh["cp"])
     return _run(
-        ref, par, batch, lambda: par(**sharded, use_cache=False).loss,
-        lambda: gather_full_grads(par, ref, mesh), naive_group=mesh.get_group("cp"),
+        ref,
+        par,
+        batch,
+        lambda: par(**sharded, use_cache=False).loss,
+        lambda: gather_full_grads(par, ref, mesh),
+        naive_group=mesh.get_group("cp"),
         norm_types=(2.0, 1.0),
     )
 

@@ -54,6 +54,12 @@ def rebuilt_vs_live(family: str = "llama") -> dict:
         "signature": artifact.signature,
         "n_grads": len(res["ref"][1]),
         "n_params": len(list(base.parameters())),
-        **{f"{mode}:rebuilt-live": worst(f"rebuilt-{mode}", f"live-{mode}") for mode in ("production", "validate")},
-        **{f"{mode}:rebuilt-ref": worst(f"rebuilt-{mode}", "ref") for mode in ("production", "validate")},
+        **{
+            f"{mode}:rebuilt-live": worst(f"rebuilt-{mode}", f"live-{mode}")
+            for mode in ("production", "validate")
+        },
+        **{
+            f"{mode}:rebuilt-ref": worst(f"rebuilt-{mode}", "ref")
+            for mode in ("production", "validate")
+        },
     }

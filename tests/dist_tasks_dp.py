@@ -40,7 +40,12 @@ def _wrap(model: Any, wrapper: str, mesh: Any) -> Any:
 
 
 def train(
-    wrapper: str, sp: bool, mode: str = "production", family: str = "llama", steps: int = 3, hp_reduces: bool = True
+    wrapper: str,
+    sp: bool,
+    mode: str = "production",
+    family: str = "llama",
+    steps: int = 3,
+    hp_reduces: bool = True,
 ) -> dict[str, Any]:
     """3 AdamW steps; each dp replica trains on its own batch; the reference on both at once.
 
@@ -70,7 +75,9 @@ def train(
         loss.backward()
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=mesh["dp"].get_group())
-        worst["loss"] = nan_safe_max([worst["loss"], allclose_excess(mean / 2, ref_loss.detach(), rtol=RTOL)])
+        worst["loss"] = nan_safe_max(
+            [worst["loss"], allclose_excess(mean / 2, ref_loss.detach(), rtol=RTOL)]
+        )
         try:
             grads = gather_full_grads(inner, ref, mesh)
         except GradientCheckError as e:  # e.g. replicated gradients that differ across tp ranks
@@ -85,7 +92,13 @@ def train(
         checked.append(len(before))
         reducer = inner._hp_applied.grad_reducer
         reductions.append(reducer.reductions if reducer else 0)
-    return {**worst, "unmoved": sorted(unmoved), "min_checked": min(checked), "reductions": reductions, "n_grads": len(grads)}
+    return {
+        **worst,
+        "unmoved": sorted(unmoved),
+        "min_checked": min(checked),
+        "reductions": reductions,
+        "n_grads": len(grads),
+    }
 
 
 def ddp_over_validate() -> dict[str, Any]:

@@ -108,7 +108,9 @@ def faults(phase: str, cases: list[tuple[str, str, str]]) -> list[dict[str, Any]
         before = snapshot(model)
         # Part-way through the phase where it loops over modules (validate keeps head counts
         # global, so its attribute phase has none: there the fault is at the phase's start).
-        at = 3 if phase == "boundaries" or (phase == "attributes" and mode == "production") else None
+        at = (
+            3 if phase == "boundaries" or (phase == "attributes" and mode == "production") else None
+        )
         failing = who == "all" or rank == 1
         raised: BaseException | None = None
         t0 = time.perf_counter()
@@ -122,17 +124,19 @@ def faults(phase: str, cases: list[tuple[str, str, str]]) -> list[dict[str, Any]
             raised = e
         elapsed = time.perf_counter() - t0
         diffs = differences(before, snapshot(model))
-        out.append({
-            "case": (mode, who, kind),
-            "failing": failing,
-            "type": type(raised).__name__ if raised is not None else None,
-            "message": str(raised) if raised is not None else "",
-            "differences": diffs,
-            "own_values": not diffs,
-            "same_loss": _loss(model, ids) == loss_before,
-            "applied": getattr(model, "_hp_applied", None) is not None,
-            "elapsed": elapsed,
-        })
+        out.append(
+            {
+                "case": (mode, who, kind),
+                "failing": failing,
+                "type": type(raised).__name__ if raised is not None else None,
+                "message": str(raised) if raised is not None else "",
+                "differences": diffs,
+                "own_values": not diffs,
+                "same_loss": _loss(model, ids) == loss_before,
+                "applied": getattr(model, "_hp_applied", None) is not None,
+                "elapsed": elapsed,
+            }
+        )
     return out
 
 

@@ -35,7 +35,11 @@ def two_backwards_through_one_forward() -> dict[str, Any]:
         out.loss.backward(retain_graph=True)
         out.logits.float().square().mean().backward()
     reducer = par._hp_applied.grad_reducer
-    return {"excess": _excess(par, ref, mesh), "reductions": reducer.reductions, "early": reducer.early}
+    return {
+        "excess": _excess(par, ref, mesh),
+        "reductions": reducer.reductions,
+        "early": reducer.early,
+    }
 
 
 def finalize_is_idempotent() -> dict[str, Any]:
@@ -45,7 +49,10 @@ def finalize_is_idempotent() -> dict[str, Any]:
         m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     finalize_grads(par)
     finalize_grads(par)
-    return {"excess": _excess(par, ref, mesh), "reductions": par._hp_applied.grad_reducer.reductions}
+    return {
+        "excess": _excess(par, ref, mesh),
+        "reductions": par._hp_applied.grad_reducer.reductions,
+    }
 
 
 def learned_activation_matches() -> dict[str, Any]:
@@ -62,4 +69,7 @@ def learned_activation_matches() -> dict[str, Any]:
     ids = family_batch("llama")
     for m in (ref, par):
         torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.flatten()).backward()
-    return {"excess": _excess(par, ref, mesh), "beta_grad": float(ref.model.layers[0].mlp.beta.grad)}
+    return {
+        "excess": _excess(par, ref, mesh),
+        "beta_grad": float(ref.model.layers[0].mlp.beta.grad),
+    }

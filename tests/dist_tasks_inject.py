@@ -79,7 +79,10 @@ def _run(overrides: list[dict], mode: str, *, register: bool = False) -> dict[st
     o = model(input_ids=ids, labels=ids, use_cache=False)
     o.loss.backward()
     # Gathered without hp's placement tables; every fold NaN-safe (a NaN or shape mismatch is inf).
-    diffs = max_abs_diff(gather_full_grads(model, ref, mesh), {n: q.grad for n, q in ref.named_parameters() if q.grad is not None})
+    diffs = max_abs_diff(
+        gather_full_grads(model, ref, mesh),
+        {n: q.grad for n, q in ref.named_parameters() if q.grad is not None},
+    )
     resolved = {fqn: (w.wrapper, w.target) for fqn, w in applied(model).inner_wraps.items()}
     return {
         "loss": allclose_excess(o.loss.detach(), r.loss.detach(), rtol=0.0),
@@ -94,25 +97,117 @@ def injected(case: str, mode: str) -> dict[str, Any]:
     attn = "*.self_attn"
     try:
         if case == "local_compute_by_name":
-            return _run([{"match": "*.mlp", "local_compute_fn": {"_target_": "test_local_mlp", "scale": 1.0}, "region_dispatch": False}], mode, register=True)
+            return _run(
+                [
+                    {
+                        "match": "*.mlp",
+                        "local_compute_fn": {"_target_": "test_local_mlp", "scale": 1.0},
+                        "region_dispatch": False,
+                    }
+                ],
+                mode,
+                register=True,
+            )
         if case == "local_compute_dispatching":
-            return _run([{"match": "*.mlp", "local_compute_fn": local_mlp, "region_dispatch": True}], mode)
+            return _run(
+                [{"match": "*.mlp", "local_compute_fn": local_mlp, "region_dispatch": True}], mode
+            )
         if case == "self_wrapper":
-            return _run([{"match": attn, "inner_target": "self", "inner_wrapper": passthrough, "region_dispatch": True}], mode)
+            return _run(
+                [
+                    {
+                        "match": attn,
+                        "inner_target": "self",
+                        "inner_wrapper": passthrough,
+                        "region_dispatch": True,
+                    }
+                ],
+                mode,
+            )
         if case == "self_wrapper_local":
-            return _run([{"match": attn, "inner_target": "self", "inner_wrapper": passthrough, "region_dispatch": False}], mode)
+            return _run(
+                [
+                    {
+                        "match": attn,
+                        "inner_target": "self",
+                        "inner_wrapper": passthrough,
+                        "region_dispatch": False,
+                    }
+                ],
+                mode,
+            )
         if case == "in_place_wrapper":
-            return _run([{"match": attn, "inner_target": "self", "inner_wrapper": installs_in_place, "region_dispatch": True}], mode)
+            return _run(
+                [
+                    {
+                        "match": attn,
+                        "inner_target": "self",
+                        "inner_wrapper": installs_in_place,
+                        "region_dispatch": True,
+                    }
+                ],
+                mode,
+            )
         if case == "child_wrapper":
-            return _run([{"match": attn, "inner_target": "o_proj", "inner_wrapper": functional_linear, "region_dispatch": True, "inner_out_src": {"tp": "partial"}}], mode)
+            return _run(
+                [
+                    {
+                        "match": attn,
+                        "inner_target": "o_proj",
+                        "inner_wrapper": functional_linear,
+                        "region_dispatch": True,
+                        "inner_out_src": {"tp": "partial"},
+                    }
+                ],
+                mode,
+            )
         if case == "child_wrapper_wrong_layout":
-            return _run([{"match": attn, "inner_target": "o_proj", "inner_wrapper": functional_linear, "region_dispatch": True, "inner_out_src": "first_input"}], mode)
+            return _run(
+                [
+                    {
+                        "match": attn,
+                        "inner_target": "o_proj",
+                        "inner_wrapper": functional_linear,
+                        "region_dispatch": True,
+                        "inner_out_src": "first_input",
+                    }
+                ],
+                mode,
+            )
         if case == "wrong_out_src":
-            return _run([{"match": "model.layers.0.self_attn", "out_src": {"attn_output": {"tp": "replicate"}}}], mode)
+            return _run(
+                [
+                    {
+                        "match": "model.layers.0.self_attn",
+                        "out_src": {"attn_output": {"tp": "replicate"}},
+                    }
+                ],
+                mode,
+            )
         if case == "forgets_to_install":
-            return _run([{"match": attn, "inner_target": "self", "inner_wrapper": forgets_to_install, "region_dispatch": True}], mode)
+            return _run(
+                [
+                    {
+                        "match": attn,
+                        "inner_target": "self",
+                        "inner_wrapper": forgets_to_install,
+                        "region_dispatch": True,
+                    }
+                ],
+                mode,
+            )
         if case == "target_config_typo":
-            return _run([{"match": "*.mlp", "local_compute_fn": Target("test_local_mlp", {"scael": 2.0}), "region_dispatch": False}], mode, register=True)
+            return _run(
+                [
+                    {
+                        "match": "*.mlp",
+                        "local_compute_fn": Target("test_local_mlp", {"scael": 2.0}),
+                        "region_dispatch": False,
+                    }
+                ],
+                mode,
+                register=True,
+            )
     except Exception as e:
         return {"error": type(e).__name__, "message": str(e), "stage": getattr(e, "stage", None)}
     raise KeyError(case)

@@ -53,7 +53,9 @@ def generate(sp: bool, mode: str, check_inputs: bool = True) -> dict[str, Any]:
     apply(m, plan(m, mesh, sequence_parallel=sp), mesh, mode=mode, check_inputs=check_inputs)
     ids = family_batch("llama", batch=1, seq=8)
     tokens: dict[str, Any] = {}
-    out = _error(lambda: tokens.update(tokens=m.generate(ids, max_new_tokens=4, do_sample=False).tolist()))
+    out = _error(
+        lambda: tokens.update(tokens=m.generate(ids, max_new_tokens=4, do_sample=False).tolist())
+    )
     out.update(tokens)
     out["ref"] = ref.generate(ids, max_new_tokens=4, do_sample=False).tolist()
     # HF's default use_cache=True on a plain forward call works in both modes
@@ -63,7 +65,9 @@ def generate(sp: bool, mode: str, check_inputs: bool = True) -> dict[str, Any]:
     out["whole_sequence_forwards"] = fallback.uses if fallback is not None else None
     # training keeps sequence parallelism: an odd length with gradients is still refused
     odd = family_batch("llama", batch=1, seq=7)
-    out["training_odd"] = _error(lambda: m(input_ids=odd, labels=odd, use_cache=False).loss.backward())["type"]
+    out["training_odd"] = _error(
+        lambda: m(input_ids=odd, labels=odd, use_cache=False).loss.backward()
+    )["type"]
     return out
 
 
@@ -74,7 +78,10 @@ def data_parallel_batches_may_differ() -> dict[str, Any]:
     apply(m, plan(m, mesh), mesh)
     ids = family_batch("llama", seed=mesh.get_local_rank("dp"))
     loss = m(input_ids=ids, labels=ids, use_cache=False).loss
-    return {"matches": abs(float(loss) - float(ref(input_ids=ids, labels=ids, use_cache=False).loss)) < 1e-5}
+    return {
+        "matches": abs(float(loss) - float(ref(input_ids=ids, labels=ids, use_cache=False).loss))
+        < 1e-5
+    }
 
 
 def guard_off() -> dict[str, Any]:

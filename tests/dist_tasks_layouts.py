@@ -13,7 +13,9 @@ from hp_core.runtime.layouts import Redistribution
 P = {"r": Replicate(), "p": Partial(), "s0": Shard(0), "s1": Shard(1)}
 
 
-def compare_transition(names: tuple[str, str], src: dict[str, str], dst: dict[str, str], grad_partial: tuple[str, ...]) -> dict[str, Any]:
+def compare_transition(
+    names: tuple[str, str], src: dict[str, str], dst: dict[str, str], grad_partial: tuple[str, ...]
+) -> dict[str, Any]:
     """Forward values and input gradients of ``Redistribution.local`` vs the DTensor path."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
     s = {a: P[v] for a, v in src.items()}

@@ -64,7 +64,10 @@ def _train(models: dict[str, Any], family: str, mesh: Any) -> dict[str, Any]:
     # is rounding noise in both runs (an embedding row no token used, a bias whose gradient is
     # mathematically zero) gets a noise-driven update of up to lr * |noise| / eps. eps 1e-5
     # keeps that far below the tolerance; what is compared before any step is unaffected.
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-5, foreach=False) for k, m in models.items()}
+    opts = {
+        k: torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-5, foreach=False)
+        for k, m in models.items()
+    }
     ref = models["ref"]
     worst: dict[str, float] = {}
     unmoved: dict[str, set[str]] = {k: set() for k in models}
@@ -75,24 +78,38 @@ def _train(models: dict[str, Any], family: str, mesh: Any) -> dict[str, Any]:
             opts[k].zero_grad(set_to_none=True)
             out = m(input_ids=ids, labels=ids, use_cache=False)
             out.loss.backward()
-            grads = {n: p.grad for n, p in m.named_parameters()} if k == "ref" else gather_full_grads(m, ref, mesh)
+            grads = (
+                {n: p.grad for n, p in m.named_parameters()}
+                if k == "ref"
+                else gather_full_grads(m, ref, mesh)
+            )
             res[k] = (out.loss.detach(), out.logits.detach(), grads)
         for a, b in (("prod", "ref"), ("val", "ref"), ("prod", "val")):
             for what, i in (("loss", 0), ("logits", 1)):
                 key = f"{a}-{b}:{what}"
-                worst[key] = nan_safe_max([worst.get(key, 0.0), allclose_excess(res[a][i], res[b][i], rtol=RTOL)])
+                worst[key] = nan_safe_max(
+                    [worst.get(key, 0.0), allclose_excess(res[a][i], res[b][i], rtol=RTOL)]
+                )
             key = f"{a}-{b}:grad"  # inf when the gradient names differ
-            worst[key] = nan_safe_max([worst.get(key, 0.0), grads_excess(res[a][2], res[b][2], rtol=RTOL)])
+            worst[key] = nan_safe_max(
+                [worst.get(key, 0.0), grads_excess(res[a][2], res[b][2], rtol=RTOL)]
+            )
         for k, m in models.items():
             before = snapshot_params(m, only_with_grad=True)
             opts[k].step()
             unmoved[k].update(unmoved_params(before, m))  # not moved, or moved to NaN/inf
             if not before:
                 unmoved[k].add("<no parameter had a gradient>")
-    return {"excess": worst, "unmoved": {k: sorted(v) for k, v in unmoved.items()}, "n_grads": len(res["ref"][2])}
+    return {
+        "excess": worst,
+        "unmoved": {k: sorted(v) for k, v in unmoved.items()},
+        "n_grads": len(res["ref"][2]),
+    }
 
 
-def run_case(family: str, sp: bool, overrides: list[dict[str, Any]] | None = None, control: str | None = None) -> dict[str, Any]:
+def run_case(
+    family: str, sp: bool, overrides: list[dict[str, Any]] | None = None, control: str | None = None
+) -> dict[str, Any]:
     """One attempt: plan, verify, apply both modes, train; or the refusal and where it came from."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     base = build_family(family, seed=0)
@@ -104,7 +121,13 @@ def run_case(family: str, sp: bool, overrides: list[dict[str, Any]] | None = Non
 
     def refusal(where: str, e: HpError, **extra: Any) -> dict[str, Any]:
         msg = str(e)
-        return {"refused": where, "type": type(e).__name__, "message": msg, "names_module": any(n in msg for n in names), **extra}
+        return {
+            "refused": where,
+            "type": type(e).__name__,
+            "message": msg,
+            "names_module": any(n in msg for n in names),
+            **extra,
+        }
 
     try:
         p = plan(base, mesh, sequence_parallel=sp, overrides=overrides)
@@ -123,7 +146,10 @@ def run_case(family: str, sp: bool, overrides: list[dict[str, Any]] | None = Non
             models[k]._hp_applied.grad_reducer.buckets = []
     try:
         result = _train(models, family, mesh)
-    except (GradientCheckError, HpError) as e:  # caught by the comparison or by validate's own checks
+    except (
+        GradientCheckError,
+        HpError,
+    ) as e:  # caught by the comparison or by validate's own checks
         return {"caught": type(e).__name__, "message": str(e)[:2000]}
     return {**result, "collectives": comm.total(), "partial": len(report.reductions)}
 
@@ -135,7 +161,13 @@ def family_case(family: str, sp: bool, control: str | None = None) -> dict[str, 
     rounds = []
     for _ in range(4):
         r = run_case(family, sp, overrides or None, control)
-        rounds.append({k: v for k, v in r.items() if k in ("refused", "type", "message", "caught", "names_module")})
+        rounds.append(
+            {
+                k: v
+                for k, v in r.items()
+                if k in ("refused", "type", "message", "caught", "names_module")
+            }
+        )
         if "refused" not in r:
             break
         fix = proposed_overrides(r["message"])

@@ -45,14 +45,22 @@ def replicated_outputs_agree(sp: bool, mode: str, streams: bool = True) -> dict[
         layouts = list((spec.out_dst or {}).values())
         if spec.is_boundary and layouts and not hasattr(layouts[0].get("tp"), "dim"):
             module = m.get_submodule(fqn) if fqn else m
-            module.register_forward_hook(lambda _m, _a, out, fqn=fqn: seen.append((fqn, (out[0] if isinstance(out, tuple) else out).detach())))
+            module.register_forward_hook(
+                lambda _m, _a, out, fqn=fqn: seen.append(
+                    (fqn, (out[0] if isinstance(out, tuple) else out).detach())
+                )
+            )
     torch.manual_seed(1000 + dist.get_rank())  # the user's own seeding differs per rank
     ids = family_batch("phi")
     out = m(input_ids=ids, labels=ids, use_cache=False)
     out.loss.backward()
     differ = [fqn for fqn, t in seen if any(not torch.equal(t, o) for o in _gathered(t))]
     logits = _gathered(out.logits.detach())
-    return {"checked": len(seen), "differ": differ, "logits_equal": all(torch.equal(logits[0], x) for x in logits)}
+    return {
+        "checked": len(seen),
+        "differ": differ,
+        "logits_equal": all(torch.equal(logits[0], x) for x in logits),
+    }
 
 
 def sharded_draws_differ() -> dict[str, Any]:
@@ -92,7 +100,13 @@ def checkpointing_replays_the_draws(mode: str) -> dict[str, Any]:
         torch.manual_seed(3)
         ids = family_batch("phi")
         m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-        runs.append({n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone() for n, p in m.named_parameters() if p.grad is not None})
+        runs.append(
+            {
+                n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+                for n, p in m.named_parameters()
+                if p.grad is not None
+            }
+        )
     # NaN-safe: a NaN/inf, or a gradient present in only one run, is an infinite difference
     worst = nan_safe_max(max_abs_diff(runs[0], runs[1]).values())
     return {"worst": worst, "n": len(runs[0])}

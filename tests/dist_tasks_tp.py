@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 from hp_core.apply import apply
-from hp_core.plans.prediction import input_check_axes, step_collectives
 from hp_core.planner.plan import plan as make_plan
+from hp_core.plans.prediction import input_check_axes, step_collectives
 from hp_core.presets import build_model
 from hp_core.testing.compare import (
     allclose_excess,
@@ -84,7 +84,17 @@ def _swap_tp_shards(model: nn.Module, fqn: str, mesh: Any) -> list[str]:
     return swapped
 
 
-def train_compare(family: str, mesh_shape, mesh_names, *, sp: bool = True, loss_parallel: bool = False, steps: int = 3, fault: str | None = None, **config) -> dict:
+def train_compare(
+    family: str,
+    mesh_shape,
+    mesh_names,
+    *,
+    sp: bool = True,
+    loss_parallel: bool = False,
+    steps: int = 3,
+    fault: str | None = None,
+    **config,
+) -> dict:
     """Reference vs production vs validate: loss, logits and every gradient, for ``steps`` AdamW steps.
 
     ``excess`` holds ``allclose`` excesses (see ``hp_core.testing.compare.allclose_excess``,
@@ -98,15 +108,27 @@ def train_compare(family: str, mesh_shape, mesh_names, *, sp: bool = True, loss_
     mesh = _mesh(tuple(mesh_shape), tuple(mesh_names))
     ref, prod, val = (copy.deepcopy(base) for _ in range(3))
     for m, mode in ((prod, "production"), (val, "validate")):
-        apply(m, make_plan(m, mesh, sequence_parallel=sp, loss_parallel=loss_parallel), mesh, mode=mode)
+        apply(
+            m,
+            make_plan(m, mesh, sequence_parallel=sp, loss_parallel=loss_parallel),
+            mesh,
+            mode=mode,
+        )
     swapped = _swap_tp_shards(prod, ATTN0, mesh) if fault == "swap_heads" else []
     models = {"ref": ref, "prod": prod, "val": val}
     # lr 1e-3 and eps 1e-6: Adam divides each update by its own gradient's size, so with the
     # default eps an element whose gradient is rounding noise (~1e-9) gets a noise-driven
     # update; eps 1e-6 bounds that effect far below the comparison tolerance.
     lr = 0.0 if fault == "lr0" else 1e-3
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=lr, eps=1e-6, foreach=False) for k, m in models.items()}
-    excess = {f"{a}-{b}:{what}": 0.0 for a, b in (("prod", "ref"), ("val", "ref"), ("prod", "val")) for what in ("loss", "logits", "grad")}
+    opts = {
+        k: torch.optim.AdamW(m.parameters(), lr=lr, eps=1e-6, foreach=False)
+        for k, m in models.items()
+    }
+    excess = {
+        f"{a}-{b}:{what}": 0.0
+        for a, b in (("prod", "ref"), ("val", "ref"), ("prod", "val"))
+        for what in ("loss", "logits", "grad")
+    }
     not_stepped: dict[str, set[str]] = {k: set() for k in models}
     losses = []
     for step in range(steps):
@@ -120,8 +142,16 @@ def train_compare(family: str, mesh_shape, mesh_names, *, sp: bool = True, loss_
                 with torch.no_grad():  # one element of one rank's shard of a sharded gradient
                     m.get_parameter(f"{ATTN0}.q_proj.weight").grad[1, 2] = math.nan
             # Every dp slice trains the same batch here, so replicas must agree over dp too.
-            grads = _ref_grads(m) if k == "ref" else gather_full_grads(m, ref, mesh, replica_axes=tuple(mesh_names))
-            res[k] = (out.loss.detach(), _logits(out, loss_parallel and k != "ref", mesh).detach(), grads)
+            grads = (
+                _ref_grads(m)
+                if k == "ref"
+                else gather_full_grads(m, ref, mesh, replica_axes=tuple(mesh_names))
+            )
+            res[k] = (
+                out.loss.detach(),
+                _logits(out, loss_parallel and k != "ref", mesh).detach(),
+                grads,
+            )
         losses.append(float(res["ref"][0]))
         for a, b in (("prod", "ref"), ("val", "ref"), ("prod", "val")):
             for what, value in run_excess(res[a], res[b], rtol=RTOL).items():
@@ -143,7 +173,15 @@ def train_compare(family: str, mesh_shape, mesh_names, *, sp: bool = True, loss_
     }
 
 
-def count_collectives(family: str, mode: str, *, sp: bool = True, loss_parallel: bool = False, layers: int = 2, **config) -> dict:
+def count_collectives(
+    family: str,
+    mode: str,
+    *,
+    sp: bool = True,
+    loss_parallel: bool = False,
+    layers: int = 2,
+    **config,
+) -> dict:
     """Measured collectives of one forward and one backward, and the plan's prediction."""
     model = build_model(family, seed=0, num_hidden_layers=layers, **config)
     mesh = _mesh((2,), ("tp",))
@@ -163,7 +201,9 @@ def count_collectives(family: str, mode: str, *, sp: bool = True, loss_parallel:
         "backward": measured["backward"],
         "pred_forward": pred["forward"],
         "pred_backward": pred["backward"],
-        "sync_reductions": model._hp_applied.grad_reducer.reductions if model._hp_applied.grad_reducer else 0,
+        "sync_reductions": model._hp_applied.grad_reducer.reductions
+        if model._hp_applied.grad_reducer
+        else 0,
     }
 
 
@@ -239,7 +279,9 @@ def head_attrs_compare() -> dict:
         "prod_heads": (attn(prod).num_heads, attn(prod).num_key_value_heads),
         "val_heads": (attn(val).num_heads, attn(val).num_key_value_heads),
         "logits": nan_safe_max(allclose_excess(res[k][0], res["ref"][0]) for k in ("prod", "val")),
-        "grad": nan_safe_max(grads_excess(res[k][1], res["ref"][1], rtol=RTOL) for k in ("prod", "val")),
+        "grad": nan_safe_max(
+            grads_excess(res[k][1], res["ref"][1], rtol=RTOL) for k in ("prod", "val")
+        ),
         "n_grads": len(res["ref"][1]),
     }
 

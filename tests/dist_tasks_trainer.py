@@ -26,7 +26,14 @@ def trainer_run(plain: bool) -> dict[str, Any]:
     # accelerate reads the launcher's environment to see a distributed job; the world's
     # process group already exists, so it only records it.
     rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+        }
+    )
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     args = argparse.Namespace(model="llama", tp=2, check=not plain, plain=plain)

@@ -29,7 +29,9 @@ def apply_keeps_report() -> dict[str, Any]:
     apply(third, plan(third, mesh), mesh, verify=VerifyReport.loads(saved))
     return {
         "partial": {k: list(v) for k, v in report.partial().items()},
-        "same_report": other._hp_applied.report.partial() == report.partial() == third._hp_applied.report.partial(),
+        "same_report": other._hp_applied.report.partial()
+        == report.partial()
+        == third._hp_applied.report.partial(),
     }
 
 
@@ -62,7 +64,11 @@ def validate_catches_what_a_wrong_report_lets_through(case: str) -> dict[str, An
     m = build_family(family, num_hidden_layers=1)
     mesh = _mesh()
     p = plan(m, mesh)
-    clean = verify(build_family("llama", num_hidden_layers=1), plan(build_family("llama", num_hidden_layers=1), mesh), mesh)
+    clean = verify(
+        build_family("llama", num_hidden_layers=1),
+        plan(build_family("llama", num_hidden_layers=1), mesh),
+        mesh,
+    )
     lying = dataclasses.replace(clean, fingerprint=p.fingerprint(), reductions=())
     apply(m, p, mesh, mode="validate", verify=lying)
     ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))

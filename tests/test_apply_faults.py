@@ -11,11 +11,26 @@ from tests import dist_tasks_faults as tasks
 
 pytestmark = pytest.mark.distributed
 
-CASES = [(mode, who, kind) for mode in ("production", "validate") for who in ("one", "all") for kind in ("error", "interrupt")]
+CASES = [
+    (mode, who, kind)
+    for mode in ("production", "validate")
+    for who in ("one", "all")
+    for kind in ("error", "interrupt")
+]
 # The install's phases in order. "communication" holds the collectives: a rank failing
 # inside it while the others communicate would leave them waiting in gloo, so only the
 # all-ranks case is injected there (see docs/troubleshooting.md).
-PHASES = ["verify", "communication", "hooks", "parameters", "boundaries", "attributes", "gradient reductions", "loss", "commit"]
+PHASES = [
+    "verify",
+    "communication",
+    "hooks",
+    "parameters",
+    "boundaries",
+    "attributes",
+    "gradient reductions",
+    "loss",
+    "commit",
+]
 
 
 def _cases(phase: str) -> list[tuple[str, str, str]]:
@@ -45,7 +60,9 @@ def test_fault_in_any_phase_rolls_every_rank_back(phase):
             assert f"apply() failed on rank {first} in phase {phase!r}" in r["message"] or (
                 f"on rank {first} in phase '{phase} at model." in r["message"]
             ), (where, r["message"])
-            assert ("interrupted" if kind == "interrupt" else "injected failure") in r["message"], where
+            assert ("interrupted" if kind == "interrupt" else "injected failure") in r["message"], (
+                where
+            )
             if who == "all":
                 assert "also on rank(s) [1]" in r["message"], where
 
@@ -55,11 +72,14 @@ def test_success_keeps_the_callers_tensors_and_agrees_on_rank_0s_values():
         assert r["caller_storage_intact"] and r["replicas_agree"], r
 
 
-@pytest.mark.parametrize("which,fragment", [
-    ("mode", "different modes"),
-    ("check_inputs", "check_inputs by rank"),
-    ("plugins", "plugins by rank"),
-])
+@pytest.mark.parametrize(
+    "which,fragment",
+    [
+        ("mode", "different modes"),
+        ("check_inputs", "check_inputs by rank"),
+        ("plugins", "plugins by rank"),
+    ],
+)
 def test_divergent_settings_refused_on_every_rank(which, fragment):
     for r in get_world(2).run(tasks.divergent_settings, which):
         assert r["type"] == "PlanMismatchError", r

@@ -12,7 +12,11 @@ pytestmark = pytest.mark.distributed
 
 def test_apply_verifies_by_default_and_keeps_the_report():
     for r in get_world(2).run(tasks.apply_keeps_report):
-        assert r["partial"] == {"model.layers.0.input_layernorm.weight": ["tp"], "model.layers.0.post_attention_layernorm.weight": ["tp"], "model.norm.weight": ["tp"]}
+        assert r["partial"] == {
+            "model.layers.0.input_layernorm.weight": ["tp"],
+            "model.layers.0.post_attention_layernorm.weight": ["tp"],
+            "model.norm.weight": ["tp"],
+        }
         assert r["same_report"]
 
 
@@ -21,7 +25,11 @@ def test_apply_verifies_by_default_and_keeps_the_report():
     [
         ("other_plan", "PreflightError", "the report was made for another plan"),
         ("false", "VerificationRequiredError", "apply(verify=False): the verifier is what derives"),
-        ("nonsense", "PreflightError", "apply(verify='yes'): expected True, or a hp_core.VerifyReport"),
+        (
+            "nonsense",
+            "PreflightError",
+            "apply(verify='yes'): expected True, or a hp_core.VerifyReport",
+        ),
         ("refused", "UndeclaredCommunicationError", "model.layers.0.self_attn (Olmo2Attention)"),
     ],
 )
@@ -35,7 +43,11 @@ def test_apply_refuses_on_every_rank_before_touching_the_model(case, error, text
 @pytest.mark.parametrize(
     "case,error,text",
     [
-        ("undeclared", "UndeclaredCommunicationError", "model.layers.0.self_attn (Olmo2Attention): in its forward"),
+        (
+            "undeclared",
+            "UndeclaredCommunicationError",
+            "model.layers.0.self_attn (Olmo2Attention): in its forward",
+        ),
         ("unreduced", "UnreducedGradientError", "a partial sum that no reduction of the plan sums"),
     ],
 )

@@ -18,8 +18,13 @@ pytestmark = pytest.mark.distributed
 
 def _run(script: str, *args: str, tmp_path: Path) -> dict | list:
     out = tmp_path / f"{script}.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), *args, "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "|---|" in proc.stdout  # a markdown table was printed
     return json.loads(out.read_text())
@@ -27,7 +32,9 @@ def _run(script: str, *args: str, tmp_path: Path) -> dict | list:
 
 def test_planning_scale_runs(tmp_path):
     rows = _run("planning_scale", "--layers", "2", "4", tmp_path=tmp_path)
-    assert [r["layers"] for r in rows] == [2, 4] and all(r["hp_s"] > 0 and r["torch_s"] > 0 for r in rows)
+    assert [r["layers"] for r in rows] == [2, 4] and all(
+        r["hp_s"] > 0 and r["torch_s"] > 0 for r in rows
+    )
 
 
 def test_collectives_benchmark_meets_the_minimum(tmp_path):
@@ -40,6 +47,12 @@ def test_collectives_benchmark_meets_the_minimum(tmp_path):
 def test_verify_scale_runs(tmp_path):
     out = _run("verify_scale", "--quick", tmp_path=tmp_path)
     rows = out["rows"]
-    assert [(r["layers"], r["sequence_parallel"]) for r in rows if r["model"] == "llama-7b"] == [(32, True), (64, True)]
-    assert all(r["plan"]["median_s"] > 0 and r["verify"]["median_s"] > 0 and r["repeated"] > 0 for r in rows)
+    assert [(r["layers"], r["sequence_parallel"]) for r in rows if r["model"] == "llama-7b"] == [
+        (32, True),
+        (64, True),
+    ]
+    assert all(
+        r["plan"]["median_s"] > 0 and r["verify"]["median_s"] > 0 and r["repeated"] > 0
+        for r in rows
+    )
     assert rows[0]["exhaustive"]["repeated"] == 0 and out["first_call"]["verify_s"] > 0

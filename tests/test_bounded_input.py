@@ -37,8 +37,8 @@ from hp_core.bounded import (
     loads_json,
     read_bounded,
 )
-from hp_core.plans import PlanYAMLError, PlanYAMLInputLimitError, load_overrides, load_plan
 from hp_core.planner.plan import plan
+from hp_core.plans import PlanYAMLError, PlanYAMLInputLimitError, load_overrides, load_plan
 from hp_core.presets import build_model, tiny_config
 from hp_core.verifier.report import ReportFormatError, ReportFormatInputLimitError, VerifyReport
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
@@ -92,8 +92,16 @@ BOMB_OVERRIDES = (
 
 
 def test_default_limits_and_env_names():
-    assert (DEFAULT_MAX_BYTES, DEFAULT_MAX_DEPTH, DEFAULT_MAX_NODES) == (8 * 1024 * 1024, 64, 100_000)
-    assert (ENV_MAX_BYTES, ENV_MAX_DEPTH, ENV_MAX_NODES) == ("HP_MAX_INPUT_BYTES", "HP_MAX_INPUT_DEPTH", "HP_MAX_YAML_NODES")
+    assert (DEFAULT_MAX_BYTES, DEFAULT_MAX_DEPTH, DEFAULT_MAX_NODES) == (
+        8 * 1024 * 1024,
+        64,
+        100_000,
+    )
+    assert (ENV_MAX_BYTES, ENV_MAX_DEPTH, ENV_MAX_NODES) == (
+        "HP_MAX_INPUT_BYTES",
+        "HP_MAX_INPUT_DEPTH",
+        "HP_MAX_YAML_NODES",
+    )
     assert InputLimits.current() == InputLimits(8 * 1024 * 1024, 64, 100_000)
 
 
@@ -111,7 +119,12 @@ def _unpickled_elsewhere(errors: list[InputLimitError]) -> list[list]:
     worlds pass errors between ranks): a class made at run time would fail there."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     done = subprocess.run(
-        [sys.executable, "-c", _UNPICKLE], input=pickle.dumps(errors), capture_output=True, env=env, timeout=120, check=False
+        [sys.executable, "-c", _UNPICKLE],
+        input=pickle.dumps(errors),
+        capture_output=True,
+        env=env,
+        timeout=120,
+        check=False,
     )
     assert done.returncode == 0, done.stderr.decode()
     return json.loads(done.stdout)
@@ -147,7 +160,10 @@ def test_limit_errors_survive_a_round_trip_through_another_process():
         ["hp_core.verifier.report", "ReportFormatInputLimitError"],
         ["hp_core.artifact.signed", "ArtifactLimitError"],
     ]
-    assert back == [[type(e).__module__, type(e).__name__, str(e), e.source, e.path, e.limit, e.env] for e in errors]
+    assert back == [
+        [type(e).__module__, type(e).__name__, str(e), e.source, e.path, e.limit, e.env]
+        for e in errors
+    ]
     assert plan_info.value.env == ENV_MAX_DEPTH and report_info.value.path == "mesh[0][1]"
 
 
@@ -164,15 +180,24 @@ def test_an_alias_bomb_in_an_override_target_config_is_refused_fast(tmp_path):
     assert elapsed < 1.0, elapsed
     assert isinstance(info.value, PlanYAMLError)
     message = str(info.value)
-    assert message.startswith(f"{path}: overrides[0].inner_wrapper.lol.a5[0]: the document expands to over 100000 nodes")
+    assert message.startswith(
+        f"{path}: overrides[0].inner_wrapper.lol.a5[0]: the document expands to over 100000 nodes"
+    )
     assert "alias *a4 repeats" in message and "HP_MAX_YAML_NODES=" in message
-    assert (info.value.source, info.value.limit, info.value.env) == (str(path), 100_000, "HP_MAX_YAML_NODES")
+    assert (info.value.source, info.value.limit, info.value.env) == (
+        str(path),
+        100_000,
+        "HP_MAX_YAML_NODES",
+    )
     assert info.value.path == "overrides[0].inner_wrapper.lol.a5[0]"
 
 
 def test_an_alias_bomb_in_a_plan_document_and_on_the_command_line(capsys, tmp_path):
     start = time.perf_counter()
-    with pytest.raises(InputLimitError, match=r"^<string>: bomb\.a5\[0\]: the document expands to over 100000 nodes"):
+    with pytest.raises(
+        InputLimitError,
+        match=r"^<string>: bomb\.a5\[0\]: the document expands to over 100000 nodes",
+    ):
         load_plan("bomb:\n" + _bomb(indent="  "))
     assert time.perf_counter() - start < 1.0
     path = tmp_path / "o.yaml"
@@ -180,19 +205,32 @@ def test_an_alias_bomb_in_a_plan_document_and_on_the_command_line(capsys, tmp_pa
     start = time.perf_counter()
     code = cli.main(["plan", "--model", "llama", "--mesh", "tp=2", "--overrides", str(path)])
     out, err = capsys.readouterr()
-    assert time.perf_counter() - start < 10.0  # the model build included; the refusal itself is instant
+    assert (
+        time.perf_counter() - start < 10.0
+    )  # the model build included; the refusal itself is instant
     assert (code, out) == (1, "")
-    assert err.startswith(f"hp plan: error: PlanYAMLInputLimitError: {path}: overrides[0].inner_wrapper.lol.")
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and "HP_MAX_YAML_NODES" in err
+    assert err.startswith(
+        f"hp plan: error: PlanYAMLInputLimitError: {path}: overrides[0].inner_wrapper.lol."
+    )
+    assert (
+        len(err.strip().splitlines()) == 1 and "Traceback" not in err and "HP_MAX_YAML_NODES" in err
+    )
 
 
 def test_a_recursive_alias_is_refused():
-    with pytest.raises(InputLimitError, match=r"^<string>: a\[1\]: alias \*a refers to a node that contains it \(line 1, column 11\)"):
+    with pytest.raises(
+        InputLimitError,
+        match=r"^<string>: a\[1\]: alias \*a refers to a node that contains it \(line 1, column 11\)",
+    ):
         load_plan("a: &a [1, *a]\n")
 
 
 def test_aliases_within_the_limit_load():
-    assert load_yaml("a: &a {x: 1}\nb: *a\nc: {<<: *a, y: 2}\n") == {"a": {"x": 1}, "b": {"x": 1}, "c": {"x": 1, "y": 2}}
+    assert load_yaml("a: &a {x: 1}\nb: *a\nc: {<<: *a, y: 2}\n") == {
+        "a": {"x": 1},
+        "b": {"x": 1},
+        "c": {"x": 1, "y": 2},
+    }
 
 
 def test_a_50000_deep_yaml_list_is_refused_without_recursion_error():
@@ -201,17 +239,26 @@ def test_a_50000_deep_yaml_list_is_refused_without_recursion_error():
         load_plan(text)
     assert isinstance(info.value, PlanYAMLError) and not isinstance(info.value, RecursionError)
     message = str(info.value)
-    assert message.startswith("<string>: [0][0][0][0][0][0][0][0]...: nesting depth over 64 (line 1, column 65)")
+    assert message.startswith(
+        "<string>: [0][0][0][0][0][0][0][0]...: nesting depth over 64 (line 1, column 65)"
+    )
     assert "HP_MAX_INPUT_DEPTH=128" in message
     assert (info.value.limit, info.value.env) == (64, "HP_MAX_INPUT_DEPTH")
 
 
 def test_deep_block_yaml_names_the_path(tmp_path):
     path = tmp_path / "plan.yaml"
-    path.write_text("overrides:\n  - match: x\n    config:\n" + "".join("  " * (i + 3) + "k:\n" for i in range(80)) + "  " * 83 + "1\n")
+    path.write_text(
+        "overrides:\n  - match: x\n    config:\n"
+        + "".join("  " * (i + 3) + "k:\n" for i in range(80))
+        + "  " * 83
+        + "1\n"
+    )
     with pytest.raises(InputLimitError) as info:
         load_overrides(path)
-    assert str(info.value).startswith(f"{path}: overrides[0].config.k.k.k.k.k...: nesting depth over 64 (line ")
+    assert str(info.value).startswith(
+        f"{path}: overrides[0].config.k.k.k.k.k...: nesting depth over 64 (line "
+    )
 
 
 def test_yaml_syntax_errors_stay_plan_yaml_errors():
@@ -228,7 +275,9 @@ def test_an_oversize_yaml_document_is_refused(tmp_path):
     with pytest.raises(PlanYAMLInputLimitError) as info:
         load_overrides(path)
     assert isinstance(info.value, PlanYAMLError) and isinstance(info.value, InputLimitError)
-    assert str(info.value).startswith(f"{path}: 8388610 bytes, over the input limit of 8388608 bytes; hp refuses larger documents.")
+    assert str(info.value).startswith(
+        f"{path}: 8388610 bytes, over the input limit of 8388608 bytes; hp refuses larger documents."
+    )
     assert "HP_MAX_INPUT_BYTES=8388610" in str(info.value)
 
 
@@ -249,13 +298,17 @@ def test_an_oversize_plan_file_is_refused_without_reading_it_whole(tmp_path, mon
         load(path)
     assert time.perf_counter() - start < 5
     # the size comes from the file's metadata: hp read at most the cap (plus one byte)
-    assert str(info.value).startswith(f"{path}: 268435456 bytes, over the input limit of 1000 bytes")
+    assert str(info.value).startswith(
+        f"{path}: 268435456 bytes, over the input limit of 1000 bytes"
+    )
     assert (info.value.limit, info.value.env) == (1000, ENV_MAX_BYTES)
 
 
 def test_a_bad_env_value_raises_the_callers_class(monkeypatch):
     monkeypatch.setenv(ENV_MAX_NODES, "lots")
-    with pytest.raises(PlanYAMLInputLimitError, match=r"^HP_MAX_YAML_NODES='lots': expected a positive integer"):
+    with pytest.raises(
+        PlanYAMLInputLimitError, match=r"^HP_MAX_YAML_NODES='lots': expected a positive integer"
+    ):
         load_overrides("- match: a\n")
     with pytest.raises(PlanYAMLInputLimitError, match=r"^HP_MAX_YAML_NODES='lots'"):
         load_plan("version: 1\n")
@@ -274,7 +327,9 @@ def test_a_100000_deep_json_artifact_is_refused_without_recursion_error(tmp_path
     with pytest.raises(ArtifactLimitError) as info:
         loads_artifact(data, source="a.json")
     assert isinstance(info.value, ArtifactFormatError) and isinstance(info.value, InputLimitError)
-    assert str(info.value).startswith("a.json: meta[0][0][0][0][0][0][0]...: nesting depth over 64 (line 1, column 98)")
+    assert str(info.value).startswith(
+        "a.json: meta[0][0][0][0][0][0][0]...: nesting depth over 64 (line 1, column 98)"
+    )
     assert "HP_MAX_INPUT_DEPTH=128" in str(info.value)
     path = tmp_path / "deep.json"
     path.write_bytes(data)
@@ -296,7 +351,9 @@ def test_an_oversize_artifact_is_refused_without_reading_it(artifact, tmp_path, 
         read_artifact(path)
     assert str(info.value).startswith(f"{path}: {size} bytes, over the input limit of 1000 bytes")
     assert f"HP_MAX_INPUT_BYTES={size}" in str(info.value)
-    with pytest.raises(ArtifactLimitError, match=r"^a\.json: \d+ bytes, over the input limit of 1000 bytes"):
+    with pytest.raises(
+        ArtifactLimitError, match=r"^a\.json: \d+ bytes, over the input limit of 1000 bytes"
+    ):
         loads_artifact(dumps_artifact(artifact), source="a.json")
     monkeypatch.setenv("HP_MAX_INPUT_BYTES", str(size))
     assert read_artifact(path) == artifact
@@ -329,7 +386,9 @@ def test_non_finite_numbers_in_an_artifact_are_refused_naming_the_key(artifact, 
 
 
 def test_json_keys_are_quoted_when_not_identifiers():
-    with pytest.raises(InputLimitError, match=r"^c\.json: \['model\.layers\.0'\]\.x\[2\]: NaN is not a number"):
+    with pytest.raises(
+        InputLimitError, match=r"^c\.json: \['model\.layers\.0'\]\.x\[2\]: NaN is not a number"
+    ):
         loads_json('{"model.layers.0": {"x": [1, 2, NaN]}}', source="c.json")
 
 
@@ -340,41 +399,124 @@ def test_json_keys_are_quoted_when_not_identifiers():
     ("edit", "message"),
     [
         (lambda d: d.update(meta=[]), "a.json: meta: expected a mapping, got list."),
-        (lambda d: d["meta"].update(param_plan={}), "a.json: meta: param_plan: expected a list of {match: FQN, ...} rules, got {}."),
-        (lambda d: d["meta"]["param_plan"].__setitem__(0, "model.embed_tokens"), "a.json: meta: param_plan[0]: expected a mapping with a string 'match' (a module FQN), got 'model.embed_tokens'."),
-        (lambda d: d["meta"]["param_plan"][0].update(match=3), "a.json: meta: param_plan[0].match: expected a string (a module FQN), got int 3."),
-        (lambda d: d["meta"].update(ep_size="1"), "a.json: meta: ep_size: expected a positive integer, got '1'."),
-        (lambda d: d["meta"]["mesh"].update(shape="2"), "a.json: meta: mesh.shape: expected a list of axis sizes such as [4, 2], got str '2'."),
-        (lambda d: d["meta"]["mesh"].update(axis_names="tp"), "a.json: meta: mesh.axis_names: expected a list of axis names such as [tp, cp], got str 'tp'."),
-        (lambda d: d["meta"]["mesh"].update(shape=["2"]), "a.json: meta: mesh.shape: expected a list of axis sizes such as [4, 2], got list ['2']."),
-        (lambda d: d["meta"].update(sequence_parallel="yes"), "a.json: meta: sequence_parallel: expected true or false, got str 'yes'."),
-        (lambda d: d["meta"]["param_plan"][0]["params"]["weight"].update(tp=0), "a.json: meta: param_plan[0] ('model.embed_tokens').params.weight.tp: expected a placement string, got int 0."),
-        (lambda d: d["inputs"].update(model="llama"), "a.json: inputs.model: expected a mapping with the keys class, digest, model_type, got str 'llama'."),
-        (lambda d: d["inputs"]["model"].update(digest=5), "a.json: inputs.model.digest: expected a string, got int 5."),
-        (lambda d: d["inputs"]["model"].pop("class"), "a.json: inputs.model: expected the keys class, digest, model_type, got ['digest', 'model_type']."),
-        (lambda d: d["inputs"].update(hp_version=3), "a.json: inputs.hp_version: expected a string, got int 3."),
-        (lambda d: d["inputs"].update(mesh=["tp", 2]), "a.json: inputs.mesh: expected a string, got list ['tp', 2]."),
-        (lambda d: d["inputs"].update(plugins=[]), "a.json: inputs.plugins: expected a mapping of plugin name to {distribution, version}, got list []."),
-        (lambda d: d["inputs"]["plugins"].update(builtin="0.1"), "a.json: inputs.plugins['builtin']: expected a mapping with the keys distribution, version, got str '0.1'."),
-        (lambda d: d["inputs"]["plugins"]["builtin"].update(version=1.0), "a.json: inputs.plugins['builtin'].version: expected a string or null, got float 1.0."),
-        (lambda d: d["inputs"].update(overrides={}), "a.json: inputs.overrides: expected a list of override entries, got dict {}."),
-        (lambda d: d["inputs"]["overrides"].__setitem__(0, "x"), "a.json: inputs.overrides[0]: expected a mapping (an override entry), got str 'x'."),
-        (lambda d: d["inputs"]["overrides"][0].update(match=["a"]), "a.json: inputs.overrides[0].match: expected a string, got list ['a']."),
+        (
+            lambda d: d["meta"].update(param_plan={}),
+            "a.json: meta: param_plan: expected a list of {match: FQN, ...} rules, got {}.",
+        ),
+        (
+            lambda d: d["meta"]["param_plan"].__setitem__(0, "model.embed_tokens"),
+            "a.json: meta: param_plan[0]: expected a mapping with a string 'match' (a module FQN), got 'model.embed_tokens'.",
+        ),
+        (
+            lambda d: d["meta"]["param_plan"][0].update(match=3),
+            "a.json: meta: param_plan[0].match: expected a string (a module FQN), got int 3.",
+        ),
+        (
+            lambda d: d["meta"].update(ep_size="1"),
+            "a.json: meta: ep_size: expected a positive integer, got '1'.",
+        ),
+        (
+            lambda d: d["meta"]["mesh"].update(shape="2"),
+            "a.json: meta: mesh.shape: expected a list of axis sizes such as [4, 2], got str '2'.",
+        ),
+        (
+            lambda d: d["meta"]["mesh"].update(axis_names="tp"),
+            "a.json: meta: mesh.axis_names: expected a list of axis names such as [tp, cp], got str 'tp'.",
+        ),
+        (
+            lambda d: d["meta"]["mesh"].update(shape=["2"]),
+            "a.json: meta: mesh.shape: expected a list of axis sizes such as [4, 2], got list ['2'].",
+        ),
+        (
+            lambda d: d["meta"].update(sequence_parallel="yes"),
+            "a.json: meta: sequence_parallel: expected true or false, got str 'yes'.",
+        ),
+        (
+            lambda d: d["meta"]["param_plan"][0]["params"]["weight"].update(tp=0),
+            "a.json: meta: param_plan[0] ('model.embed_tokens').params.weight.tp: expected a placement string, got int 0.",
+        ),
+        (
+            lambda d: d["inputs"].update(model="llama"),
+            "a.json: inputs.model: expected a mapping with the keys class, digest, model_type, got str 'llama'.",
+        ),
+        (
+            lambda d: d["inputs"]["model"].update(digest=5),
+            "a.json: inputs.model.digest: expected a string, got int 5.",
+        ),
+        (
+            lambda d: d["inputs"]["model"].pop("class"),
+            "a.json: inputs.model: expected the keys class, digest, model_type, got ['digest', 'model_type'].",
+        ),
+        (
+            lambda d: d["inputs"].update(hp_version=3),
+            "a.json: inputs.hp_version: expected a string, got int 3.",
+        ),
+        (
+            lambda d: d["inputs"].update(mesh=["tp", 2]),
+            "a.json: inputs.mesh: expected a string, got list ['tp', 2].",
+        ),
+        (
+            lambda d: d["inputs"].update(plugins=[]),
+            "a.json: inputs.plugins: expected a mapping of plugin name to {distribution, version}, got list [].",
+        ),
+        (
+            lambda d: d["inputs"]["plugins"].update(builtin="0.1"),
+            "a.json: inputs.plugins['builtin']: expected a mapping with the keys distribution, version, got str '0.1'.",
+        ),
+        (
+            lambda d: d["inputs"]["plugins"]["builtin"].update(version=1.0),
+            "a.json: inputs.plugins['builtin'].version: expected a string or null, got float 1.0.",
+        ),
+        (
+            lambda d: d["inputs"].update(overrides={}),
+            "a.json: inputs.overrides: expected a list of override entries, got dict {}.",
+        ),
+        (
+            lambda d: d["inputs"]["overrides"].__setitem__(0, "x"),
+            "a.json: inputs.overrides[0]: expected a mapping (an override entry), got str 'x'.",
+        ),
+        (
+            lambda d: d["inputs"]["overrides"][0].update(match=["a"]),
+            "a.json: inputs.overrides[0].match: expected a string, got list ['a'].",
+        ),
     ],
     ids=[
-        "meta-list", "param_plan-mapping", "module-entry-string", "match-number", "ep_size-string", "mesh-shape-string",
-        "mesh-axes-string", "mesh-size-string", "bool-string", "placement-number", "model-string", "digest-number", "model-keys",
-        "hp_version-number", "mesh-list", "plugins-list", "plugin-string", "plugin-version-number", "overrides-mapping",
-        "override-string", "override-match-list",
+        "meta-list",
+        "param_plan-mapping",
+        "module-entry-string",
+        "match-number",
+        "ep_size-string",
+        "mesh-shape-string",
+        "mesh-axes-string",
+        "mesh-size-string",
+        "bool-string",
+        "placement-number",
+        "model-string",
+        "digest-number",
+        "model-keys",
+        "hp_version-number",
+        "mesh-list",
+        "plugins-list",
+        "plugin-string",
+        "plugin-version-number",
+        "overrides-mapping",
+        "override-string",
+        "override-match-list",
     ],
 )
-def test_a_signed_artifact_with_a_wrongly_typed_section_is_refused_naming_the_key(artifact, edit, message):
+def test_a_signed_artifact_with_a_wrongly_typed_section_is_refused_naming_the_key(
+    artifact, edit, message
+):
     data = _resigned(artifact, edit)
     with pytest.raises(ArtifactSchemaError) as info:
         loads_artifact(data, source="a.json")
-    assert isinstance(info.value, ArtifactFormatError)  # the signature passed: the type check refused it
+    assert isinstance(
+        info.value, ArtifactFormatError
+    )  # the signature passed: the type check refused it
     assert str(info.value).startswith(message), str(info.value)
-    assert str(info.value).endswith("Re-create it with this hp: hp freeze --model ... --mesh ... -o ARTIFACT.")
+    assert str(info.value).endswith(
+        "Re-create it with this hp: hp freeze --model ... --mesh ... -o ARTIFACT."
+    )
 
 
 def test_a_float_format_version_is_refused(artifact):
@@ -402,7 +544,9 @@ def test_env_vars_raise_the_limits(monkeypatch):
         loads_json(deep, source="d.json")
     monkeypatch.setenv("HP_MAX_INPUT_DEPTH", "100")
     assert load_yaml(deep) == loads_json(deep)
-    with pytest.raises(InputLimitError, match=r"^d\.yaml: .*nesting depth over 10 .*HP_MAX_INPUT_DEPTH=20\."):
+    with pytest.raises(
+        InputLimitError, match=r"^d\.yaml: .*nesting depth over 10 .*HP_MAX_INPUT_DEPTH=20\."
+    ):
         load_yaml(deep, source="d.yaml", max_depth=10)  # a keyword argument wins over the variable
 
     small_bomb = "b:\n" + _bomb(levels=4, width=10, indent="  ")  # 12,353 nodes once expanded
@@ -415,7 +559,9 @@ def test_env_vars_raise_the_limits(monkeypatch):
     monkeypatch.setenv("HP_MAX_YAML_NODES", "20000")
     assert load_yaml(small_bomb)["b"]["a3"][9][9][9][9] == "lol"
 
-    with pytest.raises(InputLimitError, match=r"^s\.json: 12 bytes, over the input limit of 10 bytes"):
+    with pytest.raises(
+        InputLimitError, match=r"^s\.json: 12 bytes, over the input limit of 10 bytes"
+    ):
         loads_json(b'"0123456789"', source="s.json", max_bytes=10)
     monkeypatch.setenv("HP_MAX_INPUT_BYTES", "10")
     with pytest.raises(InputLimitError, match=r"HP_MAX_INPUT_BYTES=12\.$"):
@@ -427,9 +573,14 @@ def test_env_vars_raise_the_limits(monkeypatch):
 def test_a_refused_plan_loads_once_the_limit_is_raised(monkeypatch, tmp_path):
     path = tmp_path / "o.yaml"
     path.write_text(
-        "- match: model.layers.*.self_attn\n  inner_wrapper: {_target_: sdpa_hf, pad: " + "[" * 70 + "]" * 70 + "}\n"
+        "- match: model.layers.*.self_attn\n  inner_wrapper: {_target_: sdpa_hf, pad: "
+        + "[" * 70
+        + "]" * 70
+        + "}\n"
     )
-    with pytest.raises(InputLimitError, match=rf"^{path}: \[0\]\.inner_wrapper\.pad\[0\].*nesting depth over 64"):
+    with pytest.raises(
+        InputLimitError, match=rf"^{path}: \[0\]\.inner_wrapper\.pad\[0\].*nesting depth over 64"
+    ):
         load_overrides(path)
     monkeypatch.setenv("HP_MAX_INPUT_DEPTH", "128")
     (entry,) = load_overrides(path)
@@ -439,7 +590,10 @@ def test_a_refused_plan_loads_once_the_limit_is_raised(monkeypatch, tmp_path):
 @pytest.mark.parametrize("value", ["many", "0", "-3"])
 def test_a_bad_env_value_is_refused_naming_the_variable(monkeypatch, value):
     monkeypatch.setenv("HP_MAX_INPUT_DEPTH", value)
-    with pytest.raises(InputLimitError, match=rf"^HP_MAX_INPUT_DEPTH='{value}': expected a positive integer; unset it to use the default 64\."):
+    with pytest.raises(
+        InputLimitError,
+        match=rf"^HP_MAX_INPUT_DEPTH='{value}': expected a positive integer; unset it to use the default 64\.",
+    ):
         load_yaml("a: 1")
 
 
@@ -447,7 +601,9 @@ def test_read_bounded(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(b"x" * 100)
     assert read_bounded(path, max_bytes=100) == b"x" * 100
-    with pytest.raises(InputLimitError, match=r"^f: 100 bytes, over the input limit of 99 bytes") as info:
+    with pytest.raises(
+        InputLimitError, match=r"^f: 100 bytes, over the input limit of 99 bytes"
+    ) as info:
         read_bounded(path, source="f", max_bytes=99)
     assert (info.value.limit, info.value.env) == (99, "HP_MAX_INPUT_BYTES")
 
@@ -457,9 +613,14 @@ def test_read_bounded(tmp_path):
 
 def test_a_deep_verifier_report_is_refused():
     with pytest.raises(ReportFormatError) as info:
-        VerifyReport.loads('{"format": "hp-verify-report", "checked": ' + "[" * 100_000 + "]" * 100_000 + "}", source="r.json")
+        VerifyReport.loads(
+            '{"format": "hp-verify-report", "checked": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            source="r.json",
+        )
     assert isinstance(info.value, InputLimitError)
-    assert str(info.value).startswith("r.json: checked[0][0][0][0][0][0][0]...: nesting depth over 64")
+    assert str(info.value).startswith(
+        "r.json: checked[0][0][0][0][0][0][0]...: nesting depth over 64"
+    )
     with pytest.raises(ReportFormatError, match=r"^r\.json: mesh\[0\]\[1\]: NaN is not a number"):
         VerifyReport.loads('{"format": "hp-verify-report", "mesh": [["tp", NaN]]}', source="r.json")
 
@@ -495,17 +656,49 @@ def test_without_transformers_the_cli_names_the_extra(capsys, tmp_path, monkeypa
         ({"num_hidden_layers": -1}, "num_hidden_layers must be a positive integer, got -1."),
         ({"vocab_size": 0}, "vocab_size must be a positive integer, got 0."),
         ({"hidden_size": "big"}, "hidden_size must be a positive integer, got str 'big'."),
-        ({"num_attention_heads": 2.5}, "num_attention_heads must be a positive integer, got float 2.5."),
-        ({"intermediate_size": True}, "intermediate_size must be a positive integer, got bool True."),
-        ({"hidden_size": 30, "head_dim": None}, "hidden_size (30) is not divisible by num_attention_heads (4); fix the sizes or set head_dim."),
-        ({"hidden_size": 30}, "transformers cannot build this config: StrictDataclassClassValidationError: "),
-        ({"num_key_value_heads": 3}, "num_attention_heads (4) is not a multiple of num_key_value_heads (3)."),
-        ({"model_type": "lamma"}, "transformers cannot build this config: unknown model_type 'lamma'. Did you mean 'llama'?"),
-        ({"tie_word_embeddings": "yes"}, "transformers cannot build this config: StrictDataclassFieldValidationError: "),
+        (
+            {"num_attention_heads": 2.5},
+            "num_attention_heads must be a positive integer, got float 2.5.",
+        ),
+        (
+            {"intermediate_size": True},
+            "intermediate_size must be a positive integer, got bool True.",
+        ),
+        (
+            {"hidden_size": 30, "head_dim": None},
+            "hidden_size (30) is not divisible by num_attention_heads (4); fix the sizes or set head_dim.",
+        ),
+        (
+            {"hidden_size": 30},
+            "transformers cannot build this config: StrictDataclassClassValidationError: ",
+        ),
+        (
+            {"num_key_value_heads": 3},
+            "num_attention_heads (4) is not a multiple of num_key_value_heads (3).",
+        ),
+        (
+            {"model_type": "lamma"},
+            "transformers cannot build this config: unknown model_type 'lamma'. Did you mean 'llama'?",
+        ),
+        (
+            {"tie_word_embeddings": "yes"},
+            "transformers cannot build this config: StrictDataclassFieldValidationError: ",
+        ),
     ],
     ids=[
-        "heads-0", "kv-heads-0", "negative-hidden", "negative-layers", "vocab-0", "string-size", "float-heads", "bool-size",
-        "not-divisible", "not-divisible-transformers", "kv-not-dividing", "unknown-model-type", "transformers-type-check",
+        "heads-0",
+        "kv-heads-0",
+        "negative-hidden",
+        "negative-layers",
+        "vocab-0",
+        "string-size",
+        "float-heads",
+        "bool-size",
+        "not-divisible",
+        "not-divisible-transformers",
+        "kv-not-dividing",
+        "unknown-model-type",
+        "transformers-type-check",
     ],
 )
 def test_a_bad_model_config_exits_2_with_one_line(capsys, tmp_path, change, message):
@@ -524,8 +717,14 @@ def test_a_bad_model_config_exits_2_with_one_line(capsys, tmp_path, change, mess
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ('{"model_type": "llama", "rope_theta": NaN}', "rope_theta: NaN is not a number hp accepts"),
-        ('{"model_type": "llama", "x": ' + "[" * 100 + "]" * 100 + "}", "x[0][0][0][0][0][0][0]...: nesting depth over 64"),
+        (
+            '{"model_type": "llama", "rope_theta": NaN}',
+            "rope_theta: NaN is not a number hp accepts",
+        ),
+        (
+            '{"model_type": "llama", "x": ' + "[" * 100 + "]" * 100 + "}",
+            "x[0][0][0][0][0][0][0]...: nesting depth over 64",
+        ),
     ],
 )
 def test_a_hostile_config_json_exits_2_with_one_line(capsys, tmp_path, content, message):
@@ -543,7 +742,9 @@ def test_an_oversize_config_json_exits_2(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("HP_MAX_INPUT_BYTES", "100")
     code, out, err = _plan_cli(capsys, "--model", str(path), "--mesh", "tp=2")
     assert (code, out) == (2, "")
-    assert err.startswith(f"hp plan: error: --model: {path}: {path.stat().st_size} bytes, over the input limit of 100 bytes")
+    assert err.startswith(
+        f"hp plan: error: --model: {path}: {path.stat().st_size} bytes, over the input limit of 100 bytes"
+    )
     assert "HP_MAX_INPUT_BYTES=" in err and len(err.strip().splitlines()) == 1
 
 

@@ -47,7 +47,10 @@ def test_freeze_writes_a_signed_artifact(capsys, tmp_path):
     code, out, err = run(capsys, "freeze", "--model", "llama", "--mesh", "tp=2", "-o", str(path))
     assert (code, err) == (0, "")
     artifact = read_artifact(path)
-    assert out == f"hp freeze: wrote {path}: 13 modules, 0 with injections, mesh tp=2, signature {artifact.signature}\n"
+    assert (
+        out
+        == f"hp freeze: wrote {path}: 13 modules, 0 with injections, mesh tp=2, signature {artifact.signature}\n"
+    )
     assert same_plan(artifact.plan(), plan(build_model("llama", device="meta"), "tp=2"))
     again = tmp_path / "b.json"
     assert run(capsys, "freeze", "--model", "llama", "--mesh", "tp=2", "-o", str(again))[0] == 0
@@ -56,7 +59,20 @@ def test_freeze_writes_a_signed_artifact(capsys, tmp_path):
 
 def test_freeze_flags_and_overrides(capsys, tmp_path):
     path = tmp_path / "moe.json"
-    code, _, _ = run(capsys, "freeze", "--model", "qwen2moe", "--mesh", "tp=2,ep=2", "--ep", "2", "--no-sp", "--loss-parallel", "-o", str(path))
+    code, _, _ = run(
+        capsys,
+        "freeze",
+        "--model",
+        "qwen2moe",
+        "--mesh",
+        "tp=2,ep=2",
+        "--ep",
+        "2",
+        "--no-sp",
+        "--loss-parallel",
+        "-o",
+        str(path),
+    )
     assert code == 0
     meta = read_artifact(path).meta
     assert (meta["sequence_parallel"], meta["loss_parallel"], meta["ep_size"]) == (False, True, 2)
@@ -65,7 +81,19 @@ def test_freeze_flags_and_overrides(capsys, tmp_path):
     overrides.write_text(CP_YAML)
     path = tmp_path / "cp.json"
     # sdpa_hf comes from hp-plugin-cp, which builtin_only leaves out: freeze it anyway
-    code, out, _ = run(capsys, "freeze", "--model", "llama", "--mesh", "cp=2", "--overrides", str(overrides), "-o", str(path), "--allow-missing-plugins")
+    code, out, _ = run(
+        capsys,
+        "freeze",
+        "--model",
+        "llama",
+        "--mesh",
+        "cp=2",
+        "--overrides",
+        str(overrides),
+        "-o",
+        str(path),
+        "--allow-missing-plugins",
+    )
     assert code == 0 and ": 11 modules, 2 with injections, mesh cp=2," in out
     artifact = read_artifact(path, check_registry=False)
     assert artifact.inputs["overrides"][0]["when"] == "cp"
@@ -75,11 +103,23 @@ def test_freeze_flags_and_overrides(capsys, tmp_path):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--mesh", "tp"], "hp freeze: error: --mesh: mesh 'tp': 'tp' is not AXIS=SIZE (e.g. 'tp=4,cp=2')\n"),
+        (
+            ["--mesh", "tp"],
+            "hp freeze: error: --mesh: mesh 'tp': 'tp' is not AXIS=SIZE (e.g. 'tp=4,cp=2')\n",
+        ),
         (["--model", "lama"], "hp freeze: error: --model: unknown model preset 'lama'."),
-        (["--overrides", "nope.yaml"], "hp freeze: error: --overrides: 'nope.yaml': no such file.\n"),
-        (["-o", "no/such/dir/a.json"], "hp freeze: error: -o/--output: 'no/such/dir/a.json': its folder does not exist; name the artifact file to write.\n"),
-        (["-o", "."], "hp freeze: error: -o/--output: '.': is a directory; name the artifact file to write.\n"),
+        (
+            ["--overrides", "nope.yaml"],
+            "hp freeze: error: --overrides: 'nope.yaml': no such file.\n",
+        ),
+        (
+            ["-o", "no/such/dir/a.json"],
+            "hp freeze: error: -o/--output: 'no/such/dir/a.json': its folder does not exist; name the artifact file to write.\n",
+        ),
+        (
+            ["-o", "."],
+            "hp freeze: error: -o/--output: '.': is a directory; name the artifact file to write.\n",
+        ),
     ],
 )
 def test_freeze_usage_errors_exit_2(capsys, tmp_path, monkeypatch, argv, message):
@@ -96,11 +136,37 @@ def test_freeze_usage_errors_exit_2(capsys, tmp_path, monkeypatch, argv, message
 def test_freeze_problems_exit_1(capsys, tmp_path, monkeypatch):
     bad = tmp_path / "bad.yaml"
     bad.write_text("- match: model.nrom\n  params: none\n")
-    code, _, err = run(capsys, "freeze", "--model", "llama", "--mesh", "tp=2", "--overrides", str(bad), "-o", str(tmp_path / "a.json"))
-    assert code == 1 and err.startswith("hp freeze: error: OverrideError: overrides[0].match: 'model.nrom' is not a module of the model.")
+    code, _, err = run(
+        capsys,
+        "freeze",
+        "--model",
+        "llama",
+        "--mesh",
+        "tp=2",
+        "--overrides",
+        str(bad),
+        "-o",
+        str(tmp_path / "a.json"),
+    )
+    assert code == 1 and err.startswith(
+        "hp freeze: error: OverrideError: overrides[0].match: 'model.nrom' is not a module of the model."
+    )
     order = tmp_path / "order.yaml"
-    order.write_text("- match: model.norm\n  out_src: {b: {tp: shard(1)}, a: {tp: shard(1)}}\n  out_dst: {b: {tp: shard(1)}, a: {tp: shard(1)}}\n")
-    code, _, err = run(capsys, "freeze", "--model", "llama", "--mesh", "tp=2", "--overrides", str(order), "-o", str(tmp_path / "a.json"))
+    order.write_text(
+        "- match: model.norm\n  out_src: {b: {tp: shard(1)}, a: {tp: shard(1)}}\n  out_dst: {b: {tp: shard(1)}, a: {tp: shard(1)}}\n"
+    )
+    code, _, err = run(
+        capsys,
+        "freeze",
+        "--model",
+        "llama",
+        "--mesh",
+        "tp=2",
+        "--overrides",
+        str(order),
+        "-o",
+        str(tmp_path / "a.json"),
+    )
     assert code == 1
     assert err == (
         "hp freeze: error: FreezeError: modules['model.norm']: its outputs ['b', 'a'] are ordered only by the key "
@@ -112,8 +178,14 @@ def test_freeze_problems_exit_1(capsys, tmp_path, monkeypatch):
         raise OSError("No space left on device")
 
     monkeypatch.setattr(hp_core.artifact, "write_artifact", full_disk)
-    code, _, err = run(capsys, "freeze", "--model", "llama", "--mesh", "tp=2", "-o", str(tmp_path / "a.json"))
-    assert code == 1 and err == f"hp freeze: error: cannot write {str(tmp_path / 'a.json')!r}: No space left on device\n"
+    code, _, err = run(
+        capsys, "freeze", "--model", "llama", "--mesh", "tp=2", "-o", str(tmp_path / "a.json")
+    )
+    assert (
+        code == 1
+        and err
+        == f"hp freeze: error: cannot write {str(tmp_path / 'a.json')!r}: No space left on device\n"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml", "order.yaml"]
 
 
@@ -139,15 +211,16 @@ def test_check_with_the_right_model(capsys, frozen, tmp_path):
     verified = out[out.index("\nverified on mesh {'tp': 2} in ") + 1 :]
     assert verified.endswith("\n")
     assert (
-        "11 boundaries checked by propagation, 0 run on local tensors, "
-        "0 repeated layers skipped\n"
+        "11 boundaries checked by propagation, 0 run on local tensors, 0 repeated layers skipped\n"
     ) in verified
     assert "  partial gradients summed over tp: 5 (model.layers.0.input_layernorm.weight," in (
         verified
     )
     build_model("llama", device="meta").config.to_json_file(tmp_path / "config.json")
     saved = tmp_path / "report.json"
-    code, out, err = run(capsys, "check", str(frozen), "--model", str(tmp_path), "--report", str(saved))
+    code, out, err = run(
+        capsys, "check", str(frozen), "--model", str(tmp_path), "--report", str(saved)
+    )
     assert (code, err) == (0, "")  # the same config from a file, with the report saved
     assert out.endswith(f"report written to {saved}\n")
     from hp_core.verifier import VerifyReport
@@ -161,15 +234,27 @@ def test_check_report_needs_a_model_and_a_writable_path(capsys, frozen, tmp_path
     code, out, err = run(capsys, "check", str(frozen), "--report", str(tmp_path / "r.json"))
     assert code == 2 and err.startswith("hp check: error: --report needs --model")
     assert not (tmp_path / "r.json").exists()
-    code, out, err = run(capsys, "check", str(frozen), "--model", "llama", "--report", str(tmp_path / "no" / "r.json"))
-    assert code == 2 and err.startswith(f"hp check: error: cannot write the report to {str(tmp_path / 'no' / 'r.json')!r}")
+    code, out, err = run(
+        capsys,
+        "check",
+        str(frozen),
+        "--model",
+        "llama",
+        "--report",
+        str(tmp_path / "no" / "r.json"),
+    )
+    assert code == 2 and err.startswith(
+        f"hp check: error: cannot write the report to {str(tmp_path / 'no' / 'r.json')!r}"
+    )
     assert "report written" not in out
 
 
 def test_check_with_another_model(capsys, frozen):
     code, out, err = run(capsys, "check", str(frozen), "--model", "qwen2")
     assert code == 1 and "signature ok" in out
-    assert err.startswith("hp check: problem: model: the artifact was frozen for another model (digest sha256:")
+    assert err.startswith(
+        "hp check: problem: model: the artifact was frozen for another model (digest sha256:"
+    )
     assert out.endswith("verify: skipped (the model checks failed)\n")
 
 
@@ -179,11 +264,15 @@ def test_check_reports_lint_problems(capsys, tmp_path):
     from hp_core.artifact import make_artifact, write_artifact
     from hp_core.plans import ShardingPlan
 
-    holed = ShardingPlan({f: s for f, s in live.items() if f != "model.norm"}, ("tp",), (2,), sequence_parallel=True)
+    holed = ShardingPlan(
+        {f: s for f, s in live.items() if f != "model.norm"}, ("tp",), (2,), sequence_parallel=True
+    )
     path = write_artifact(make_artifact(holed, model=model), tmp_path / "holed.json")
     code, _, err = run(capsys, "check", str(path), "--model", "llama")
     assert code == 1
-    assert err.startswith("hp check: problem: CoverageError: trainable parameter(s) model.norm.weight are not declared by any boundary")
+    assert err.startswith(
+        "hp check: problem: CoverageError: trainable parameter(s) model.norm.weight are not declared by any boundary"
+    )
 
 
 def test_check_refuses_a_plan_the_verifier_refuses(capsys, tmp_path):
@@ -214,11 +303,25 @@ def test_check_refuses_missing_plugin_items(capsys, tmp_path):
     overrides = tmp_path / "cp.yaml"
     overrides.write_text(CP_YAML)
     path = tmp_path / "cp.json"
-    argv = ["freeze", "--model", "llama", "--mesh", "cp=2", "--overrides", str(overrides), "-o", str(path)]
-    assert run(capsys, *argv, "--allow-missing-plugins")[0] == 0  # hp freeze alone refuses it (exit 2)
+    argv = [
+        "freeze",
+        "--model",
+        "llama",
+        "--mesh",
+        "cp=2",
+        "--overrides",
+        str(overrides),
+        "-o",
+        str(path),
+    ]
+    assert (
+        run(capsys, *argv, "--allow-missing-plugins")[0] == 0
+    )  # hp freeze alone refuses it (exit 2)
     code, out, err = run(capsys, "check", str(path))
     assert (code, out) == (1, "")
-    assert err.startswith(f"hp check: error: ArtifactRegistryError: {path}: the plan injects items that no installed plugin provides:\n")
+    assert err.startswith(
+        f"hp check: error: ArtifactRegistryError: {path}: the plan injects items that no installed plugin provides:\n"
+    )
     assert "'sdpa_hf' is not a registered inner wrapper" in err
 
 
@@ -229,13 +332,21 @@ def test_check_warns_about_version_drift(capsys, frozen):
     frozen.write_bytes(canonical_json(doc))
     code, _, err = run(capsys, "check", str(frozen))
     assert code == 0
-    assert err.startswith("warning: hp 0.0.1 froze it; hp 0.1.0 is installed (the artifact still verifies;")
+    assert err.startswith(
+        "warning: hp 0.0.1 froze it; hp 0.1.0 is installed (the artifact still verifies;"
+    )
 
 
 def test_check_usage_and_read_errors(capsys, frozen, monkeypatch):
-    assert run(capsys, "check", "nope.json") == (2, "", "hp check: error: 'nope.json': no such file.\n")
+    assert run(capsys, "check", "nope.json") == (
+        2,
+        "",
+        "hp check: error: 'nope.json': no such file.\n",
+    )
     code, out, err = run(capsys, "check", str(frozen), "--model", "lama")
-    assert (code, out) == (2, "") and err.startswith("hp check: error: --model: unknown model preset 'lama'.")
+    assert (code, out) == (2, "") and err.startswith(
+        "hp check: error: --model: unknown model preset 'lama'."
+    )
     code, _, err = run(capsys, "check")
     assert code == 2 and "the following arguments are required: ARTIFACT" in err
 
@@ -243,7 +354,11 @@ def test_check_usage_and_read_errors(capsys, frozen, monkeypatch):
         raise PermissionError("Permission denied")
 
     monkeypatch.setattr(hp_core.artifact, "read_artifact", unreadable)
-    assert run(capsys, "check", str(frozen)) == (1, "", f"hp check: error: cannot read {str(frozen)!r}: Permission denied\n")
+    assert run(capsys, "check", str(frozen)) == (
+        1,
+        "",
+        f"hp check: error: cannot read {str(frozen)!r}: Permission denied\n",
+    )
 
 
 def test_console_script_freeze_then_check(tmp_path, capsys):
@@ -252,9 +367,16 @@ def test_console_script_freeze_then_check(tmp_path, capsys):
     path = tmp_path / "a.json"
     done = subprocess.run(
         [str(exe), "freeze", "--model", "mistral", "--mesh", "tp=2", "--no-sp", "-o", str(path)],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"hp freeze: wrote {path}: 11 modules, 0 with injections, mesh tp=2, signature sha256:")
-    assert read_artifact(path).meta == freeze(plan(build_model("mistral", device="meta"), "tp=2", sequence_parallel=False))
+    assert done.stdout.startswith(
+        f"hp freeze: wrote {path}: 11 modules, 0 with injections, mesh tp=2, signature sha256:"
+    )
+    assert read_artifact(path).meta == freeze(
+        plan(build_model("mistral", device="meta"), "tp=2", sequence_parallel=False)
+    )
     assert cli.main(["check", str(path), "--model", "mistral"]) == 0

@@ -25,7 +25,11 @@ def hp_demo(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:
         environ.setdefault("COVERAGE_PROCESS_START", str(ROOT / "pyproject.toml"))
     return subprocess.run(
         [sys.executable, "-m", "hp_core.cli", "demo", *argv],
-        capture_output=True, text=True, timeout=240, cwd=ROOT, env=environ,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env=environ,
     )
 
 
@@ -62,7 +66,10 @@ def test_without_plugins_the_mesh_degrades_with_a_note():
 def test_default_setup_follows_the_loaded_plugins(monkeypatch):
     full = demo.default_setup()
     assert (full.mesh, full.ep, full.world) == ((("cp", 2), ("tp", 2)), 2, 4)
-    assert "inner_wrapper: sdpa_hf" in full.overrides and "local_compute_fn: qwen2moe" in full.overrides
+    assert (
+        "inner_wrapper: sdpa_hf" in full.overrides
+        and "local_compute_fn: qwen2moe" in full.overrides
+    )
     assert demo.default_setup("mixtral", world=2).mesh == (("tp", 2),)
     assert "local_compute_fn: mixtral" in demo.default_setup("mixtral").overrides
     dense = demo.default_setup("llama", mesh="tp=2,cp=2")
@@ -104,7 +111,15 @@ def test_verdict():
 
 
 def test_cli_reports_a_mismatch_with_exit_1(monkeypatch, capsys):
-    reports = [{"rank": 0, "params": 10, "losses": [(4.0, 4.0), (4.0, 4.5)], "adapters": (), "measured": {}}]
+    reports = [
+        {
+            "rank": 0,
+            "params": 10,
+            "losses": [(4.0, 4.0), (4.0, 4.5)],
+            "adapters": (),
+            "measured": {},
+        }
+    ]
     monkeypatch.setattr(demo, "run_demo", lambda setup: reports)
     assert cli.main(["demo", "--model", "llama", "--mesh", "tp=2", "--steps", "2"]) == 1
     out, err = capsys.readouterr()
@@ -115,7 +130,9 @@ def test_cli_reports_a_mismatch_with_exit_1(monkeypatch, capsys):
 def test_cli_errors(monkeypatch, capsys):
     assert cli.main(["demo", "--mesh", "tp=2", "--world", "4"]) == 2
     assert "hp demo: error: --world 4 does not match" in capsys.readouterr().err
-    assert cli.main(["demo", "--model", "llama", "--mesh", "tp=8"]) == 1  # 4 heads cannot split over 8
+    assert (
+        cli.main(["demo", "--model", "llama", "--mesh", "tp=8"]) == 1
+    )  # 4 heads cannot split over 8
     assert "cannot plan llama for tp=8" in capsys.readouterr().err
 
     def fail(setup):
@@ -127,6 +144,8 @@ def test_cli_errors(monkeypatch, capsys):
 
 
 def test_a_failing_rank_is_reported_not_hung():
-    setup = demo.DemoSetup("llama", (("tp", 1),), overrides="- match: 'model.norm'\n  bogus: 1\n", steps=1)
+    setup = demo.DemoSetup(
+        "llama", (("tp", 1),), overrides="- match: 'model.norm'\n  bogus: 1\n", steps=1
+    )
     with pytest.raises(demo.DemoError, match="rank 0 failed:"):
         demo.run_demo(setup)

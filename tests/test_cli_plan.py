@@ -12,9 +12,9 @@ import pytest
 
 import hp_core
 from hp_core import cli
+from hp_core.planner.plan import plan
 from hp_core.plans import load_plan
 from hp_core.plans.prediction import step_collectives
-from hp_core.planner.plan import plan
 from hp_core.presets import (
     build_model,
     model_from_config,
@@ -59,7 +59,9 @@ def test_yaml_output_round_trips(capsys):
 def test_flags(capsys):
     code, out, _ = run(capsys, "--model", "llama", "--mesh", "tp=2", "--no-sp", "--loss-parallel")
     assert code == 0
-    assert out.startswith("hp plan: mesh tp=2 (2 devices); sequence parallel off; loss parallel on; ep_size 1\n")
+    assert out.startswith(
+        "hp plan: mesh tp=2 (2 devices); sequence parallel off; loss parallel on; ep_size 1\n"
+    )
     assert "  out output: shard(2) on tp: unchanged\n" in out
     code, out, _ = run(capsys, "--model", "qwen2moe", "--mesh", "tp=2,cp=2", "--sp", "--ep", "2")
     assert code == 0
@@ -94,17 +96,34 @@ def test_overrides_file_notes_and_warnings(capsys, tmp_path):
     code, out, err = run(capsys, "--model", "llama", "--mesh", "tp=2", "--overrides", str(path))
     assert code == 0
     assert "  out output: shard(2) on tp: unchanged\n" in out
-    assert "override notes:\n  overrides[0]: skipped ('model.norm' when: cp; cp is not active)\n" in out
-    assert err.startswith("warning: overrides[1]: glob 'model.layers.*.nothing' matched no derived boundary")
+    assert (
+        "override notes:\n  overrides[0]: skipped ('model.norm' when: cp; cp is not active)\n"
+        in out
+    )
+    assert err.startswith(
+        "warning: overrides[1]: glob 'model.layers.*.nothing' matched no derived boundary"
+    )
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--model", "lama", "--mesh", "tp=2"], "hp plan: error: --model: unknown model preset 'lama'. Did you mean 'llama'?"),
-        (["--model", "llama", "--mesh", "tp2"], "hp plan: error: --mesh: mesh 'tp2': 'tp2' is not AXIS=SIZE"),
-        (["--model", "llama", "--mesh", "tp=2", "--overrides", "missing.yaml"], "hp plan: error: --overrides: 'missing.yaml': no such file."),
-        (["--model", "nowhere/config.json", "--mesh", "tp=2"], "hp plan: error: --model: 'nowhere/config.json': no such file."),
+        (
+            ["--model", "lama", "--mesh", "tp=2"],
+            "hp plan: error: --model: unknown model preset 'lama'. Did you mean 'llama'?",
+        ),
+        (
+            ["--model", "llama", "--mesh", "tp2"],
+            "hp plan: error: --mesh: mesh 'tp2': 'tp2' is not AXIS=SIZE",
+        ),
+        (
+            ["--model", "llama", "--mesh", "tp=2", "--overrides", "missing.yaml"],
+            "hp plan: error: --overrides: 'missing.yaml': no such file.",
+        ),
+        (
+            ["--model", "nowhere/config.json", "--mesh", "tp=2"],
+            "hp plan: error: --model: 'nowhere/config.json': no such file.",
+        ),
     ],
 )
 def test_usage_errors_exit_2(capsys, argv, message):
@@ -142,7 +161,9 @@ def test_argparse_usage_errors_exit_2(capsys):
 def test_planning_errors_exit_1(capsys, tmp_path):
     code, out, err = run(capsys, "--model", "llama", "--mesh", "tp=4")
     assert (code, out) == (1, "")
-    assert err.startswith("hp plan: error: DivisibilityError: model.layers.0.self_attn: 2 key/value heads")
+    assert err.startswith(
+        "hp plan: error: DivisibilityError: model.layers.0.self_attn: 2 key/value heads"
+    )
     path = tmp_path / "o.yaml"
     path.write_text("- match: lm_head\n  out_dst: {output: {tpp: replicate}}\n")
     code, _, err = run(capsys, "--model", "llama", "--mesh", "tp=2", "--overrides", str(path))
@@ -163,7 +184,10 @@ def test_console_script():
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
         [str(exe), "plan", "--model", "llama", "--mesh", "tp=2", "--verify"],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout.startswith("hp plan: mesh tp=2 (2 devices); sequence parallel on;")
@@ -233,8 +257,7 @@ def test_verify_prints_the_report_and_the_verified_collectives(capsys, no_networ
     summary = summary_of(out, "{'tp': 2}")
     assert summary.endswith("\n") and summary.count("\n") == 2
     assert (
-        "11 boundaries checked by propagation, 0 run on local tensors, "
-        "0 repeated layers skipped\n"
+        "11 boundaries checked by propagation, 0 run on local tensors, 0 repeated layers skipped\n"
     ) in summary
     assert "  partial gradients summed over tp: 5 (model.layers.0.input_layernorm.weight," in (
         summary

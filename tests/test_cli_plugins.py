@@ -60,7 +60,9 @@ def test_items_show_their_static_requirements(capsys):
     def w(target_module, ctx):
         return None
 
-    register_inner_wrapper("cli_wrapper", w, needs_cp=True, region_dispatch=False, forward_style="hf")
+    register_inner_wrapper(
+        "cli_wrapper", w, needs_cp=True, region_dispatch=False, forward_style="hf"
+    )
     _, out, _ = run(capsys)
     cells = next(c for c in out.splitlines() if "cli_wrapper" in c)
     assert "inner_wrapper" in cells and "user" in cells
@@ -77,7 +79,10 @@ def test_broken_plugin_is_listed_and_only_strict_fails(capsys, broken):
 
     code, out, err = run(capsys, "--strict")
     assert code == 1
-    assert "hp plugins --strict: plugin 'broken' from distribution fake-broken 2.5 failed to load" in err
+    assert (
+        "hp plugins --strict: plugin 'broken' from distribution fake-broken 2.5 failed to load"
+        in err
+    )
     assert "ModuleNotFoundError" in err
     assert row(out, "broken")[3] == "failed"  # the tables are still printed
 
@@ -118,7 +123,9 @@ def test_console_script(tmp_path):
     assert hp, "the hp console script is not installed: pip install -e ."
     env = {k: v for k, v in os.environ.items() if not k.startswith("HP_")}
     env["PYTHONPATH"] = ""  # the console script must find everything through the install
-    proc = subprocess.run([hp, "plugins"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [hp, "plugins"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert row(proc.stdout, "cp")[:2] == ["cp", "hp-plugin-cp"]
     assert row(proc.stdout, "moe")[:2] == ["moe", "hp-plugin-moe"]

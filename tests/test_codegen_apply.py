@@ -19,4 +19,6 @@ def test_rebuilt_plan_matches_live_plan_tp2_llama():
         for mode in ("production", "validate"):
             # The same plan runs the same ops: identical outputs and gradients.
             assert r[f"{mode}:rebuilt-live"] == {"loss": 0.0, "grads": 0.0}, r
-            assert r[f"{mode}:rebuilt-ref"]["loss"] < 1e-5 and r[f"{mode}:rebuilt-ref"]["grads"] < 1e-5, r
+            assert (
+                r[f"{mode}:rebuilt-ref"]["loss"] < 1e-5 and r[f"{mode}:rebuilt-ref"]["grads"] < 1e-5
+            ), r

@@ -42,7 +42,14 @@ from tests._toy_models import head_attention_lm
 
 pytestmark = pytest.mark.usefixtures("builtin_only")
 
-CP_OVERRIDES = [{"match": "model.layers.*.self_attn", "inner_wrapper": "sdpa_hf", "inner_target": "self", "region_dispatch": False}]
+CP_OVERRIDES = [
+    {
+        "match": "model.layers.*.self_attn",
+        "inner_wrapper": "sdpa_hf",
+        "inner_target": "self",
+        "region_dispatch": False,
+    }
+]
 
 
 @inner_wrapper
@@ -83,9 +90,14 @@ def test_bytes_are_canonical_and_stable(llama, artifact):
     assert data.endswith(b"}\n") and data.count(b"\n") == 1
     doc = json.loads(data)
     assert canonical_json(doc) == data
-    assert json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode() + b"\n" == data
+    assert (
+        json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+        == data
+    )
     assert list(doc) == ["format", "format_version", "inputs", "meta", "signature"]
-    again = make_artifact(plan(build_model("llama", device="meta"), "tp=2"), model=build_model("llama", device="meta"))
+    again = make_artifact(
+        plan(build_model("llama", device="meta"), "tp=2"), model=build_model("llama", device="meta")
+    )
     assert dumps_artifact(again) == data  # same inputs in a fresh build: identical bytes
     assert doc["meta"] == freeze(plan(llama, "tp=2"))
     assert doc["signature"] == content_signature({k: v for k, v in doc.items() if k != "signature"})
@@ -95,11 +107,20 @@ def test_bytes_are_canonical_and_stable(llama, artifact):
 def test_inputs_record_what_produced_the_plan(llama, artifact, tmp_path):
     inputs = artifact.inputs
     assert inputs["hp_version"] == hp_core.__version__
-    assert inputs["plugins"]["builtin"] == {"distribution": "hp-core", "version": hp_core.__version__}
+    assert inputs["plugins"]["builtin"] == {
+        "distribution": "hp-core",
+        "version": hp_core.__version__,
+    }
     assert inputs["mesh"] == "tp=2" and inputs["overrides"] == []
-    assert inputs["model"] == {"class": "LlamaForCausalLM", "model_type": "llama", "digest": model_digest(llama)}
+    assert inputs["model"] == {
+        "class": "LlamaForCausalLM",
+        "model_type": "llama",
+        "digest": model_digest(llama),
+    }
     path = tmp_path / "cp.yaml"
-    path.write_text("- match: model.layers.*.self_attn\n  inner_wrapper: sdpa_hf\n  inner_target: self\n  region_dispatch: false\n")
+    path.write_text(
+        "- match: model.layers.*.self_attn\n  inner_wrapper: sdpa_hf\n  inner_target: self\n  region_dispatch: false\n"
+    )
     cp = make_artifact(plan(llama, "cp=2", overrides=str(path)), model=llama, overrides=str(path))
     assert cp.inputs["overrides"] == CP_OVERRIDES and cp.inputs["mesh"] == "cp=2"
     assert cp.signature != artifact.signature
@@ -109,8 +130,15 @@ def test_unserializable_overrides_are_a_freeze_error(llama):
     def local(target_module, ctx):
         return None
 
-    overrides = {"model.layers.0.self_attn": ModuleShardingSpec(inner_wrapper=inner_wrapper(local), inner_target="self", region_dispatch=False)}
-    with pytest.raises(FreezeError, match=r"^overrides: overrides\['model.layers.0.self_attn'\].inner_wrapper: .*<locals>.local cannot be written to a file"):
+    overrides = {
+        "model.layers.0.self_attn": ModuleShardingSpec(
+            inner_wrapper=inner_wrapper(local), inner_target="self", region_dispatch=False
+        )
+    }
+    with pytest.raises(
+        FreezeError,
+        match=r"^overrides: overrides\['model.layers.0.self_attn'\].inner_wrapper: .*<locals>.local cannot be written to a file",
+    ):
         make_artifact(plan(llama, "tp=2"), model=llama, overrides=overrides)
 
 
@@ -138,7 +166,9 @@ def test_model_digest_renders_any_config_value():
 
     odd = {"dtype": torch.float32, "eps": float("nan"), "sizes": (1, 2), "nested": {3: [0.5]}}
     assert model_digest(with_config(**odd)) == model_digest(with_config(**odd))
-    assert model_digest(with_config(**odd)) != model_digest(with_config(**{**odd, "dtype": torch.bfloat16}))
+    assert model_digest(with_config(**odd)) != model_digest(
+        with_config(**{**odd, "dtype": torch.bfloat16})
+    )
     assert model_digest(with_config(**odd)) != model_digest(head_attention_lm(n_layers=1))
 
 
@@ -180,12 +210,22 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(artifact, tmp_path,
 
 
 def test_not_an_artifact():
-    assert _refusal(b"\xff\xfe", ArtifactFormatError).startswith("a.json: not an hp artifact (not UTF-8 JSON: ")
-    assert _refusal(b"version: 1\n", ArtifactFormatError).startswith("a.json: not an hp artifact (not UTF-8 JSON: ")
+    assert _refusal(b"\xff\xfe", ArtifactFormatError).startswith(
+        "a.json: not an hp artifact (not UTF-8 JSON: "
+    )
+    assert _refusal(b"version: 1\n", ArtifactFormatError).startswith(
+        "a.json: not an hp artifact (not UTF-8 JSON: "
+    )
     message = _refusal(b"[1]", ArtifactFormatError)
-    assert message == 'a.json: not an hp artifact (no "format": \'hp-artifact\'). Artifacts are written by hp freeze; a plan YAML file is read with hp_core.load_plan instead.'
+    assert (
+        message
+        == "a.json: not an hp artifact (no \"format\": 'hp-artifact'). Artifacts are written by hp freeze; a plan YAML file is read with hp_core.load_plan instead."
+    )
     message = _refusal(b'{"format": "hp-artifact", "format": "x"}', ArtifactFormatError)
-    assert message == "a.json: duplicate key 'format': an artifact is canonical JSON. Re-create it with this hp: hp freeze --model ... --mesh ... -o ARTIFACT."
+    assert (
+        message
+        == "a.json: duplicate key 'format': an artifact is canonical JSON. Re-create it with this hp: hp freeze --model ... --mesh ... -o ARTIFACT."
+    )
 
 
 def test_another_format_version(artifact):
@@ -194,7 +234,9 @@ def test_another_format_version(artifact):
         f"a.json: artifact format version 2; this hp (hp {hp_core.__version__}) reads version 1. Re-freeze the "
         "plan with this hp (hp freeze --model ... --mesh ... -o ARTIFACT), or use the hp version that wrote it."
     )
-    assert "artifact format version True;" in _refusal(_resigned(artifact, lambda d: d.update(format_version=True)), ArtifactVersionError)
+    assert "artifact format version True;" in _refusal(
+        _resigned(artifact, lambda d: d.update(format_version=True)), ArtifactVersionError
+    )
 
 
 def test_missing_or_unknown_top_level_keys(artifact):
@@ -242,11 +284,16 @@ def test_a_signed_artifact_with_a_bad_schema(artifact):
         "a.json: inputs: expected the keys hp_version, mesh, model, overrides, plugins, got ['hp_version', 'mesh', 'model', 'overrides']."
     )
     data = _resigned(artifact, lambda d: d.update(inputs=[]))
-    assert "a.json: inputs: expected the keys hp_version, mesh, model, overrides, plugins, got []." in _refusal(data, ArtifactSchemaError)
+    assert (
+        "a.json: inputs: expected the keys hp_version, mesh, model, overrides, plugins, got []."
+        in _refusal(data, ArtifactSchemaError)
+    )
 
 
 def test_injections_must_name_installed_items(llama, tmp_path):
-    cp = make_artifact(plan(llama, "cp=2", overrides=CP_OVERRIDES), model=llama, overrides=CP_OVERRIDES)
+    cp = make_artifact(
+        plan(llama, "cp=2", overrides=CP_OVERRIDES), model=llama, overrides=CP_OVERRIDES
+    )
     message = _refusal(dumps_artifact(cp), ArtifactRegistryError)
     assert message.startswith(
         "a.json: the plan injects items that no installed plugin provides:\n"
@@ -254,7 +301,10 @@ def test_injections_must_name_installed_items(llama, tmp_path):
         "  modules['model.layers.1.self_attn'].inner_wrapper: 'sdpa_hf' is not a registered inner wrapper (registered: none)\n"
         "Install the plugin that provides them (hp plugins lists what is installed"
     )
-    assert "register them with register_inner_wrapper / register_compute_factory before loading, or re-freeze the plan without them." in message
+    assert (
+        "register them with register_inner_wrapper / register_compute_factory before loading, or re-freeze the plan without them."
+        in message
+    )
     assert loads_artifact(dumps_artifact(cp), check_registry=False) == cp
     register_inner_wrapper("sdpa_hf", user_wrapper)
     try:
@@ -265,9 +315,21 @@ def test_injections_must_name_installed_items(llama, tmp_path):
 
 def test_registry_check_on_targets_and_dotted_paths():
     spec = ModuleShardingSpec(
-        inner_wrapper=Target("missing_wrapper"), inner_target="self", local_compute_fn="nonexistent_pkg_xyz.compute.factory", region_dispatch=False
+        inner_wrapper=Target("missing_wrapper"),
+        inner_target="self",
+        local_compute_fn="nonexistent_pkg_xyz.compute.factory",
+        region_dispatch=False,
     )
-    p = ShardingPlan({"m": spec, "n": ModuleShardingSpec(local_compute_fn="hp_core.artifact.freeze", region_dispatch=False)}, ("tp",), (2,))
+    p = ShardingPlan(
+        {
+            "m": spec,
+            "n": ModuleShardingSpec(
+                local_compute_fn="hp_core.artifact.freeze", region_dispatch=False
+            ),
+        },
+        ("tp",),
+        (2,),
+    )
     assert missing_registry_items(p) == [
         "modules['m'].inner_wrapper: 'missing_wrapper' is not a registered inner wrapper (registered: none)",
         "modules['m'].local_compute_fn: 'nonexistent_pkg_xyz.compute.factory': package 'nonexistent_pkg_xyz' is not installed",
@@ -277,9 +339,21 @@ def test_registry_check_on_targets_and_dotted_paths():
 def test_version_drift(artifact):
     assert version_drift(artifact) == []
     old = loads_artifact(
-        _resigned(artifact, lambda d: d["inputs"].update(hp_version="0.0.1", plugins={"builtin": {"distribution": "hp-core", "version": hp_core.__version__}, "cp": {"distribution": "hp-plugin-cp", "version": "0.0.9"}}))
+        _resigned(
+            artifact,
+            lambda d: d["inputs"].update(
+                hp_version="0.0.1",
+                plugins={
+                    "builtin": {"distribution": "hp-core", "version": hp_core.__version__},
+                    "cp": {"distribution": "hp-plugin-cp", "version": "0.0.9"},
+                },
+            ),
+        )
     )
-    assert version_drift(old) == [f"hp 0.0.1 froze it; hp {hp_core.__version__} is installed", "plugin 'cp': 0.0.9 when frozen, absent now"]
+    assert version_drift(old) == [
+        f"hp 0.0.1 froze it; hp {hp_core.__version__} is installed",
+        "plugin 'cp': 0.0.9 when frozen, absent now",
+    ]
 
 
 # ------------------------------------------------------------------ model checks
@@ -290,9 +364,15 @@ def test_check_against_the_right_model(llama, artifact):
 
 
 def test_check_against_another_model(artifact):
-    problems = check_against_model(artifact, build_model("llama", device="meta", num_hidden_layers=1))
-    assert problems[0].startswith("model: the artifact was frozen for another model (digest sha256:")
-    assert problems[0].endswith("class, config or parameter shapes differ). Re-freeze it for this model.")
+    problems = check_against_model(
+        artifact, build_model("llama", device="meta", num_hidden_layers=1)
+    )
+    assert problems[0].startswith(
+        "model: the artifact was frozen for another model (digest sha256:"
+    )
+    assert problems[0].endswith(
+        "class, config or parameter shapes differ). Re-freeze it for this model."
+    )
     assert problems[1:] == [
         f"modules['model.layers.1{sub}']: not a module of this model. Closest module: 'model.layers.0{sub}'."
         for sub in ("", ".self_attn", ".mlp", ".input_layernorm", ".post_attention_layernorm")
@@ -304,12 +384,16 @@ def test_check_runs_the_planner_lints(llama):
     modules = {fqn: spec for fqn, spec in live.items() if fqn != "lm_head"}
     holed = make_artifact(ShardingPlan(modules, ("tp",), (2,), sequence_parallel=True), model=llama)
     (problem,) = check_against_model(holed, llama)
-    assert problem.startswith("CoverageError: trainable parameter(s) lm_head.weight are not declared by any boundary")
+    assert problem.startswith(
+        "CoverageError: trainable parameter(s) lm_head.weight are not declared by any boundary"
+    )
 
 
 def test_check_needs_mesh_sizes(llama):
     live = plan(llama, "tp=2")
-    shapeless = make_artifact(ShardingPlan(dict(live.modules), ("tp",), None, sequence_parallel=True), model=llama)
+    shapeless = make_artifact(
+        ShardingPlan(dict(live.modules), ("tp",), None, sequence_parallel=True), model=llama
+    )
     assert shapeless.inputs["mesh"] == ""
     assert check_against_model(shapeless, llama) == [
         "mesh: the artifact has no mesh sizes, so shapes cannot be checked. Re-freeze it."

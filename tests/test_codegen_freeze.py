@@ -34,7 +34,11 @@ CP_OVERRIDES = [
 
 # (family, mesh, plan keyword arguments): every model and axis combination the project supports.
 CASES = [
-    *[(f, "tp=2", {"sequence_parallel": sp}) for f in ("llama", "qwen2", "mistral") for sp in (True, False)],
+    *[
+        (f, "tp=2", {"sequence_parallel": sp})
+        for f in ("llama", "qwen2", "mistral")
+        for sp in (True, False)
+    ],
     ("llama", "tp=2", {"loss_parallel": True}),
     ("qwen2", "dp=2,tp=2", {"loss_parallel": True, "sequence_parallel": False}),
     ("qwen2moe", "tp=2,ep=2", {"ep_size": 2}),
@@ -63,7 +67,9 @@ def _round_trip(p: ShardingPlan) -> tuple[dict, ShardingPlan]:
     return meta, rebuild(json.loads(canonical_json(meta)))
 
 
-@pytest.mark.parametrize("family,mesh,kwargs", CASES, ids=lambda c: str(c) if isinstance(c, str) else None)
+@pytest.mark.parametrize(
+    "family,mesh,kwargs", CASES, ids=lambda c: str(c) if isinstance(c, str) else None
+)
 def test_round_trip_on_every_supported_model(family, mesh, kwargs):
     live = plan(build_model(family, device="meta"), mesh, **kwargs)
     meta = freeze(live)
@@ -92,7 +98,17 @@ def test_meta_layout_for_a_cp_plan():
         for i in range(2)
     ]
     attn = next(r for r in meta["param_plan"] if r["match"] == "model.layers.0.self_attn")
-    assert list(attn) == ["match", "params", "in_src", "in_dst", "out_src", "out_dst", "out_names", "is_boundary", "region_dispatch"]
+    assert list(attn) == [
+        "match",
+        "params",
+        "in_src",
+        "in_dst",
+        "out_src",
+        "out_dst",
+        "out_names",
+        "is_boundary",
+        "region_dispatch",
+    ]
     assert attn["params"]["q_proj.weight"] == {"cp": "replicate"}
     assert attn["in_src"] == {"hidden_states": {"cp": "shard(1)"}}
     assert attn["region_dispatch"] is False
@@ -104,18 +120,36 @@ def test_ep_plans_carry_size_and_stack():
     rule = meta["injections"][0]
     assert rule["match"] == "model.layers.0.block_sparse_moe" and rule["ep_size"] == 2
     assert rule["ep_stack"]["experts.w1.weight"] == [f"experts.{i}.w1.weight" for i in range(4)]
-    assert rebuilt["model.layers.0.block_sparse_moe"]._ep_stack == live["model.layers.0.block_sparse_moe"]._ep_stack
+    assert (
+        rebuilt["model.layers.0.block_sparse_moe"]._ep_stack
+        == live["model.layers.0.block_sparse_moe"]._ep_stack
+    )
     assert rebuilt["model.layers.1.block_sparse_moe"]._ep_size == 2
     assert same_plan(live, rebuilt) and freeze(rebuilt) == meta
 
 
 def test_explicit_empty_values_survive():
-    spec = ModuleShardingSpec(params={}, in_src={}, in_dst={}, out_src={}, out_dst={}, tp_divide_attrs=[])
+    spec = ModuleShardingSpec(
+        params={}, in_src={}, in_dst={}, out_src={}, out_dst={}, tp_divide_attrs=[]
+    )
     meta, rebuilt = _round_trip(_plan(spec))
     assert meta["param_plan"] == [
-        {"match": "m", "params": {}, "in_src": {}, "in_dst": {}, "out_src": {}, "out_dst": {}, "tp_divide_attrs": [], "is_boundary": True}
+        {
+            "match": "m",
+            "params": {},
+            "in_src": {},
+            "in_dst": {},
+            "out_src": {},
+            "out_dst": {},
+            "tp_divide_attrs": [],
+            "is_boundary": True,
+        }
     ]
-    assert rebuilt["m"].params == {} and rebuilt["m"].tp_divide_attrs == [] and rebuilt["m"].out_src == {}
+    assert (
+        rebuilt["m"].params == {}
+        and rebuilt["m"].tp_divide_attrs == []
+        and rebuilt["m"].out_src == {}
+    )
 
 
 def test_unset_and_falsy_values_are_left_out():
@@ -124,7 +158,13 @@ def test_unset_and_falsy_values_are_left_out():
     assert meta["param_plan"] == [{"match": "m", "is_boundary": False}]
     assert meta["injections"] == []
     r = rebuilt["m"]
-    assert (r.params, r.out_names, r.tp_divide_attrs, r.region_dispatch, r.skip_source_lowering) == (None,) * 5
+    assert (
+        r.params,
+        r.out_names,
+        r.tp_divide_attrs,
+        r.region_dispatch,
+        r.skip_source_lowering,
+    ) == (None,) * 5
     assert (r._deferred_bias_params, r._ep_stack, r._ep_size, r.is_boundary) == ((), {}, 0, False)
     assert same_plan(_plan(spec), rebuilt)  # [] / False / 0 are "unset" for truthy kinds
 
@@ -142,7 +182,10 @@ def test_every_field_written():
         skip_source_lowering=True,
         region_dispatch=False,
         inner_target="core",
-        inner_wrapper=Target("my_wrapper", {"window": 128, "mode": "causal", "ratios": [0.5, 1.0], "opts": {"a": None}}),
+        inner_wrapper=Target(
+            "my_wrapper",
+            {"window": 128, "mode": "causal", "ratios": [0.5, 1.0], "opts": {"a": None}},
+        ),
         inner_out_src="first_input",
         local_compute_fn="my_factory",
     )
@@ -170,7 +213,13 @@ def test_every_field_written():
     assert meta["injections"] == [
         {
             "match": "m",
-            "inner_wrapper": {"_target_": "my_wrapper", "window": 128, "mode": "causal", "ratios": [0.5, 1.0], "opts": {"a": None}},
+            "inner_wrapper": {
+                "_target_": "my_wrapper",
+                "window": 128,
+                "mode": "causal",
+                "ratios": [0.5, 1.0],
+                "opts": {"a": None},
+            },
             "inner_target": "core",
             "inner_out_src": "first_input",
             "local_compute_fn": "my_factory",
@@ -179,31 +228,45 @@ def test_every_field_written():
         }
     ]
     r = rebuilt["m"]
-    assert r.inner_wrapper == Target("my_wrapper", {"window": 128, "mode": "causal", "ratios": [0.5, 1.0], "opts": {"a": None}})
+    assert r.inner_wrapper == Target(
+        "my_wrapper", {"window": 128, "mode": "causal", "ratios": [0.5, 1.0], "opts": {"a": None}}
+    )
     assert r.local_compute_fn == "my_factory" and r.inner_out_src == "first_input"
     assert r._deferred_bias_params == ("o.bias",) and r.skip_source_lowering is True
     # Exempt fields are not carried: they come back at their defaults.
     assert (r._is_terminal, r._needs_cp_attn, r._tp_local_attr_plan) == (False, False, None)
-    assert plan_differences(_plan(spec, sequence_parallel=True, loss_parallel=True, ep_size=2), rebuilt) == []
+    assert (
+        plan_differences(
+            _plan(spec, sequence_parallel=True, loss_parallel=True, ep_size=2), rebuilt
+        )
+        == []
+    )
     assert freeze(rebuilt) == meta
 
 
 def test_inner_out_src_layout_round_trips():
-    spec = ModuleShardingSpec(inner_target="core", inner_wrapper="w", inner_out_src={"tp": Shard(1)}, region_dispatch=True)
+    spec = ModuleShardingSpec(
+        inner_target="core", inner_wrapper="w", inner_out_src={"tp": Shard(1)}, region_dispatch=True
+    )
     meta, rebuilt = _round_trip(_plan(spec))
     assert meta["injections"][0]["inner_out_src"] == {"output": {"tp": "shard(1)"}}
     assert rebuilt["m"].inner_out_src == {"output": {"tp": Shard(1)}}
 
 
 def test_a_registry_name_and_a_target_with_that_name_stay_distinct():
-    meta, rebuilt = _round_trip(_plan(ModuleShardingSpec(local_compute_fn=Target("moe_a2a"), region_dispatch=False)))
+    meta, rebuilt = _round_trip(
+        _plan(ModuleShardingSpec(local_compute_fn=Target("moe_a2a"), region_dispatch=False))
+    )
     assert meta["injections"][0]["local_compute_fn"] == {"_target_": "moe_a2a"}
     assert rebuilt["m"].local_compute_fn == Target("moe_a2a")
 
 
 def test_a_decorated_callable_freezes_as_its_dotted_path():
     spec = ModuleShardingSpec(
-        inner_wrapper=module_level_wrapper, inner_target="self", local_compute_fn=module_level_factory, region_dispatch=False
+        inner_wrapper=module_level_wrapper,
+        inner_target="self",
+        local_compute_fn=module_level_factory,
+        region_dispatch=False,
     )
     live = _plan(spec)
     meta, rebuilt = _round_trip(live)
@@ -235,7 +298,9 @@ def test_plan_differences_names_each_difference():
     c = ShardingPlan({"n": ModuleShardingSpec(), "m": ModuleShardingSpec()}, ("tp",), (2,))
     d = ShardingPlan({"m": ModuleShardingSpec(), "n": ModuleShardingSpec()}, ("tp",), (2,))
     assert plan_differences(c, d) == ["modules: the same modules in a different order"]
-    assert plan_differences(c, _plan(ModuleShardingSpec())) == ["modules: only in the first ['n'], only in the second []"]
+    assert plan_differences(c, _plan(ModuleShardingSpec())) == [
+        "modules: only in the first ['n'], only in the second []"
+    ]
     assert not same_plan(c, d)
 
 
@@ -281,23 +346,62 @@ def test_freeze_refuses_a_non_plan():
 @pytest.mark.parametrize(
     "attrs,message",
     [
-        ({"params": "auto"}, "modules['m'].params: expected a mapping of name to {axis: placement}, got 'auto' (an unresolved override sentinel: freeze a finished plan, from plan())."),
-        ({"out_dst": "auto"}, "modules['m'].out_dst: expected a mapping of name to {axis: placement}, got 'auto' (an unresolved override sentinel: freeze a finished plan, from plan())."),
-        ({"in_src": 3}, "modules['m'].in_src: expected a mapping of name to {axis: placement}, got 3."),
-        ({"in_src": {"x": {}}}, "modules['m'].in_src.x: expected a non-empty {axis: placement} mapping, got {}."),
-        ({"params": {"w": {"tp": Partial("avg")}}}, "modules['m'].params.w.tp: placement Partial(avg) has no DSL form; the grammar is replicate | partial | shard(N)"),
-        ({"params": {"w": {"tp": 3}}}, "modules['m'].params.w.tp: expected a placement string, got int 3. Grammar: replicate | partial | shard(N)"),
-        ({"out_names": "output"}, "modules['m'].out_names: expected a list of names, got 'output'."),
+        (
+            {"params": "auto"},
+            "modules['m'].params: expected a mapping of name to {axis: placement}, got 'auto' (an unresolved override sentinel: freeze a finished plan, from plan()).",
+        ),
+        (
+            {"out_dst": "auto"},
+            "modules['m'].out_dst: expected a mapping of name to {axis: placement}, got 'auto' (an unresolved override sentinel: freeze a finished plan, from plan()).",
+        ),
+        (
+            {"in_src": 3},
+            "modules['m'].in_src: expected a mapping of name to {axis: placement}, got 3.",
+        ),
+        (
+            {"in_src": {"x": {}}},
+            "modules['m'].in_src.x: expected a non-empty {axis: placement} mapping, got {}.",
+        ),
+        (
+            {"params": {"w": {"tp": Partial("avg")}}},
+            "modules['m'].params.w.tp: placement Partial(avg) has no DSL form; the grammar is replicate | partial | shard(N)",
+        ),
+        (
+            {"params": {"w": {"tp": 3}}},
+            "modules['m'].params.w.tp: expected a placement string, got int 3. Grammar: replicate | partial | shard(N)",
+        ),
+        (
+            {"out_names": "output"},
+            "modules['m'].out_names: expected a list of names, got 'output'.",
+        ),
         ({"out_names": ["a", 1]}, "modules['m'].out_names[1]: expected a string, got 1."),
-        ({"region_dispatch": [True]}, "modules['m'].region_dispatch: expected a boolean, number or string, got [True]."),
+        (
+            {"region_dispatch": [True]},
+            "modules['m'].region_dispatch: expected a boolean, number or string, got [True].",
+        ),
         ({"_ep_size": "2"}, "modules['m']._ep_size: expected an integer or a boolean, got '2'."),
-        ({"inner_target": ("a",)}, "modules['m'].inner_target: tuple ('a',) has no JSON form; an artifact holds strings, numbers, booleans, null, lists and string-keyed mappings. Use a list (JSON has no tuples)."),
-        ({"inner_wrapper": 3}, "modules['m'].inner_wrapper: expected a registry name, a Target, a decorated function or a layout, got 3."),
-        ({"inner_wrapper": Target("w", {"size": (1, 2)})}, "modules['m'].inner_wrapper.size: tuple (1, 2) has no JSON form"),
-        ({"inner_wrapper": Target("w", {"eps": float("nan")})}, "modules['m'].inner_wrapper.eps: nan has no JSON form; use a finite number."),
+        (
+            {"inner_target": ("a",)},
+            "modules['m'].inner_target: tuple ('a',) has no JSON form; an artifact holds strings, numbers, booleans, null, lists and string-keyed mappings. Use a list (JSON has no tuples).",
+        ),
+        (
+            {"inner_wrapper": 3},
+            "modules['m'].inner_wrapper: expected a registry name, a Target, a decorated function or a layout, got 3.",
+        ),
+        (
+            {"inner_wrapper": Target("w", {"size": (1, 2)})},
+            "modules['m'].inner_wrapper.size: tuple (1, 2) has no JSON form",
+        ),
+        (
+            {"inner_wrapper": Target("w", {"eps": float("nan")})},
+            "modules['m'].inner_wrapper.eps: nan has no JSON form; use a finite number.",
+        ),
         ({"_ep_stack": ["a"]}, "modules['m']._ep_stack: expected a mapping, got ['a']."),
         ({"_ep_stack": {1: ["a"]}}, "modules['m']._ep_stack: keys must be strings, got int 1."),
-        ({"out_src": {"b": {"tp": Shard(1)}, "a": {"tp": Shard(1)}}}, "modules['m']: its outputs ['b', 'a'] are ordered only by the key order of out_src, which an artifact does not keep (canonical JSON sorts keys). Declare the order: add out_names: ['b', 'a'] to the override for 'm'."),
+        (
+            {"out_src": {"b": {"tp": Shard(1)}, "a": {"tp": Shard(1)}}},
+            "modules['m']: its outputs ['b', 'a'] are ordered only by the key order of out_src, which an artifact does not keep (canonical JSON sorts keys). Declare the order: add out_names: ['b', 'a'] to the override for 'm'.",
+        ),
     ],
 )
 def test_freeze_errors_name_module_field_and_fix(attrs, message):
@@ -305,7 +409,9 @@ def test_freeze_errors_name_module_field_and_fix(attrs, message):
 
 
 def test_declared_output_order_is_frozen():
-    spec = ModuleShardingSpec(out_src={"b": {"tp": Shard(1)}, "a": {"tp": Shard(1)}}, out_names=["b", "a"])
+    spec = ModuleShardingSpec(
+        out_src={"b": {"tp": Shard(1)}, "a": {"tp": Shard(1)}}, out_names=["b", "a"]
+    )
     meta, rebuilt = _round_trip(_plan(spec))
     assert meta["param_plan"][0]["out_names"] == ["b", "a"]
     assert rebuilt["m"].output_names() == ["b", "a"]
@@ -315,12 +421,22 @@ def test_undecorated_and_unnameable_callables_are_refused():
     def plain(target_module, ctx):
         return None
 
-    assert f"modules['m'].inner_wrapper: {__name__}.test_undecorated_and_unnameable_callables_are_refused.<locals>.plain is not decorated with @local_compute or @inner_wrapper, so it cannot be injected; decorate it (from hp_core)." == _frozen_error(_spec_with(inner_wrapper=plain))
+    assert (
+        f"modules['m'].inner_wrapper: {__name__}.test_undecorated_and_unnameable_callables_are_refused.<locals>.plain is not decorated with @local_compute or @inner_wrapper, so it cannot be injected; decorate it (from hp_core)."
+        == _frozen_error(_spec_with(inner_wrapper=plain))
+    )
     message = _frozen_error(_spec_with(inner_wrapper=inner_wrapper(plain)))
-    assert message.startswith(f"modules['m'].inner_wrapper: {__name__}.test_undecorated_and_unnameable_callables_are_refused.<locals>.plain cannot be named in an artifact: only a module-level function")
-    assert "register it under a name (register_inner_wrapper / register_compute_factory or a plugin)" in message
+    assert message.startswith(
+        f"modules['m'].inner_wrapper: {__name__}.test_undecorated_and_unnameable_callables_are_refused.<locals>.plain cannot be named in an artifact: only a module-level function"
+    )
+    assert (
+        "register it under a name (register_inner_wrapper / register_compute_factory or a plugin)"
+        in message
+    )
     lam = inner_wrapper(lambda target_module, ctx: None)
     assert "<lambda> cannot be named in an artifact" in _frozen_error(_spec_with(inner_wrapper=lam))
     plain.__module__ = "__main__"
     plain.__qualname__ = "plain"
-    assert "__main__.plain cannot be named in an artifact" in _frozen_error(_spec_with(inner_wrapper=plain))
+    assert "__main__.plain cannot be named in an artifact" in _frozen_error(
+        _spec_with(inner_wrapper=plain)
+    )

@@ -23,12 +23,33 @@ SPEC_TABLE = [
     ("tp_divide_attrs", "tp_divide_attrs", "param_plan", "attr_list", "attr_list", False),
     ("is_boundary", "is_boundary", "param_plan", "scalar", "bool_default_true", False),
     ("region_dispatch", "region_dispatch", "param_plan", "scalar", "opt_scalar", False),
-    ("_deferred_bias_params", "deferred_bias_params", "param_plan", "name_list", "tuple_empty", True),
-    ("skip_source_lowering", "skip_source_lowering", "param_plan", "int_truthy", "opt_scalar", False),
+    (
+        "_deferred_bias_params",
+        "deferred_bias_params",
+        "param_plan",
+        "name_list",
+        "tuple_empty",
+        True,
+    ),
+    (
+        "skip_source_lowering",
+        "skip_source_lowering",
+        "param_plan",
+        "int_truthy",
+        "opt_scalar",
+        False,
+    ),
     ("inner_wrapper", "inner_wrapper", "injections", "value_to_dict", "injection_target", False),
     ("inner_target", "inner_target", "injections", "plain", "opt_scalar", False),
     ("inner_out_src", "inner_out_src", "injections", "value_to_dict", "injection_target", False),
-    ("local_compute_fn", "local_compute_fn", "injections", "value_to_dict", "injection_target", False),
+    (
+        "local_compute_fn",
+        "local_compute_fn",
+        "injections",
+        "value_to_dict",
+        "injection_target",
+        False,
+    ),
     ("_ep_stack", "ep_stack", "injections", "dict_copy", "dict_copy", False),
     ("_ep_size", "ep_size", "injections", "int_truthy", "int_truthy", False),
     ("_tp_local_attr_plan", None, "exempt", None, None, False),
@@ -40,14 +61,25 @@ SPEC_TABLE = [
 
 
 def test_table_is_spec_section_8_row_by_row():
-    assert [(r.name, r.key, r.group, r.freeze, r.rebuild, r.post_init) for r in sf.SPEC_FIELDS] == SPEC_TABLE
+    assert [
+        (r.name, r.key, r.group, r.freeze, r.rebuild, r.post_init) for r in sf.SPEC_FIELDS
+    ] == SPEC_TABLE
 
 
 def test_write_conditions_are_the_spec_ones():
     assert {k for k, v in sf.WRITE_WHEN.items() if v == "not_none"} == {
-        "placement_map", "named_placements", "attr_list", "scalar", "value_to_dict", "plain"
+        "placement_map",
+        "named_placements",
+        "attr_list",
+        "scalar",
+        "value_to_dict",
+        "plain",
     }
-    assert {k for k, v in sf.WRITE_WHEN.items() if v == "truthy"} == {"name_list", "dict_copy", "int_truthy"}
+    assert {k for k, v in sf.WRITE_WHEN.items() if v == "truthy"} == {
+        "name_list",
+        "dict_copy",
+        "int_truthy",
+    }
 
 
 def test_every_kind_has_exactly_one_implementation():
@@ -72,7 +104,10 @@ def test_derived_views():
 
 
 def test_unknown_group_names_the_closest():
-    with pytest.raises(ValueError, match=r"unknown SPEC_FIELDS group 'injection'\. Did you mean 'injections'\? Groups: param_plan, injections, exempt\."):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown SPEC_FIELDS group 'injection'\. Did you mean 'injections'\? Groups: param_plan, injections, exempt\.",
+    ):
         sf.fields_in_group("injection")
     with pytest.raises(ValueError, match=r"unknown SPEC_FIELDS group 'zzz'\. Groups:"):
         sf.fields_in_group("zzz")
@@ -120,13 +155,31 @@ def test_reflection_catches_a_row_without_a_field_and_a_bad_post_init():
 @pytest.mark.parametrize(
     "args,message",
     [
-        (("x", "x", "nope", "scalar", "opt_scalar"), r"SpecField\('x'\): unknown group 'nope'; groups are param_plan, injections, exempt\."),
-        (("x", "x", "exempt", None, None), r"SpecField\('x'\): an exempt field is not frozen, so it has no meta key, kinds or post_init\."),
+        (
+            ("x", "x", "nope", "scalar", "opt_scalar"),
+            r"SpecField\('x'\): unknown group 'nope'; groups are param_plan, injections, exempt\.",
+        ),
+        (
+            ("x", "x", "exempt", None, None),
+            r"SpecField\('x'\): an exempt field is not frozen, so it has no meta key, kinds or post_init\.",
+        ),
         (("x", None, "exempt", None, None, True), r"an exempt field is not frozen"),
-        (("x", None, "param_plan", "scalar", "opt_scalar"), r"SpecField\('x'\): a frozen field needs a meta key other than 'match', got None\."),
-        (("x", "match", "param_plan", "scalar", "opt_scalar"), r"needs a meta key other than 'match', got 'match'\."),
-        (("x", "x", "param_plan", "yaml", "opt_scalar"), r"SpecField\('x'\): unknown freeze kind 'yaml'; kinds are placement_map, "),
-        (("x", "x", "param_plan", "scalar", "yaml"), r"SpecField\('x'\): unknown rebuild kind 'yaml'; kinds are placement_map, "),
+        (
+            ("x", None, "param_plan", "scalar", "opt_scalar"),
+            r"SpecField\('x'\): a frozen field needs a meta key other than 'match', got None\.",
+        ),
+        (
+            ("x", "match", "param_plan", "scalar", "opt_scalar"),
+            r"needs a meta key other than 'match', got 'match'\.",
+        ),
+        (
+            ("x", "x", "param_plan", "yaml", "opt_scalar"),
+            r"SpecField\('x'\): unknown freeze kind 'yaml'; kinds are placement_map, ",
+        ),
+        (
+            ("x", "x", "param_plan", "scalar", "yaml"),
+            r"SpecField\('x'\): unknown rebuild kind 'yaml'; kinds are placement_map, ",
+        ),
     ],
 )
 def test_a_malformed_row_is_refused(args, message):
@@ -138,5 +191,7 @@ def test_duplicate_fields_or_meta_keys_are_refused():
     row = sf.SPEC_FIELDS[0]
     with pytest.raises(ValueError, match=r"SPEC_FIELDS: field 'params' has more than one row\."):
         sf._check_unique([row, row])
-    with pytest.raises(ValueError, match=r"SPEC_FIELDS: meta key 'params' is used by more than one row\."):
+    with pytest.raises(
+        ValueError, match=r"SPEC_FIELDS: meta key 'params' is used by more than one row\."
+    ):
         sf._check_unique([row, dataclasses.replace(row, name="other")])

@@ -37,7 +37,9 @@ def test_positive_control_correct_tp2_run_passes_in_both_modes():
         assert r["n_grads"] > 0 and r["n_gathered"] == {"prod": r["n_grads"], "val": r["n_grads"]}
         # Every parameter moved in every step, in the reference and in both parallel copies.
         # (to finite values: a weight made NaN/inf would be listed as unmoved)
-        assert all(r[f"{k}:unmoved"] == [] and r[f"{k}:checked"] > 0 for k in ("ref", "prod", "val"))
+        assert all(
+            r[f"{k}:unmoved"] == [] and r[f"{k}:checked"] > 0 for k in ("ref", "prod", "val")
+        )
         # Replicated gradients were checked across the tp ranks and agree far inside the tolerance.
         assert tasks.NORM in r["replica_checked"] and tasks.Q_PROJ not in r["replica_checked"]
         assert r["replica_spread"] <= 1e-7

@@ -24,7 +24,9 @@ class FakeDeviceMesh:
 
 
 def test_from_spec_sizes_only():
-    ctx = ParallelContext.from_spec(MeshSpec.parse("dp=2,tp=2,cp=1"), sequence_parallel=True, ep_size=2)
+    ctx = ParallelContext.from_spec(
+        MeshSpec.parse("dp=2,tp=2,cp=1"), sequence_parallel=True, ep_size=2
+    )
     assert ctx.active_axes == ("dp", "tp", "ep")
     assert ctx.guard_axes == {"tp", "ep", "sp"} and ctx.sequence_parallel
     assert (ctx.mesh, ctx.tp_mesh, ctx.cp_mesh, ctx.ep_mesh) == (None, None, None, None)
@@ -35,12 +37,18 @@ def test_from_spec_sizes_only():
 
 
 def test_sequence_parallel_needs_an_active_tp():
-    assert not ParallelContext.from_spec(MeshSpec.parse("tp=1,cp=2"), sequence_parallel=True).sequence_parallel
-    assert ParallelContext.from_spec(MeshSpec.parse("tp=1,cp=2"), sequence_parallel=True).guard_axes == {"cp"}
+    assert not ParallelContext.from_spec(
+        MeshSpec.parse("tp=1,cp=2"), sequence_parallel=True
+    ).sequence_parallel
+    assert ParallelContext.from_spec(
+        MeshSpec.parse("tp=1,cp=2"), sequence_parallel=True
+    ).guard_axes == {"cp"}
 
 
 def test_from_mesh_sub_meshes_of_active_axes_only():
-    plan = ShardingPlan(modules={}, mesh_axis_names=("dp", "tp", "cp"), mesh_shape=(2, 2, 1), ep_size=1)
+    plan = ShardingPlan(
+        modules={}, mesh_axis_names=("dp", "tp", "cp"), mesh_shape=(2, 2, 1), ep_size=1
+    )
     ctx = ParallelContext.from_mesh(FakeDeviceMesh(("dp", "tp", "cp"), (2, 2, 1)), plan)
     assert (ctx.tp_mesh, ctx.cp_mesh, ctx.ep_mesh) == ("<tp>", None, None)
     assert ctx.sequence_parallel == plan.sequence_parallel

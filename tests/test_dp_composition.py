@@ -18,7 +18,9 @@ TOL = 1e-5
 
 
 @pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
-@pytest.mark.parametrize("wrapper,mode", [("fsdp", "production"), ("ddp", "production"), ("fsdp", "validate")])
+@pytest.mark.parametrize(
+    "wrapper,mode", [("fsdp", "production"), ("ddp", "production"), ("fsdp", "validate")]
+)
 def test_data_parallel_wrapper_over_tensor_parallel_matches_one_device(wrapper, mode, sp):
     for r in get_world(4).run(tasks.train, wrapper, sp, mode):
         assert r["loss"] <= TOL and r["grad"] <= TOL, r

@@ -15,7 +15,10 @@ pytestmark = pytest.mark.distributed
 def test_tp_train_example_matches_single_device():
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "tp_train.py"), "--steps", "2", "--explain"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "every step matches the single-device run" in out.stdout
@@ -26,9 +29,21 @@ def test_tp_train_example_matches_single_device():
 def test_fsdp_tp_example_under_torchrun_matches_single_device(extra):
     """The recipe of docs/training.md, launched the way users launch it."""
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         str(ROOT / "examples" / "fsdp_tp_train.py"), "--check", *extra],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            str(ROOT / "examples" / "fsdp_tp_train.py"),
+            "--check",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "every step matches the single-device run" in out.stdout
@@ -36,8 +51,19 @@ def test_fsdp_tp_example_under_torchrun_matches_single_device(extra):
 
 def _torchrun(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", *argv],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            *argv,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
 
 
@@ -47,4 +73,3 @@ def test_hf_trainer_example_matches_single_device():
     out = _torchrun(str(ROOT / "examples" / "hf_trainer_train.py"), "--check")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "every step matches the single-device run" in out.stdout
-

@@ -65,12 +65,17 @@ def test_cp_and_tp_both_shard_tokens():
 def test_ep_size_must_divide_the_region():
     with pytest.raises(ExpertParallelError) as exc:
         _layout("tp=2", 4, experts=8)
-    assert str(exc.value).startswith(f"{MOE}: ep_size=4 does not divide the dense region's 2 ranks (mesh tp=2)")
+    assert str(exc.value).startswith(
+        f"{MOE}: ep_size=4 does not divide the dense region's 2 ranks (mesh tp=2)"
+    )
     assert isinstance(exc.value, PreflightError)
 
 
 def test_ep_must_not_cut_across_an_axis():
-    with pytest.raises(ExpertParallelError, match=r"ep_size=3 does not fit the mesh dp=3,tp=2: an expert group is ep consecutive ranks"):
+    with pytest.raises(
+        ExpertParallelError,
+        match=r"ep_size=3 does not fit the mesh dp=3,tp=2: an expert group is ep consecutive ranks",
+    ):
         _layout("dp=3,tp=2", 3, experts=6)
     assert _layout("dp=3,tp=2", 6, experts=6).groups == ((0, 1, 2, 3, 4, 5),)
 
@@ -79,9 +84,25 @@ def test_an_expert_group_over_replicated_tokens_is_refused_with_the_fix():
     with pytest.raises(ExpertParallelError) as exc:
         _layout("tp=2", 2, sp=False)
     msg = str(exc.value)
-    assert msg.startswith(f"{MOE}: the expert group of ep=2 spans the 'tp' axis, along which this block's tokens are replicated")
-    assert "  - match: 'model.layers.*.mlp'\n    when: ep\n    in_dst: {hidden_states: {tp: shard(1)}}\n    out_src: {output: {tp: shard(1)}}" in msg
-    fixed = _layout("tp=2", 2, sp=False, overrides=[{"match": "model.layers.*.mlp", "in_dst": {"hidden_states": {"tp": "shard(1)"}}, "out_src": {"output": {"tp": "shard(1)"}}}])
+    assert msg.startswith(
+        f"{MOE}: the expert group of ep=2 spans the 'tp' axis, along which this block's tokens are replicated"
+    )
+    assert (
+        "  - match: 'model.layers.*.mlp'\n    when: ep\n    in_dst: {hidden_states: {tp: shard(1)}}\n    out_src: {output: {tp: shard(1)}}"
+        in msg
+    )
+    fixed = _layout(
+        "tp=2",
+        2,
+        sp=False,
+        overrides=[
+            {
+                "match": "model.layers.*.mlp",
+                "in_dst": {"hidden_states": {"tp": "shard(1)"}},
+                "out_src": {"output": {"tp": "shard(1)"}},
+            }
+        ],
+    )
     assert fixed.groups == ((0, 1),)
 
 
@@ -90,12 +111,21 @@ def test_expert_parameters_live_on_ep_only():
     p = plan(model, "tp=2", ep_size=2)
     spec = dataclasses.replace(p[MOE])
     spec._ep_size = 2
-    spec.params = {**spec.params, "experts.down_proj": {"ep": p[MOE].params["experts.down_proj"]["ep"], "tp": p[MOE].params["gate.weight"]["tp"]}}
+    spec.params = {
+        **spec.params,
+        "experts.down_proj": {
+            "ep": p[MOE].params["experts.down_proj"]["ep"],
+            "tp": p[MOE].params["gate.weight"]["tp"],
+        },
+    }
     check_expert_boundary(MOE, spec, model.get_submodule(MOE))  # replicate on tp is fine
     from torch.distributed.tensor import Shard
 
     spec.params["experts.down_proj"] = {"ep": Shard(0), "tp": Shard(1)}
-    with pytest.raises(ExpertParallelError, match=r"experts.down_proj: an expert parameter lives on the expert mesh \(edp, ep\) and can only be placed on ep"):
+    with pytest.raises(
+        ExpertParallelError,
+        match=r"experts.down_proj: an expert parameter lives on the expert mesh \(edp, ep\) and can only be placed on ep",
+    ):
         check_expert_boundary(MOE, spec, model.get_submodule(MOE))
     assert expert_placements({"ep": Shard(0)})[1] == Shard(0)
 
@@ -113,26 +143,39 @@ def test_per_expert_modules_must_be_stacked_whole():
     fqn, spec, module = _list_spec()
     check_expert_boundary(fqn, spec, module)
     spec._ep_stack["experts.w1.weight"].pop()
-    with pytest.raises(ExpertParallelError, match=r"the per-expert modules under 'experts' hold \['experts.3.w1.weight'\] besides the stacked projections"):
+    with pytest.raises(
+        ExpertParallelError,
+        match=r"the per-expert modules under 'experts' hold \['experts.3.w1.weight'\] besides the stacked projections",
+    ):
         check_expert_boundary(fqn, spec, module)
 
 
 def test_stack_sources_must_exist_agree_and_be_per_expert_paths():
     fqn, spec, module = _list_spec()
     spec._ep_stack["experts.w1.weight"][3] = "experts.7.w1.weight"
-    with pytest.raises(ExpertParallelError, match=r"per-expert parameter\(s\) \['experts.7.w1.weight'\] of _ep_stack do not exist"):
+    with pytest.raises(
+        ExpertParallelError,
+        match=r"per-expert parameter\(s\) \['experts.7.w1.weight'\] of _ep_stack do not exist",
+    ):
         check_expert_boundary(fqn, spec, module)
     fqn, spec, module = _list_spec()
     import torch
 
     module.experts[1].w2.weight = torch.nn.Parameter(torch.zeros(64, 16))
-    with pytest.raises(ExpertParallelError, match=r"the experts' experts.w2.weight have different shapes \[\(64, 16\), \(64, 32\)\]"):
+    with pytest.raises(
+        ExpertParallelError,
+        match=r"the experts' experts.w2.weight have different shapes \[\(64, 16\), \(64, 32\)\]",
+    ):
         check_expert_boundary(fqn, spec, module)
     spec._ep_stack = {"experts.w1.weight": ["gate.weight"]}
-    with pytest.raises(ExpertParallelError, match=r"'gate.weight' is not a per-expert path of 'experts.w1.weight'"):
+    with pytest.raises(
+        ExpertParallelError, match=r"'gate.weight' is not a per-expert path of 'experts.w1.weight'"
+    ):
         check_expert_boundary(fqn, spec, module)
     spec._ep_stack = {"moe.w1.weight": ["moe.0.w1.weight"]}
-    with pytest.raises(ExpertParallelError, match=r"_ep_stack names 'moe', which ListMoE does not have"):
+    with pytest.raises(
+        ExpertParallelError, match=r"_ep_stack names 'moe', which ListMoE does not have"
+    ):
         check_expert_boundary(fqn, spec, module)
 
 
@@ -159,7 +202,10 @@ def test_the_region_must_span_every_rank():
 
     model = build_model("qwen2moe", device="meta")
     p = plan(model, "tp=2", ep_size=2)
-    with pytest.raises(ExpertParallelError, match=r"model.layers.0.mlp: expert parallelism derives its expert mesh from the dense region, which must span every rank of the job; the mesh has 2 of 1 ranks"):
+    with pytest.raises(
+        ExpertParallelError,
+        match=r"model.layers.0.mlp: expert parallelism derives its expert mesh from the dense region, which must span every rank of the job; the mesh has 2 of 1 ranks",
+    ):
         _expert_layouts(model, p, _FakeMesh(("tp",), (2,)))
 
 
@@ -175,8 +221,18 @@ def test_blocks_with_the_same_ep_need_the_same_token_layout(monkeypatch):
     layouts = _expert_layouts(model, same, _FakeMesh(("cp", "tp"), (2, 2)))
     assert list(layouts) == [2] and layouts[2].replica_groups == ((0, 2), (1, 3))
     # layer 1's tokens are whole on cp: its replicas along cp hold the same tokens
-    other = plan(model, "cp=2,tp=2", ep_size=2, overrides=[{"match": "model.layers.1.mlp", "in_dst": {"hidden_states": {"tp": "shard(1)"}}}])
-    with pytest.raises(ExpertParallelError, match=r"model.layers.1.mlp: its tokens are laid out differently from those of model.layers.0.mlp \(another block with ep=2\)"):
+    other = plan(
+        model,
+        "cp=2,tp=2",
+        ep_size=2,
+        overrides=[
+            {"match": "model.layers.1.mlp", "in_dst": {"hidden_states": {"tp": "shard(1)"}}}
+        ],
+    )
+    with pytest.raises(
+        ExpertParallelError,
+        match=r"model.layers.1.mlp: its tokens are laid out differently from those of model.layers.0.mlp \(another block with ep=2\)",
+    ):
         _expert_layouts(model, other, _FakeMesh(("cp", "tp"), (2, 2)))
 
 
@@ -195,16 +251,34 @@ def test_fixes_match_only_the_expert_parallel_blocks():
     model = build_model("qwen2moe", device="meta", num_hidden_layers=3, mlp_only_layers=[1])
     p = plan(model, "dp=2", ep_size=2)
     assert expert_matches(p, MOE) == ["model.layers.0.mlp", "model.layers.2.mlp"]
-    assert expert_matches(plan(build_model("qwen2moe", device="meta"), "dp=2", ep_size=2), MOE) == ["model.layers.*.mlp"]
+    assert expert_matches(plan(build_model("qwen2moe", device="meta"), "dp=2", ep_size=2), MOE) == [
+        "model.layers.*.mlp"
+    ]
     with pytest.raises(PreflightError) as exc:
         preflight(model, p, _FakeMesh(("dp",), (2,)), "production")
     # Only the built-in plugin is loaded here, so no factory is registered for the model.
-    expected = override_entries(["model.layers.0.mlp", "model.layers.2.mlp"], "    local_compute_fn: FACTORY\n    region_dispatch: false\n")
-    assert f"Add:\n{expected}(no installed plugin registers a factory for Qwen2MoeForCausalLM: install hp-plugin-moe" in str(exc.value)
+    expected = override_entries(
+        ["model.layers.0.mlp", "model.layers.2.mlp"],
+        "    local_compute_fn: FACTORY\n    region_dispatch: false\n",
+    )
+    assert (
+        f"Add:\n{expected}(no installed plugin registers a factory for Qwen2MoeForCausalLM: install hp-plugin-moe"
+        in str(exc.value)
+    )
 
 
 def test_an_expert_parallel_compute_must_not_dispatch():
     model = build_model("qwen2moe", device="meta")
-    p = plan(model, "tp=2", ep_size=2, overrides=[{"match": "model.layers.*.mlp", "local_compute_fn": "qwen2moe", "region_dispatch": True}])
-    with pytest.raises(ExpertParallelError, match=r"model.layers.0.mlp: an expert-parallel compute communicates .* declare region_dispatch: false"):
+    p = plan(
+        model,
+        "tp=2",
+        ep_size=2,
+        overrides=[
+            {"match": "model.layers.*.mlp", "local_compute_fn": "qwen2moe", "region_dispatch": True}
+        ],
+    )
+    with pytest.raises(
+        ExpertParallelError,
+        match=r"model.layers.0.mlp: an expert-parallel compute communicates .* declare region_dispatch: false",
+    ):
         check_expert_boundary(MOE, p[MOE], model.get_submodule(MOE))

@@ -113,7 +113,9 @@ def test_family_trains(name):
     out.loss.backward()
     no_grad = [k for k, p in model.named_parameters() if p.requires_grad and p.grad is None]
     assert not no_grad, f"{name}: parameters without a gradient: {no_grad}"
-    bad = [k for k, p in model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
+    bad = [
+        k for k, p in model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()
+    ]
     assert not bad, f"{name}: non-finite gradients: {bad}"
     model.zero_grad(set_to_none=True)
 
@@ -135,7 +137,11 @@ def test_same_seed_is_bit_identical_and_another_seed_differs(name):
 @pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_every_parameter_is_perturbed_and_buffers_are_left_alone(name):
     model = _model(name)
-    constant = [k for k, p in _floating(model).items() if p.numel() > 1 and bool((p == p.flatten()[0]).all())]
+    constant = [
+        k
+        for k, p in _floating(model).items()
+        if p.numel() > 1 and bool((p == p.flatten()[0]).all())
+    ]
     assert not constant, f"{name}: constant (e.g. all-zero / all-one) parameters: {constant}"
     norms = [
         f"{mod_name}.{p_name}"

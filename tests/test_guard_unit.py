@@ -12,9 +12,14 @@ from hp_core.runtime.nested import tensors_in
 
 
 def test_described_inputs_name_every_tensor_however_nested():
-    seen = G._describe((torch.ones(2, 3),), {"cache": {"k": [torch.zeros(1, dtype=torch.int32)]}, "flag": True})
+    seen = G._describe(
+        (torch.ones(2, 3),), {"cache": {"k": [torch.zeros(1, dtype=torch.int32)]}, "flag": True}
+    )
     assert seen == [("arg 0", (2, 3), "float32"), ("cache.k[0]", (1,), "int32")]
-    assert [t.shape for t in tensors_in(({"a": torch.ones(1)}, [torch.ones(2)]))] == [torch.Size([1]), torch.Size([2])]
+    assert [t.shape for t in tensors_in(({"a": torch.ones(1)}, [torch.ones(2)]))] == [
+        torch.Size([1]),
+        torch.Size([2]),
+    ]
 
 
 def test_checksums_see_order_values_and_dtype_kinds():
@@ -38,7 +43,9 @@ class _Mesh:
 def test_on_an_accelerator_the_guard_compares_over_cpu_side_groups(monkeypatch):
     made = []
     monkeypatch.setattr(G.dist, "get_rank", lambda: 3)
-    monkeypatch.setattr(G.dist, "new_group", lambda ranks, backend: made.append((ranks, backend)) or f"g{ranks}")
+    monkeypatch.setattr(
+        G.dist, "new_group", lambda ranks, backend: made.append((ranks, backend)) or f"g{ranks}"
+    )
     groups = G._cpu_groups(_Mesh())
     # every tp line of the mesh is created, in order, on gloo; dp is never compared
     assert made == [([0, 1], "gloo"), ([2, 3], "gloo")]
@@ -46,7 +53,9 @@ def test_on_an_accelerator_the_guard_compares_over_cpu_side_groups(monkeypatch):
 
 
 def test_the_sequence_check_reads_ids_embeddings_or_the_first_argument():
-    g = types.SimpleNamespace(split=("model.layers.0 (input 'hidden_states')", "tp=2", 2), fallback=None)
+    g = types.SimpleNamespace(
+        split=("model.layers.0 (input 'hidden_states')", "tp=2", 2), fallback=None
+    )
     check = G.InputGuard._check_sequence.__get__(g)
     check((torch.ones(2, 4, dtype=torch.long),), {})  # divisible: fine
     with pytest.raises(G.InputLayoutError, match=r"this batch has 5 positions .* multiple of 2"):

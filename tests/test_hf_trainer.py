@@ -18,18 +18,24 @@ class _Mesh:
 
 @pytest.fixture
 def training(tmp_path):
-    return TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no")
+    return TrainingArguments(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no"
+    )
 
 
 def test_a_mesh_without_a_dp_axis_is_refused_with_the_fix(training):
     with pytest.raises(HpTrainerError) as e:
         HpTrainer(model=build_family("llama"), args=training, mesh=_Mesh(("tp",), (2,)))
     assert isinstance(e.value, HpError) and isinstance(e.value, ValueError)
-    assert "axes ['tp'] but no 'dp' axis" in str(e.value) and "mesh_dim_names=('dp', 'tp')" in str(e.value)
+    assert "axes ['tp'] but no 'dp' axis" in str(e.value) and "mesh_dim_names=('dp', 'tp')" in str(
+        e.value
+    )
 
 
 def test_a_model_hp_did_not_parallelize_is_refused(training):
-    with pytest.raises(HpTrainerError, match=r"LlamaForCausalLM was not parallelized by hp; call hp_core.apply"):
+    with pytest.raises(
+        HpTrainerError, match=r"LlamaForCausalLM was not parallelized by hp; call hp_core.apply"
+    ):
         HpTrainer(model=build_family("llama"), args=training, mesh=_Mesh(("dp", "tp"), (1, 1)))
 
 
@@ -38,7 +44,9 @@ def test_ranks_sharing_a_batch_come_from_the_mesh(training):
     model._hp_applied = object()  # what apply leaves; the sizes are all this test reads
     trainer = HpTrainer(model=model, args=training, mesh=_Mesh(("dp", "cp", "tp"), (2, 3, 4)))
     assert (trainer.get_tp_size(), trainer.get_cp_size()) == (4, 3)
-    assert HpTrainer(model=model, args=training, mesh=_Mesh(("dp", "tp"), (2, 4))).get_cp_size() == 1
+    assert (
+        HpTrainer(model=model, args=training, mesh=_Mesh(("dp", "tp"), (2, 4))).get_cp_size() == 1
+    )
 
 
 @pytest.mark.distributed

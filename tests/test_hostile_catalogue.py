@@ -55,6 +55,15 @@ from hp_core.artifact.signed import (
 from hp_core.bounded import ENV_MAX_BYTES, ENV_MAX_DEPTH, ENV_MAX_NODES, InputLimitError
 from hp_core.injection import InjectionDefinitionError, TargetError
 from hp_core.mesh import MeshSpecError
+from hp_core.planner.lints import (
+    DivisibilityError,
+    FusedProjectionError,
+    MeshAxisError,
+    MeshTypeError,
+    PlanningError,
+)
+from hp_core.planner.structure import UncoveredParameterError
+from hp_core.planner.templates import Role, RoleRule, TemplateDefinitionError
 from hp_core.plans import (
     ArgumentTypeError,
     DuplicateOverrideError,
@@ -65,15 +74,6 @@ from hp_core.plans import (
     PlanYAMLError,
     PlanYAMLInputLimitError,
 )
-from hp_core.planner.lints import (
-    DivisibilityError,
-    FusedProjectionError,
-    MeshAxisError,
-    MeshTypeError,
-    PlanningError,
-)
-from hp_core.planner.structure import UncoveredParameterError
-from hp_core.planner.templates import Role, RoleRule, TemplateDefinitionError
 from hp_core.plugins import (
     COMPUTE_FACTORY_REGISTRY,
     INNER_WRAPPER_REGISTRY,
@@ -150,19 +150,55 @@ for text, label in [
     ("replicate()", "replicate_empty_parens"),
     ("x" * 5000, "huge_text"),
 ]:
-    case(f"placement_{label}", "dsl", lambda ctx, m, text=text: parse_placement(text, path="in_src.x.tp"),
-         PlacementSyntaxError, "in_src.x.tp", repr(text)[:60], GRAMMAR)
-case("placement_non_ascii_digit", "dsl", lambda ctx, m: parse_placement("shard(\u0661)", path="p.tp"),
-     PlacementSyntaxError, "p.tp", "'\u0661' is not an ASCII digit", "shard(1)")
+    case(
+        f"placement_{label}",
+        "dsl",
+        lambda ctx, m, text=text: parse_placement(text, path="in_src.x.tp"),
+        PlacementSyntaxError,
+        "in_src.x.tp",
+        repr(text)[:60],
+        GRAMMAR,
+    )
+case(
+    "placement_non_ascii_digit",
+    "dsl",
+    lambda ctx, m: parse_placement("shard(\u0661)", path="p.tp"),
+    PlacementSyntaxError,
+    "p.tp",
+    "'\u0661' is not an ASCII digit",
+    "shard(1)",
+)
 for text in ("partial(max)", "partial(avg)", "partial(foo)"):
-    case(f"placement_{text.replace('(', '_').rstrip(')')}", "dsl",
-         lambda ctx, m, text=text: parse_placement(text, path="out_src.y.tp"),
-         UnsupportedPartialError, "out_src.y.tp", text, "only partial(sum)")
-for value, label, shown in [(None, "none", "NoneType None"), (3, "int", "int 3"), (["shard(0)"], "list", "list ['shard(0)']")]:
-    case(f"placement_type_{label}", "dsl", lambda ctx, m, value=value: parse_placement(value, path="in_src.x.tp"),
-         PlacementSyntaxError, "in_src.x.tp", shown)
-case("placement_huge_dim", "dsl", lambda ctx, m: parse_placement("shard(99999999999999999999)", path="in_src.x.tp"),
-     PlacementSyntaxError, "in_src.x.tp", "shard(99999999999999999999)")
+    case(
+        f"placement_{text.replace('(', '_').rstrip(')')}",
+        "dsl",
+        lambda ctx, m, text=text: parse_placement(text, path="out_src.y.tp"),
+        UnsupportedPartialError,
+        "out_src.y.tp",
+        text,
+        "only partial(sum)",
+    )
+for value, label, shown in [
+    (None, "none", "NoneType None"),
+    (3, "int", "int 3"),
+    (["shard(0)"], "list", "list ['shard(0)']"),
+]:
+    case(
+        f"placement_type_{label}",
+        "dsl",
+        lambda ctx, m, value=value: parse_placement(value, path="in_src.x.tp"),
+        PlacementSyntaxError,
+        "in_src.x.tp",
+        shown,
+    )
+case(
+    "placement_huge_dim",
+    "dsl",
+    lambda ctx, m: parse_placement("shard(99999999999999999999)", path="in_src.x.tp"),
+    PlacementSyntaxError,
+    "in_src.x.tp",
+    "shard(99999999999999999999)",
+)
 
 # ------------------------------------------------------------------ DSL: parse_named_placement
 
@@ -174,12 +210,30 @@ for raw, label, shown in [
     ({1: "replicate"}, "int_axis", "got 1"),
     ({"": "replicate"}, "empty_axis", "got ''"),
 ]:
-    case(f"named_{label}", "dsl", lambda ctx, m, raw=raw: parse_named_placement(raw, path="in_src.x"),
-         PlacementSyntaxError, "in_src.x", shown)
-case("named_bad_inner_placement", "dsl", lambda ctx, m: parse_named_placement({"tp": "shard(-1)"}, path="in_src.x"),
-     PlacementSyntaxError, "in_src.x.tp", "'shard(-1)'")
-case("named_int_placement", "dsl", lambda ctx, m: parse_named_placement({"tp": 3}, path="in_src.x"),
-     PlacementSyntaxError, "in_src.x.tp", "int 3")
+    case(
+        f"named_{label}",
+        "dsl",
+        lambda ctx, m, raw=raw: parse_named_placement(raw, path="in_src.x"),
+        PlacementSyntaxError,
+        "in_src.x",
+        shown,
+    )
+case(
+    "named_bad_inner_placement",
+    "dsl",
+    lambda ctx, m: parse_named_placement({"tp": "shard(-1)"}, path="in_src.x"),
+    PlacementSyntaxError,
+    "in_src.x.tp",
+    "'shard(-1)'",
+)
+case(
+    "named_int_placement",
+    "dsl",
+    lambda ctx, m: parse_named_placement({"tp": 3}, path="in_src.x"),
+    PlacementSyntaxError,
+    "in_src.x.tp",
+    "int 3",
+)
 
 # ------------------------------------------------------------------ DSL: ModuleShardingSpec
 
@@ -187,16 +241,32 @@ for kwargs, error, fragments in [
     ({"out_names": "a"}, SpecValidationError, ("ModuleShardingSpec.out_names", "'a'")),
     ({"out_names": [1]}, SpecValidationError, ("ModuleShardingSpec.out_names", "got 1")),
     ({"in_src": "x"}, SpecValidationError, ("ModuleShardingSpec.in_src", "'x'")),
-    ({"in_src": {"x": {"tp": "shard(9)x"}}}, SpecValidationError, ("ModuleShardingSpec.in_src.x.tp", "'shard(9)x'")),
+    (
+        {"in_src": {"x": {"tp": "shard(9)x"}}},
+        SpecValidationError,
+        ("ModuleShardingSpec.in_src.x.tp", "'shard(9)x'"),
+    ),
     ({"params": {"w": "tp"}}, SpecValidationError, ("ModuleShardingSpec.params.w", "'tp'")),
     ({"params": 1}, SpecValidationError, ("ModuleShardingSpec.params", "got 1")),
     ({"is_boundary": "yes"}, SpecValidationError, ("ModuleShardingSpec.is_boundary", "'yes'")),
-    ({"region_dispatch": "no"}, SpecValidationError, ("ModuleShardingSpec.region_dispatch", "'no'")),
+    (
+        {"region_dispatch": "no"},
+        SpecValidationError,
+        ("ModuleShardingSpec.region_dispatch", "'no'"),
+    ),
     ({"inner_target": 3}, SpecValidationError, ("ModuleShardingSpec.inner_target", "got 3")),
-    ({"local_compute_fn": 3}, SpecValidationError, ("ModuleShardingSpec.local_compute_fn", "got 3")),
+    (
+        {"local_compute_fn": 3},
+        SpecValidationError,
+        ("ModuleShardingSpec.local_compute_fn", "got 3"),
+    ),
     ({"inner_wrapper": 5}, SpecValidationError, ("ModuleShardingSpec.inner_wrapper", "got 5")),
     ({"tp_divide_attrs": "x"}, SpecValidationError, ("ModuleShardingSpec.tp_divide_attrs", "'x'")),
-    ({"out_src": {"0": {"tp": "partial(max)"}}}, UnsupportedPartialError, ("ModuleShardingSpec.out_src.0.tp", "partial(max)")),
+    (
+        {"out_src": {"0": {"tp": "partial(max)"}}},
+        UnsupportedPartialError,
+        ("ModuleShardingSpec.out_src.0.tp", "partial(max)"),
+    ),
     ({"foo": 1}, UnknownFieldError, ("unknown field 'foo'", "Fields: params")),
     ({"_internal": 1}, UnknownFieldError, ("unknown field '_internal'",)),
     ({"in_scr": {}}, UnknownFieldError, ("unknown field 'in_scr'",)),
@@ -204,7 +274,13 @@ for kwargs, error, fragments in [
     key = next(iter(kwargs))
     value = kwargs[key]
     label = f"{key.strip('_')}_{type(value).__name__}"
-    case(f"spec_{label}", "dsl", lambda ctx, m, kwargs=kwargs: ModuleShardingSpec(**kwargs), error, *fragments)
+    case(
+        f"spec_{label}",
+        "dsl",
+        lambda ctx, m, kwargs=kwargs: ModuleShardingSpec(**kwargs),
+        error,
+        *fragments,
+    )
 
 # ------------------------------------------------------------------ YAML overrides
 
@@ -216,59 +292,215 @@ BOMB = (
     "f: [*e,*e,*e,*e,*e,*e,*e,*e,*e,*e]\n"
 )
 for label, text, error, fragments in [
-    ("unclosed_bracket", "overrides: [\n  - match: x\n", PlanYAMLError, ("<string>:2:3", "invalid YAML")),
+    (
+        "unclosed_bracket",
+        "overrides: [\n  - match: x\n",
+        PlanYAMLError,
+        ("<string>:2:3", "invalid YAML"),
+    ),
     ("tab_indent", "overrides:\n\t- match: x\n", PlanYAMLError, ("<string>:2:1", "'\\t'")),
-    ("duplicate_key", ENTRY + "  match: model.embed\n", PlanYAMLError, ("duplicate key 'match'", "first at line 1")),
-    ("unknown_key", ENTRY + "  in_scr: {}\n", OverrideError, ("overrides[0]", "'in_scr'", "Did you mean 'in_src'?")),
+    (
+        "duplicate_key",
+        ENTRY + "  match: model.embed\n",
+        PlanYAMLError,
+        ("duplicate key 'match'", "first at line 1"),
+    ),
+    (
+        "unknown_key",
+        ENTRY + "  in_scr: {}\n",
+        OverrideError,
+        ("overrides[0]", "'in_scr'", "Did you mean 'in_src'?"),
+    ),
     ("single_mapping", "match: model.norm\n", OverrideError, ("overrides", "single entry")),
     ("scalar_document", "42\n", OverrideError, ("overrides", "got int 42")),
     ("scalar_entry", "- 3\n", OverrideError, ("overrides[0]", "got int 3")),
     ("string_entry", "- model.norm\n", OverrideError, ("overrides[0]", "'model.norm'")),
-    ("when_typo", ENTRY + "  when: tpp\n", OverrideError, ("overrides[0].when", "'tpp'", "Did you mean 'tp'?")),
-    ("when_int", ENTRY + "  when: 3\n", OverrideError, ("overrides[0].when", "3 is not a valid 'when'")),
+    (
+        "when_typo",
+        ENTRY + "  when: tpp\n",
+        OverrideError,
+        ("overrides[0].when", "'tpp'", "Did you mean 'tp'?"),
+    ),
+    (
+        "when_int",
+        ENTRY + "  when: 3\n",
+        OverrideError,
+        ("overrides[0].when", "3 is not a valid 'when'"),
+    ),
     ("match_int", "- match: 3\n", OverrideError, ("overrides[0].match", "int 3")),
-    ("missing_match", "- params: none\n", OverrideError, ("overrides[0]", "missing required key 'match'")),
-    ("underscore_field", ENTRY + "  _internal: 1\n", OverrideError, ("overrides[0]._internal", "internal fields")),
-    ("bad_placement", ENTRY + "  in_src: {hidden_states: {tp: shard(-1)}}\n", OverrideError,
-     ("overrides[0].in_src.hidden_states.tp", "'shard(-1)'")),
-    ("bad_bool", ENTRY + "  is_boundary: maybe\n", OverrideError, ("overrides[0].is_boundary", "'maybe'")),
-    ("out_names_string", ENTRY + "  out_names: a\n", OverrideError, ("overrides[0].out_names", "'a'")),
-    ("long_unknown_key", ENTRY + "  " + "k" * 200 + ": 1\n", OverrideError, ("overrides[0]", "k" * 50)),
+    (
+        "missing_match",
+        "- params: none\n",
+        OverrideError,
+        ("overrides[0]", "missing required key 'match'"),
+    ),
+    (
+        "underscore_field",
+        ENTRY + "  _internal: 1\n",
+        OverrideError,
+        ("overrides[0]._internal", "internal fields"),
+    ),
+    (
+        "bad_placement",
+        ENTRY + "  in_src: {hidden_states: {tp: shard(-1)}}\n",
+        OverrideError,
+        ("overrides[0].in_src.hidden_states.tp", "'shard(-1)'"),
+    ),
+    (
+        "bad_bool",
+        ENTRY + "  is_boundary: maybe\n",
+        OverrideError,
+        ("overrides[0].is_boundary", "'maybe'"),
+    ),
+    (
+        "out_names_string",
+        ENTRY + "  out_names: a\n",
+        OverrideError,
+        ("overrides[0].out_names", "'a'"),
+    ),
+    (
+        "long_unknown_key",
+        ENTRY + "  " + "k" * 200 + ": 1\n",
+        OverrideError,
+        ("overrides[0]", "k" * 50),
+    ),
     ("unhashable_key", "- {? [a] : 1}\n", PlanYAMLError, ("<string>:1:6", "unhashable key")),
-    ("python_tag", "- !!python/object/apply:os.system ['echo hi']\n", PlanYAMLError, ("<string>:1:3", "python/object/apply:os.system")),
+    (
+        "python_tag",
+        "- !!python/object/apply:os.system ['echo hi']\n",
+        PlanYAMLError,
+        ("<string>:1:3", "python/object/apply:os.system"),
+    ),
     ("nul_bytes", "\x00\x01\x02", PlanYAMLError, ("<string>", "#x0000")),
-    ("duplicate_entries", ENTRY + "  params: none\n" + ENTRY + "  params: none\n", DuplicateOverrideError,
-     ("overrides[0] and overrides[1]", "'model.norm'")),
+    (
+        "duplicate_entries",
+        ENTRY + "  params: none\n" + ENTRY + "  params: none\n",
+        DuplicateOverrideError,
+        ("overrides[0] and overrides[1]", "'model.norm'"),
+    ),
     ("alias_bomb", BOMB, PlanYAMLError, ("<string>", "alias *d", "HP_MAX_YAML_NODES")),
-    ("recursive_alias", "- &a [*a]\n", PlanYAMLError, ("<string>", "alias *a refers to a node that contains it")),
-    ("deep_nesting", ENTRY + "  params: " + "[" * 70 + "]" * 70 + "\n", PlanYAMLError,
-     ("<string>: [0].params[0]", "nesting depth over 64", "HP_MAX_INPUT_DEPTH")),
+    (
+        "recursive_alias",
+        "- &a [*a]\n",
+        PlanYAMLError,
+        ("<string>", "alias *a refers to a node that contains it"),
+    ),
+    (
+        "deep_nesting",
+        ENTRY + "  params: " + "[" * 70 + "]" * 70 + "\n",
+        PlanYAMLError,
+        ("<string>: [0].params[0]", "nesting depth over 64", "HP_MAX_INPUT_DEPTH"),
+    ),
 ]:
-    case(f"overrides_{label}", "yaml", lambda ctx, m, text=text: load_overrides(text), error, *fragments)
+    case(
+        f"overrides_{label}",
+        "yaml",
+        lambda ctx, m, text=text: load_overrides(text),
+        error,
+        *fragments,
+    )
 
-case("overrides_limit_error_is_input_limit", "yaml", lambda ctx, m: load_overrides(BOMB), InputLimitError, "alias *d")
-case("overrides_type_int", "yaml", lambda ctx, m: load_overrides(3), OverridesTypeError, "overrides", "got int 3")
-case("overrides_dict_of_str", "yaml", lambda ctx, m: load_overrides({"model.norm": "x"}), OverrideError,
-     "overrides['model.norm']", "got str 'x'")
-case("overrides_list_of_str", "yaml", lambda ctx, m: load_overrides(["x"]), OverrideError, "overrides[0]", "got str 'x'")
-case("overrides_missing_file", "yaml", lambda ctx, m: load_overrides(ctx.tmp / "nofile.yaml"), PlanYAMLError,
-     "{tmp}/nofile.yaml", "no such file")
-case("overrides_file_line", "yaml", lambda ctx, m: load_overrides(ctx.write("syntax.yaml", "- match: [\n")), PlanYAMLError,
-     "{tmp}/syntax.yaml:2:1")
-case("overrides_huge_file", "yaml", lambda ctx, m: load_overrides(ctx.write("big.yaml", ENTRY + "#" * 200 + "\n")),
-     PlanYAMLError, "{tmp}/big.yaml", "over the input limit of 100 bytes", "HP_MAX_INPUT_BYTES=221",
-     env=((ENV_MAX_BYTES, "100"),))
-case("overrides_bad_env_bytes", "yaml", lambda ctx, m: load_overrides(ENTRY), PlanYAMLInputLimitError,
-     "HP_MAX_INPUT_BYTES='abc'", "positive integer", env=((ENV_MAX_BYTES, "abc"),))
-case("overrides_bad_env_depth", "yaml", lambda ctx, m: load_overrides(ENTRY), PlanYAMLInputLimitError,
-     "HP_MAX_INPUT_DEPTH='-1'", env=((ENV_MAX_DEPTH, "-1"),))
-case("overrides_bad_env_nodes", "yaml", lambda ctx, m: load_overrides(ENTRY), PlanYAMLInputLimitError,
-     "HP_MAX_YAML_NODES='0'", env=((ENV_MAX_NODES, "0"),))
-case("overrides_env_depth_3", "yaml", lambda ctx, m: load_overrides(ENTRY + "  params: {a: {tp: [[1]]}}\n"), PlanYAMLError,
-     "[0].params.a", "nesting depth over 3", "HP_MAX_INPUT_DEPTH=6", env=((ENV_MAX_DEPTH, "3"),))
-case("overrides_env_nodes_5", "yaml",
-     lambda ctx, m: load_overrides(ENTRY + "  params: {a: {tp: replicate}, b: {tp: replicate}}\n"),
-     PlanYAMLError, "[0].params", "over 5 nodes", "HP_MAX_YAML_NODES=50", env=((ENV_MAX_NODES, "5"),))
+case(
+    "overrides_limit_error_is_input_limit",
+    "yaml",
+    lambda ctx, m: load_overrides(BOMB),
+    InputLimitError,
+    "alias *d",
+)
+case(
+    "overrides_type_int",
+    "yaml",
+    lambda ctx, m: load_overrides(3),
+    OverridesTypeError,
+    "overrides",
+    "got int 3",
+)
+case(
+    "overrides_dict_of_str",
+    "yaml",
+    lambda ctx, m: load_overrides({"model.norm": "x"}),
+    OverrideError,
+    "overrides['model.norm']",
+    "got str 'x'",
+)
+case(
+    "overrides_list_of_str",
+    "yaml",
+    lambda ctx, m: load_overrides(["x"]),
+    OverrideError,
+    "overrides[0]",
+    "got str 'x'",
+)
+case(
+    "overrides_missing_file",
+    "yaml",
+    lambda ctx, m: load_overrides(ctx.tmp / "nofile.yaml"),
+    PlanYAMLError,
+    "{tmp}/nofile.yaml",
+    "no such file",
+)
+case(
+    "overrides_file_line",
+    "yaml",
+    lambda ctx, m: load_overrides(ctx.write("syntax.yaml", "- match: [\n")),
+    PlanYAMLError,
+    "{tmp}/syntax.yaml:2:1",
+)
+case(
+    "overrides_huge_file",
+    "yaml",
+    lambda ctx, m: load_overrides(ctx.write("big.yaml", ENTRY + "#" * 200 + "\n")),
+    PlanYAMLError,
+    "{tmp}/big.yaml",
+    "over the input limit of 100 bytes",
+    "HP_MAX_INPUT_BYTES=221",
+    env=((ENV_MAX_BYTES, "100"),),
+)
+case(
+    "overrides_bad_env_bytes",
+    "yaml",
+    lambda ctx, m: load_overrides(ENTRY),
+    PlanYAMLInputLimitError,
+    "HP_MAX_INPUT_BYTES='abc'",
+    "positive integer",
+    env=((ENV_MAX_BYTES, "abc"),),
+)
+case(
+    "overrides_bad_env_depth",
+    "yaml",
+    lambda ctx, m: load_overrides(ENTRY),
+    PlanYAMLInputLimitError,
+    "HP_MAX_INPUT_DEPTH='-1'",
+    env=((ENV_MAX_DEPTH, "-1"),),
+)
+case(
+    "overrides_bad_env_nodes",
+    "yaml",
+    lambda ctx, m: load_overrides(ENTRY),
+    PlanYAMLInputLimitError,
+    "HP_MAX_YAML_NODES='0'",
+    env=((ENV_MAX_NODES, "0"),),
+)
+case(
+    "overrides_env_depth_3",
+    "yaml",
+    lambda ctx, m: load_overrides(ENTRY + "  params: {a: {tp: [[1]]}}\n"),
+    PlanYAMLError,
+    "[0].params.a",
+    "nesting depth over 3",
+    "HP_MAX_INPUT_DEPTH=6",
+    env=((ENV_MAX_DEPTH, "3"),),
+)
+case(
+    "overrides_env_nodes_5",
+    "yaml",
+    lambda ctx, m: load_overrides(ENTRY + "  params: {a: {tp: replicate}, b: {tp: replicate}}\n"),
+    PlanYAMLError,
+    "[0].params",
+    "over 5 nodes",
+    "HP_MAX_YAML_NODES=50",
+    env=((ENV_MAX_NODES, "5"),),
+)
 
 # ------------------------------------------------------------------ YAML plans
 
@@ -282,15 +514,44 @@ for label, text, fragments in [
     ("unknown_key", "format: hp-plan\nversion: 99\n", ("plan: unknown key 'format'",)),
     ("duplicate_key", "version: 1\nversion: 2\n", ("<string>:2:1", "duplicate key 'version'")),
     ("alias_bomb", BOMB, ("alias *d", "HP_MAX_YAML_NODES")),
-    ("deep_nesting", "x: " + "[" * 70 + "]" * 70 + "\n", ("<string>: x[0]", "nesting depth over 64")),
+    (
+        "deep_nesting",
+        "x: " + "[" * 70 + "]" * 70 + "\n",
+        ("<string>: x[0]", "nesting depth over 64"),
+    ),
 ]:
-    case(f"plan_yaml_{label}", "yaml", lambda ctx, m, text=text: load_plan(text), PlanYAMLError, *fragments)
-case("plan_yaml_type_none", "yaml", lambda ctx, m: load_plan(None), PlanTypeError, "got NoneType None", "plan_from_dict")
+    case(
+        f"plan_yaml_{label}",
+        "yaml",
+        lambda ctx, m, text=text: load_plan(text),
+        PlanYAMLError,
+        *fragments,
+    )
+case(
+    "plan_yaml_type_none",
+    "yaml",
+    lambda ctx, m: load_plan(None),
+    PlanTypeError,
+    "got NoneType None",
+    "plan_from_dict",
+)
 case("plan_yaml_type_int", "yaml", lambda ctx, m: load_plan(3), PlanTypeError, "got int 3")
-case("plan_yaml_missing_file", "yaml", lambda ctx, m: load_plan(ctx.tmp / "noplan.yaml"), PlanYAMLError,
-     "{tmp}/noplan.yaml", "no such file")
-case("plan_yaml_file_duplicate", "yaml", lambda ctx, m: load_plan(ctx.write("dup.yaml", "version: 1\nversion: 1\n")),
-     PlanYAMLError, "{tmp}/dup.yaml:2:1", "duplicate key 'version'")
+case(
+    "plan_yaml_missing_file",
+    "yaml",
+    lambda ctx, m: load_plan(ctx.tmp / "noplan.yaml"),
+    PlanYAMLError,
+    "{tmp}/noplan.yaml",
+    "no such file",
+)
+case(
+    "plan_yaml_file_duplicate",
+    "yaml",
+    lambda ctx, m: load_plan(ctx.write("dup.yaml", "version: 1\nversion: 1\n")),
+    PlanYAMLError,
+    "{tmp}/dup.yaml:2:1",
+    "duplicate key 'version'",
+)
 
 # ------------------------------------------------------------------ planning
 
@@ -305,9 +566,24 @@ def _ov(match: str, **fields: Any) -> list[dict[str, Any]]:
 
 L0 = "model.layers.0.mlp"
 for label, call, error, fragments in [
-    ("model_none", lambda ctx, m: hp_core.plan(None, "tp=2"), ArgumentTypeError, ("model must be a torch.nn.Module", "NoneType None")),
-    ("model_class", lambda ctx, m: hp_core.plan(type(m), "tp=2"), ArgumentTypeError, ("got type", "LlamaForCausalLM")),
-    ("model_name_string", lambda ctx, m: hp_core.plan("llama", "tp=2"), ArgumentTypeError, ("got str 'llama'",)),
+    (
+        "model_none",
+        lambda ctx, m: hp_core.plan(None, "tp=2"),
+        ArgumentTypeError,
+        ("model must be a torch.nn.Module", "NoneType None"),
+    ),
+    (
+        "model_class",
+        lambda ctx, m: hp_core.plan(type(m), "tp=2"),
+        ArgumentTypeError,
+        ("got type", "LlamaForCausalLM"),
+    ),
+    (
+        "model_name_string",
+        lambda ctx, m: hp_core.plan("llama", "tp=2"),
+        ArgumentTypeError,
+        ("got str 'llama'",),
+    ),
     ("mesh_not_axis_size", _plan("tp=x"), MeshSpecError, ("'tp=x'", "AXIS=SIZE")),
     ("mesh_negative", _plan("tp=-2"), MeshSpecError, ("'tp=-2'",)),
     ("mesh_missing_equals", _plan("tp2"), MeshSpecError, ("'tp2'",)),
@@ -319,40 +595,122 @@ for label, call, error, fragments in [
     ("mesh_int", _plan(2), MeshTypeError, ("mesh:", "got int 2")),
     ("mesh_none", _plan(None), MeshTypeError, ("got NoneType None",)),
     ("mesh_list", _plan(["tp"]), MeshTypeError, ("got list ['tp']",)),
-    ("tp4_kv_heads", _plan("tp=4"), DivisibilityError, ("model.layers.0.self_attn", "2 key/value heads", "tp=4")),
-    ("tp3_vocab", _plan("tp=3"), DivisibilityError, ("model.embed_tokens.params.weight.tp", "tp=3")),
-    ("override_unknown_module", _plan("tp=2", overrides=_ov("model.layers.0.mlpp", params="none")), OverrideError,
-     ("overrides[0].match", "'model.layers.0.mlpp'", "'model.layers.0.mlp'")),
-    ("override_axis_typo", _plan("tp=2", overrides=_ov(L0, in_dst={"x": {"tpp": "replicate"}})), OverrideError,
-     ("overrides[0].in_dst.x.tpp", "Did you mean 'tp'?")),
-    ("override_axis_absent", _plan("tp=2", overrides=_ov(L0, in_dst={"x": {"cp": "replicate"}})), MeshAxisError,
-     ("model.layers.0.mlp.in_dst.x", "'cp'", "when: cp")),
-    ("override_dp_axis", _plan("tp=2", overrides=_ov(L0, in_dst={"x": {"dp": "replicate"}})), OverrideError,
-     ("overrides[0].in_dst.x.dp", "data-parallel")),
-    ("override_input_name", _plan("tp=2", overrides=_ov(L0, in_dst={"hidden": {"tp": "replicate"}})), PlanningError,
-     ("model.layers.0.mlp.in_dst", "'hidden'", "LlamaMLP.forward(x)")),
-    ("override_region_dispatch", _plan("tp=2", overrides=_ov(L0, region_dispatch=True)), PlanningError,
-     ("model.layers.0.mlp", "region_dispatch=True without an injection")),
-    ("override_foreign_param", _plan("tp=2", overrides=_ov(L0, params={"model.norm.weight": {"tp": "replicate"}})),
-     PlanningError, ("model.layers.0.mlp.params", "'model.norm.weight'")),
-    ("override_incomplete_insert", _plan("tp=2", overrides=_ov("model.layers.0.mlp.gate_proj", is_boundary=True,
-                                                                  params={"weight": {"tp": "shard(0)"}})),
-     IncompleteOverrideError, ("overrides[0]", "'model.layers.0.mlp.gate_proj'", "missing: in_src")),
-    ("override_unknown_key", _plan("tp=2", overrides=_ov(L0, in_scr={})), OverrideError, ("overrides[0]", "'in_scr'")),
+    (
+        "tp4_kv_heads",
+        _plan("tp=4"),
+        DivisibilityError,
+        ("model.layers.0.self_attn", "2 key/value heads", "tp=4"),
+    ),
+    (
+        "tp3_vocab",
+        _plan("tp=3"),
+        DivisibilityError,
+        ("model.embed_tokens.params.weight.tp", "tp=3"),
+    ),
+    (
+        "override_unknown_module",
+        _plan("tp=2", overrides=_ov("model.layers.0.mlpp", params="none")),
+        OverrideError,
+        ("overrides[0].match", "'model.layers.0.mlpp'", "'model.layers.0.mlp'"),
+    ),
+    (
+        "override_axis_typo",
+        _plan("tp=2", overrides=_ov(L0, in_dst={"x": {"tpp": "replicate"}})),
+        OverrideError,
+        ("overrides[0].in_dst.x.tpp", "Did you mean 'tp'?"),
+    ),
+    (
+        "override_axis_absent",
+        _plan("tp=2", overrides=_ov(L0, in_dst={"x": {"cp": "replicate"}})),
+        MeshAxisError,
+        ("model.layers.0.mlp.in_dst.x", "'cp'", "when: cp"),
+    ),
+    (
+        "override_dp_axis",
+        _plan("tp=2", overrides=_ov(L0, in_dst={"x": {"dp": "replicate"}})),
+        OverrideError,
+        ("overrides[0].in_dst.x.dp", "data-parallel"),
+    ),
+    (
+        "override_input_name",
+        _plan("tp=2", overrides=_ov(L0, in_dst={"hidden": {"tp": "replicate"}})),
+        PlanningError,
+        ("model.layers.0.mlp.in_dst", "'hidden'", "LlamaMLP.forward(x)"),
+    ),
+    (
+        "override_region_dispatch",
+        _plan("tp=2", overrides=_ov(L0, region_dispatch=True)),
+        PlanningError,
+        ("model.layers.0.mlp", "region_dispatch=True without an injection"),
+    ),
+    (
+        "override_foreign_param",
+        _plan("tp=2", overrides=_ov(L0, params={"model.norm.weight": {"tp": "replicate"}})),
+        PlanningError,
+        ("model.layers.0.mlp.params", "'model.norm.weight'"),
+    ),
+    (
+        "override_incomplete_insert",
+        _plan(
+            "tp=2",
+            overrides=_ov(
+                "model.layers.0.mlp.gate_proj",
+                is_boundary=True,
+                params={"weight": {"tp": "shard(0)"}},
+            ),
+        ),
+        IncompleteOverrideError,
+        ("overrides[0]", "'model.layers.0.mlp.gate_proj'", "missing: in_src"),
+    ),
+    (
+        "override_unknown_key",
+        _plan("tp=2", overrides=_ov(L0, in_scr={})),
+        OverrideError,
+        ("overrides[0]", "'in_scr'"),
+    ),
     ("overrides_int", _plan("tp=2", overrides=3), OverridesTypeError, ("got int 3",)),
-    ("overrides_missing_file", lambda ctx, m: hp_core.plan(m, "tp=2", overrides=str(ctx.tmp / "gone.yaml")), PlanYAMLError,
-     ("{tmp}/gone.yaml", "no such file")),
-    ("sequence_parallel_str", _plan("tp=2", sequence_parallel="yes"), PlanningError, ("sequence_parallel", "'yes'")),
+    (
+        "overrides_missing_file",
+        lambda ctx, m: hp_core.plan(m, "tp=2", overrides=str(ctx.tmp / "gone.yaml")),
+        PlanYAMLError,
+        ("{tmp}/gone.yaml", "no such file"),
+    ),
+    (
+        "sequence_parallel_str",
+        _plan("tp=2", sequence_parallel="yes"),
+        PlanningError,
+        ("sequence_parallel", "'yes'"),
+    ),
     ("ep_size_zero", _plan("tp=2", ep_size=0), PlanningError, ("ep_size", "got 0")),
     ("ep_size_str", _plan("tp=2", ep_size="2"), PlanningError, ("ep_size", "got '2'")),
 ]:
     case(f"plan_{label}", "planning", call, error, *fragments, model="llama")
-case("plan_uncovered_sequential", "planning", _plan("tp=2"), UncoveredParameterError, "0.weight", "0.bias", "match: '0'",
-     model="sequential")
-case("plan_fused_qkv", "planning", _plan("tp=2"), FusedProjectionError,
-     "model.layers.0.self_attn.params.qkv_proj.weight.tp", model="fused_qkv_lm")
-case("plan_loss_parallel_without_lm", "planning", _plan("tp=2", loss_parallel=True), hp_core.HpError, "0.weight",
-     model="sequential")
+case(
+    "plan_uncovered_sequential",
+    "planning",
+    _plan("tp=2"),
+    UncoveredParameterError,
+    "0.weight",
+    "0.bias",
+    "match: '0'",
+    model="sequential",
+)
+case(
+    "plan_fused_qkv",
+    "planning",
+    _plan("tp=2"),
+    FusedProjectionError,
+    "model.layers.0.self_attn.params.qkv_proj.weight.tp",
+    model="fused_qkv_lm",
+)
+case(
+    "plan_loss_parallel_without_lm",
+    "planning",
+    _plan("tp=2", loss_parallel=True),
+    hp_core.HpError,
+    "0.weight",
+    model="sequential",
+)
 
 # ------------------------------------------------------------------ injection
 
@@ -377,87 +735,281 @@ def good_factory(ctx, capacity=1.0):
 
 
 for label, call, error, fragments in [
-    ("local_compute_kwargs", lambda ctx, m: lc(f_kwargs), InjectionDefinitionError, ("f_kwargs", "'**kw' is not allowed")),
-    ("inner_wrapper_varargs", lambda ctx, m: iw(f_varargs), InjectionDefinitionError, ("f_varargs", "'*rest' is not allowed")),
-    ("inner_wrapper_context_default", lambda ctx, m: iw(f_default), InjectionDefinitionError,
-     ("f_default", "'ctx' must not have a default")),
-    ("inner_wrapper_missing_context", lambda ctx, m: iw(f_missing), InjectionDefinitionError, ("f_missing", "ctx")),
-    ("inner_wrapper_context_typo", lambda ctx, m: iw(f_typo), InjectionDefinitionError, ("f_typo", "'cxt'", "'ctx'")),
-    ("inner_wrapper_positional_only", lambda ctx, m: iw(f_posonly), InjectionDefinitionError,
-     ("f_posonly", "'target_module' is positional-only")),
-    ("local_compute_missing_context", lambda ctx, m: lc(f_compute_missing), InjectionDefinitionError,
-     ("f_compute_missing", "ctx")),
+    (
+        "local_compute_kwargs",
+        lambda ctx, m: lc(f_kwargs),
+        InjectionDefinitionError,
+        ("f_kwargs", "'**kw' is not allowed"),
+    ),
+    (
+        "inner_wrapper_varargs",
+        lambda ctx, m: iw(f_varargs),
+        InjectionDefinitionError,
+        ("f_varargs", "'*rest' is not allowed"),
+    ),
+    (
+        "inner_wrapper_context_default",
+        lambda ctx, m: iw(f_default),
+        InjectionDefinitionError,
+        ("f_default", "'ctx' must not have a default"),
+    ),
+    (
+        "inner_wrapper_missing_context",
+        lambda ctx, m: iw(f_missing),
+        InjectionDefinitionError,
+        ("f_missing", "ctx"),
+    ),
+    (
+        "inner_wrapper_context_typo",
+        lambda ctx, m: iw(f_typo),
+        InjectionDefinitionError,
+        ("f_typo", "'cxt'", "'ctx'"),
+    ),
+    (
+        "inner_wrapper_positional_only",
+        lambda ctx, m: iw(f_posonly),
+        InjectionDefinitionError,
+        ("f_posonly", "'target_module' is positional-only"),
+    ),
+    (
+        "local_compute_missing_context",
+        lambda ctx, m: lc(f_compute_missing),
+        InjectionDefinitionError,
+        ("f_compute_missing", "ctx"),
+    ),
     ("inner_wrapper_not_a_function", lambda ctx, m: iw(3), InjectionDefinitionError, ("got 3",)),
-    ("local_compute_builtin", lambda ctx, m: lc(len), InjectionDefinitionError, ("builtins.len", "'obj'")),
-    ("local_compute_lambda", lambda ctx, m: lc(lambda: None), InjectionDefinitionError, ("<lambda>", "declare ctx")),
+    (
+        "local_compute_builtin",
+        lambda ctx, m: lc(len),
+        InjectionDefinitionError,
+        ("builtins.len", "'obj'"),
+    ),
+    (
+        "local_compute_lambda",
+        lambda ctx, m: lc(lambda: None),
+        InjectionDefinitionError,
+        ("<lambda>", "declare ctx"),
+    ),
     ("target_empty", lambda ctx, m: Target(""), TargetError, ("_target_", "got ''")),
     ("target_int", lambda ctx, m: Target(3), TargetError, ("_target_", "got 3")),
-    ("target_config_list", lambda ctx, m: Target("moe_x", [1]), TargetError, ("'moe_x'", "config must be a mapping", "[1]")),
-    ("target_config_int_key", lambda ctx, m: Target("moe_x", {1: 2}), TargetError, ("'moe_x'", "got 1")),
-    ("target_from_list", lambda ctx, m: Target.from_dict([1], path="overrides[0].local_compute_fn"), TargetError,
-     ("overrides[0].local_compute_fn", "got [1]")),
-    ("target_without_target_key", lambda ctx, m: Target.from_dict({"capacity": 1}, path="overrides[0].local_compute_fn"),
-     TargetError, ("overrides[0].local_compute_fn", "{'capacity': 1}")),
-    ("target_from_dict_empty_target", lambda ctx, m: Target.from_dict({"_target_": " "}, path="overrides[1].inner_wrapper"),
-     TargetError, ("overrides[1].inner_wrapper", "_target_")),
-    ("trust_dotted_package", lambda ctx, m: hp_core.trust_packages("a.b"), TargetError, ("trust_packages", "'a.b'")),
-    ("trust_empty_package", lambda ctx, m: hp_core.trust_packages(""), TargetError, ("trust_packages", "got ''")),
+    (
+        "target_config_list",
+        lambda ctx, m: Target("moe_x", [1]),
+        TargetError,
+        ("'moe_x'", "config must be a mapping", "[1]"),
+    ),
+    (
+        "target_config_int_key",
+        lambda ctx, m: Target("moe_x", {1: 2}),
+        TargetError,
+        ("'moe_x'", "got 1"),
+    ),
+    (
+        "target_from_list",
+        lambda ctx, m: Target.from_dict([1], path="overrides[0].local_compute_fn"),
+        TargetError,
+        ("overrides[0].local_compute_fn", "got [1]"),
+    ),
+    (
+        "target_without_target_key",
+        lambda ctx, m: Target.from_dict({"capacity": 1}, path="overrides[0].local_compute_fn"),
+        TargetError,
+        ("overrides[0].local_compute_fn", "{'capacity': 1}"),
+    ),
+    (
+        "target_from_dict_empty_target",
+        lambda ctx, m: Target.from_dict({"_target_": " "}, path="overrides[1].inner_wrapper"),
+        TargetError,
+        ("overrides[1].inner_wrapper", "_target_"),
+    ),
+    (
+        "trust_dotted_package",
+        lambda ctx, m: hp_core.trust_packages("a.b"),
+        TargetError,
+        ("trust_packages", "'a.b'"),
+    ),
+    (
+        "trust_empty_package",
+        lambda ctx, m: hp_core.trust_packages(""),
+        TargetError,
+        ("trust_packages", "got ''"),
+    ),
 ]:
     case(label, "injection", call, error, *fragments)
 
 # ------------------------------------------------------------------ plugins
 
 for label, call, error, fragments in [
-    ("register_dotted_name", lambda ctx, m: register_inner_wrapper("has.dot", good_wrapper), InvalidRegistrationError,
-     ("'has.dot'", "no dots")),
-    ("register_int_name", lambda ctx, m: register_inner_wrapper(3, good_wrapper), InvalidRegistrationError, ("inner wrapper 3",)),
-    ("register_undecorated", lambda ctx, m: register_inner_wrapper("undec", f_missing), InjectionDefinitionError,
-     ("f_missing", "'undec'", "@inner_wrapper")),
-    ("register_factory_as_wrapper", lambda ctx, m: register_inner_wrapper("wk", good_factory), InjectionDefinitionError,
-     ("good_factory", "'wk'", "@local_compute")),
-    ("register_wrapper_as_factory", lambda ctx, m: register_compute_factory("wk", good_wrapper), InjectionDefinitionError,
-     ("good_wrapper", "'wk'", "@inner_wrapper")),
-    ("register_needs_cp_str", lambda ctx, m: register_inner_wrapper("opt", good_wrapper, needs_cp="yes"),
-     InvalidRegistrationError, ("'opt'", "needs_cp='yes'")),
-    ("register_forward_style_typo", lambda ctx, m: register_inner_wrapper("opt", good_wrapper, forward_style="qvk"),
-     InvalidRegistrationError, ("'opt'", "forward_style='qvk'", "Did you mean 'qkv'?")),
-    ("register_region_dispatch_str", lambda ctx, m: register_inner_wrapper("opt", good_wrapper, region_dispatch="no"),
-     InvalidRegistrationError, ("'opt'", "region_dispatch='no'")),
-    ("register_architectures_str", lambda ctx, m: register_compute_factory("f", good_factory, architectures="MixtralForCausalLM"),
-     InvalidRegistrationError, ("compute factory 'f'", "architectures='MixtralForCausalLM'")),
-    ("register_architecture_not_a_class", lambda ctx, m: register_compute_factory("f", good_factory, architectures=("not a class",)),
-     InvalidRegistrationError, ("'f'", "'not a class'")),
-    ("register_router_not_callable", lambda ctx, m: register_router_adapter("r", 42), InvalidRegistrationError,
-     ("router adapter 'r'", "42 is not callable")),
-    ("register_router_name_space", lambda ctx, m: register_router_adapter("with space", len), InvalidRegistrationError,
-     ("'with space'",)),
-    ("register_training_adapter_no_methods", lambda ctx, m: register_training_adapter("ta", object(), axis="cp"),
-     InvalidRegistrationError, ("training adapter 'ta'", "prepare_model")),
-    ("register_training_adapter_int_axis", lambda ctx, m: register_training_adapter("ta", object(), axis=3),
-     InvalidRegistrationError, ("'ta'", "axis=3")),
-    ("register_template_without_name", lambda ctx, m: register_template(object()), InvalidRegistrationError,
-     ("no 'name' attribute",)),
-    ("register_template_bad_name", lambda ctx, m: register_template(RoleRule("bad name", r"x", Role.NORM)),
-     InvalidRegistrationError, ("'bad name'", "'bad_name'")),
-    ("register_template_duplicate_builtin", lambda ctx, m: register_template(TEMPLATE_REGISTRY["boundary.attention"].value),
-     DuplicateRegistrationError, ("'boundary.attention'", "plugin 'builtin'")),
-    ("role_rule_bad_regex", lambda ctx, m: RoleRule("rr", r"(", Role.NORM), TemplateDefinitionError, ("RoleRule 'rr'", "'('")),
-    ("role_rule_bad_role", lambda ctx, m: RoleRule("rr", r"x", "norm2"), TemplateDefinitionError, ("RoleRule 'rr'", "'norm2'")),
-    ("unregister_builtin", lambda ctx, m: unregister("template", "boundary.attention"), ProtectedRegistryItemError,
-     ("'boundary.attention'", "plugin 'builtin'")),
-    ("unregister_unknown", lambda ctx, m: unregister("inner_wrapper", "nope_zz"), UnknownRegistryItemError, ("'nope_zz'",)),
-    ("lookup_unknown", lambda ctx, m: lookup("inner_wrapper", "sdpa_hff"), UnknownRegistryItemError, ("'sdpa_hff'",)),
-    ("registry_subscript_unknown", lambda ctx, m: INNER_WRAPPER_REGISTRY["sdpa_hff"], UnknownRegistryItemError, ("'sdpa_hff'",)),
-    ("register_plugin_reserved_name", lambda ctx, m: register_plugin(object(), name="builtin"), PluginLoadError,
-     ("plugin 'builtin'", "already used")),
+    (
+        "register_dotted_name",
+        lambda ctx, m: register_inner_wrapper("has.dot", good_wrapper),
+        InvalidRegistrationError,
+        ("'has.dot'", "no dots"),
+    ),
+    (
+        "register_int_name",
+        lambda ctx, m: register_inner_wrapper(3, good_wrapper),
+        InvalidRegistrationError,
+        ("inner wrapper 3",),
+    ),
+    (
+        "register_undecorated",
+        lambda ctx, m: register_inner_wrapper("undec", f_missing),
+        InjectionDefinitionError,
+        ("f_missing", "'undec'", "@inner_wrapper"),
+    ),
+    (
+        "register_factory_as_wrapper",
+        lambda ctx, m: register_inner_wrapper("wk", good_factory),
+        InjectionDefinitionError,
+        ("good_factory", "'wk'", "@local_compute"),
+    ),
+    (
+        "register_wrapper_as_factory",
+        lambda ctx, m: register_compute_factory("wk", good_wrapper),
+        InjectionDefinitionError,
+        ("good_wrapper", "'wk'", "@inner_wrapper"),
+    ),
+    (
+        "register_needs_cp_str",
+        lambda ctx, m: register_inner_wrapper("opt", good_wrapper, needs_cp="yes"),
+        InvalidRegistrationError,
+        ("'opt'", "needs_cp='yes'"),
+    ),
+    (
+        "register_forward_style_typo",
+        lambda ctx, m: register_inner_wrapper("opt", good_wrapper, forward_style="qvk"),
+        InvalidRegistrationError,
+        ("'opt'", "forward_style='qvk'", "Did you mean 'qkv'?"),
+    ),
+    (
+        "register_region_dispatch_str",
+        lambda ctx, m: register_inner_wrapper("opt", good_wrapper, region_dispatch="no"),
+        InvalidRegistrationError,
+        ("'opt'", "region_dispatch='no'"),
+    ),
+    (
+        "register_architectures_str",
+        lambda ctx, m: register_compute_factory(
+            "f", good_factory, architectures="MixtralForCausalLM"
+        ),
+        InvalidRegistrationError,
+        ("compute factory 'f'", "architectures='MixtralForCausalLM'"),
+    ),
+    (
+        "register_architecture_not_a_class",
+        lambda ctx, m: register_compute_factory("f", good_factory, architectures=("not a class",)),
+        InvalidRegistrationError,
+        ("'f'", "'not a class'"),
+    ),
+    (
+        "register_router_not_callable",
+        lambda ctx, m: register_router_adapter("r", 42),
+        InvalidRegistrationError,
+        ("router adapter 'r'", "42 is not callable"),
+    ),
+    (
+        "register_router_name_space",
+        lambda ctx, m: register_router_adapter("with space", len),
+        InvalidRegistrationError,
+        ("'with space'",),
+    ),
+    (
+        "register_training_adapter_no_methods",
+        lambda ctx, m: register_training_adapter("ta", object(), axis="cp"),
+        InvalidRegistrationError,
+        ("training adapter 'ta'", "prepare_model"),
+    ),
+    (
+        "register_training_adapter_int_axis",
+        lambda ctx, m: register_training_adapter("ta", object(), axis=3),
+        InvalidRegistrationError,
+        ("'ta'", "axis=3"),
+    ),
+    (
+        "register_template_without_name",
+        lambda ctx, m: register_template(object()),
+        InvalidRegistrationError,
+        ("no 'name' attribute",),
+    ),
+    (
+        "register_template_bad_name",
+        lambda ctx, m: register_template(RoleRule("bad name", r"x", Role.NORM)),
+        InvalidRegistrationError,
+        ("'bad name'", "'bad_name'"),
+    ),
+    (
+        "register_template_duplicate_builtin",
+        lambda ctx, m: register_template(TEMPLATE_REGISTRY["boundary.attention"].value),
+        DuplicateRegistrationError,
+        ("'boundary.attention'", "plugin 'builtin'"),
+    ),
+    (
+        "role_rule_bad_regex",
+        lambda ctx, m: RoleRule("rr", r"(", Role.NORM),
+        TemplateDefinitionError,
+        ("RoleRule 'rr'", "'('"),
+    ),
+    (
+        "role_rule_bad_role",
+        lambda ctx, m: RoleRule("rr", r"x", "norm2"),
+        TemplateDefinitionError,
+        ("RoleRule 'rr'", "'norm2'"),
+    ),
+    (
+        "unregister_builtin",
+        lambda ctx, m: unregister("template", "boundary.attention"),
+        ProtectedRegistryItemError,
+        ("'boundary.attention'", "plugin 'builtin'"),
+    ),
+    (
+        "unregister_unknown",
+        lambda ctx, m: unregister("inner_wrapper", "nope_zz"),
+        UnknownRegistryItemError,
+        ("'nope_zz'",),
+    ),
+    (
+        "lookup_unknown",
+        lambda ctx, m: lookup("inner_wrapper", "sdpa_hff"),
+        UnknownRegistryItemError,
+        ("'sdpa_hff'",),
+    ),
+    (
+        "registry_subscript_unknown",
+        lambda ctx, m: INNER_WRAPPER_REGISTRY["sdpa_hff"],
+        UnknownRegistryItemError,
+        ("'sdpa_hff'",),
+    ),
+    (
+        "register_plugin_reserved_name",
+        lambda ctx, m: register_plugin(object(), name="builtin"),
+        PluginLoadError,
+        ("plugin 'builtin'", "already used"),
+    ),
 ]:
     case(label, "plugins", call, error, *fragments)
-case("lookup_unknown_kind", "plugins", lambda ctx, m: lookup("innerwrapper", "x"), UnknownRegistryKindError,
-     "'innerwrapper'", "'inner_wrapper'")
-case("unregister_unknown_kind", "plugins", lambda ctx, m: unregister("wrappers", "x"), UnknownRegistryKindError,
-     "'wrappers'")
-case("register_plugin_empty_name", "plugins", lambda ctx, m: register_plugin(object(), name=""), PluginLoadError,
-     "''")
+case(
+    "lookup_unknown_kind",
+    "plugins",
+    lambda ctx, m: lookup("innerwrapper", "x"),
+    UnknownRegistryKindError,
+    "'innerwrapper'",
+    "'inner_wrapper'",
+)
+case(
+    "unregister_unknown_kind",
+    "plugins",
+    lambda ctx, m: unregister("wrappers", "x"),
+    UnknownRegistryKindError,
+    "'wrappers'",
+)
+case(
+    "register_plugin_empty_name",
+    "plugins",
+    lambda ctx, m: register_plugin(object(), name=""),
+    PluginLoadError,
+    "''",
+)
 
 # ------------------------------------------------------------------ artifacts
 
@@ -469,47 +1021,142 @@ def _art(data_fn: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
 FREEZE_AGAIN = "hp freeze"
 for label, data_fn, error, fragments in [
     ("empty", lambda ctx: b"", ArtifactFormatError, ("a.json", "not UTF-8 JSON")),
-    ("truncated_json", lambda ctx: ctx.artifact_bytes[:40], ArtifactFormatError, ("a.json", "not an hp artifact")),
+    (
+        "truncated_json",
+        lambda ctx: ctx.artifact_bytes[:40],
+        ArtifactFormatError,
+        ("a.json", "not an hp artifact"),
+    ),
     ("list", lambda ctx: b"[]", ArtifactFormatError, ("a.json", '"format"')),
     ("number", lambda ctx: b"3", ArtifactFormatError, ("a.json", '"format"')),
     ("not_utf8", lambda ctx: b"\xff\xfe", ArtifactFormatError, ("a.json", "utf-8")),
     ("nan_top", lambda ctx: b'{"format": NaN}', ArtifactLimitError, ("a.json: format", "NaN")),
-    ("nan_nested", lambda ctx: b'{"format": "hp-artifact", "inputs": {"mesh": [1, NaN]}}', ArtifactLimitError,
-     ("a.json: inputs.mesh[1]", "NaN")),
+    (
+        "nan_nested",
+        lambda ctx: b'{"format": "hp-artifact", "inputs": {"mesh": [1, NaN]}}',
+        ArtifactLimitError,
+        ("a.json: inputs.mesh[1]", "NaN"),
+    ),
     ("infinity_overflow", lambda ctx: b'{"a": 1e999}', ArtifactLimitError, ("a.json: a", "1e999")),
-    ("deep", lambda ctx: b'{"a":' + b"[" * 100 + b"]" * 100 + b"}", ArtifactLimitError,
-     ("a.json: a[0]", "nesting depth over 64", "HP_MAX_INPUT_DEPTH")),
-    ("duplicate_key", lambda ctx: b'{"a":1,"a":2}', ArtifactFormatError, ("a.json", "duplicate key 'a'")),
-    ("unsigned", lambda ctx: canonical_json({k: v for k, v in ctx.artifact_doc.items() if k != "signature"}),
-     ArtifactFormatError, ("a.json", "missing keys ['signature']")),
-    ("tampered", lambda ctx: canonical_json({**ctx.artifact_doc, "inputs": {**ctx.artifact_doc["inputs"], "mesh": "tp=4"}}),
-     ArtifactSignatureError, ("a.json", "signature mismatch", FREEZE_AGAIN)),
-    ("signature_int", lambda ctx: canonical_json({**ctx.artifact_doc, "signature": 3}), ArtifactSignatureError,
-     ("a.json", "says 3")),
-    ("format_version_2", lambda ctx: ctx.resigned(lambda d: d.update(format_version=2)), ArtifactVersionError,
-     ("a.json", "format version 2")),
-    ("format_version_str", lambda ctx: ctx.resigned(lambda d: d.update(format_version="1")), ArtifactVersionError,
-     ("a.json", "format version '1'")),
-    ("format_other", lambda ctx: ctx.resigned(lambda d: d.update(format="hp-plan")), ArtifactFormatError,
-     ("a.json", "hp_core.load_plan")),
-    ("extra_key", lambda ctx: ctx.resigned(lambda d: d.update(comment="hi")), ArtifactFormatError,
-     ("a.json", "unknown keys ['comment']")),
-    ("inputs_list", lambda ctx: ctx.resigned(lambda d: d.update(inputs=[])), ArtifactSchemaError, ("a.json: inputs",)),
-    ("meta_list", lambda ctx: ctx.resigned(lambda d: d.update(meta=[])), ArtifactSchemaError, ("a.json: meta", "got list")),
-    ("mesh_int", lambda ctx: ctx.resigned(lambda d: d["inputs"].update(mesh=3)), ArtifactSchemaError,
-     ("a.json: inputs.mesh", "got int 3")),
-    ("plugins_missing", lambda ctx: ctx.resigned(lambda d: d["inputs"].pop("plugins")), ArtifactSchemaError,
-     ("a.json", "plugins")),
+    (
+        "deep",
+        lambda ctx: b'{"a":' + b"[" * 100 + b"]" * 100 + b"}",
+        ArtifactLimitError,
+        ("a.json: a[0]", "nesting depth over 64", "HP_MAX_INPUT_DEPTH"),
+    ),
+    (
+        "duplicate_key",
+        lambda ctx: b'{"a":1,"a":2}',
+        ArtifactFormatError,
+        ("a.json", "duplicate key 'a'"),
+    ),
+    (
+        "unsigned",
+        lambda ctx: canonical_json({k: v for k, v in ctx.artifact_doc.items() if k != "signature"}),
+        ArtifactFormatError,
+        ("a.json", "missing keys ['signature']"),
+    ),
+    (
+        "tampered",
+        lambda ctx: canonical_json(
+            {**ctx.artifact_doc, "inputs": {**ctx.artifact_doc["inputs"], "mesh": "tp=4"}}
+        ),
+        ArtifactSignatureError,
+        ("a.json", "signature mismatch", FREEZE_AGAIN),
+    ),
+    (
+        "signature_int",
+        lambda ctx: canonical_json({**ctx.artifact_doc, "signature": 3}),
+        ArtifactSignatureError,
+        ("a.json", "says 3"),
+    ),
+    (
+        "format_version_2",
+        lambda ctx: ctx.resigned(lambda d: d.update(format_version=2)),
+        ArtifactVersionError,
+        ("a.json", "format version 2"),
+    ),
+    (
+        "format_version_str",
+        lambda ctx: ctx.resigned(lambda d: d.update(format_version="1")),
+        ArtifactVersionError,
+        ("a.json", "format version '1'"),
+    ),
+    (
+        "format_other",
+        lambda ctx: ctx.resigned(lambda d: d.update(format="hp-plan")),
+        ArtifactFormatError,
+        ("a.json", "hp_core.load_plan"),
+    ),
+    (
+        "extra_key",
+        lambda ctx: ctx.resigned(lambda d: d.update(comment="hi")),
+        ArtifactFormatError,
+        ("a.json", "unknown keys ['comment']"),
+    ),
+    (
+        "inputs_list",
+        lambda ctx: ctx.resigned(lambda d: d.update(inputs=[])),
+        ArtifactSchemaError,
+        ("a.json: inputs",),
+    ),
+    (
+        "meta_list",
+        lambda ctx: ctx.resigned(lambda d: d.update(meta=[])),
+        ArtifactSchemaError,
+        ("a.json: meta", "got list"),
+    ),
+    (
+        "mesh_int",
+        lambda ctx: ctx.resigned(lambda d: d["inputs"].update(mesh=3)),
+        ArtifactSchemaError,
+        ("a.json: inputs.mesh", "got int 3"),
+    ),
+    (
+        "plugins_missing",
+        lambda ctx: ctx.resigned(lambda d: d["inputs"].pop("plugins")),
+        ArtifactSchemaError,
+        ("a.json", "plugins"),
+    ),
 ]:
     case(f"artifact_{label}", "artifacts", _art(data_fn), error, *fragments)
-case("artifact_read_corrupt_file", "artifacts", lambda ctx, m: read_artifact(ctx.write("bad.json", "{")),
-     ArtifactFormatError, "{tmp}/bad.json")
-case("artifact_read_huge_file", "artifacts", lambda ctx, m: read_artifact(ctx.write("huge.json", "{}" + " " * 200)),
-     ArtifactLimitError, "{tmp}/huge.json", "HP_MAX_INPUT_BYTES", env=((ENV_MAX_BYTES, "100"),))
-case("artifact_loads_int", "artifacts", lambda ctx, m: loads_artifact(3, source="a.json"), ArtifactFormatError, "a.json")
-case("artifact_read_missing_file", "artifacts", lambda ctx, m: read_artifact(ctx.tmp / "gone.json"), ArtifactFormatError,
-     "{tmp}/gone.json")
-case("artifact_read_directory", "artifacts", lambda ctx, m: read_artifact(ctx.tmp), ArtifactFormatError, "{tmp}")
+case(
+    "artifact_read_corrupt_file",
+    "artifacts",
+    lambda ctx, m: read_artifact(ctx.write("bad.json", "{")),
+    ArtifactFormatError,
+    "{tmp}/bad.json",
+)
+case(
+    "artifact_read_huge_file",
+    "artifacts",
+    lambda ctx, m: read_artifact(ctx.write("huge.json", "{}" + " " * 200)),
+    ArtifactLimitError,
+    "{tmp}/huge.json",
+    "HP_MAX_INPUT_BYTES",
+    env=((ENV_MAX_BYTES, "100"),),
+)
+case(
+    "artifact_loads_int",
+    "artifacts",
+    lambda ctx, m: loads_artifact(3, source="a.json"),
+    ArtifactFormatError,
+    "a.json",
+)
+case(
+    "artifact_read_missing_file",
+    "artifacts",
+    lambda ctx, m: read_artifact(ctx.tmp / "gone.json"),
+    ArtifactFormatError,
+    "{tmp}/gone.json",
+)
+case(
+    "artifact_read_directory",
+    "artifacts",
+    lambda ctx, m: read_artifact(ctx.tmp),
+    ArtifactFormatError,
+    "{tmp}",
+)
 
 # ------------------------------------------------------------------ verifier reports
 
@@ -531,13 +1178,36 @@ for label, text, fragments in [
     ("unsigned", json.dumps(REPORT), ("r.json", "signature does not match")),
     ("other_version", json.dumps({**REPORT, "version": 7}), ("r.json", "report version 7")),
     ("signed_but_fields_missing", _report(REPORT), ("r.json", "fields do not validate")),
-    ("signed_bad_mesh", _report({**REPORT, "fingerprint": "x", "mesh": [["tp", "two"]], "reductions": [], "checked": [],
-                                 "opaque": {}, "repeated": {}}), ("r.json", "'two'")),
+    (
+        "signed_bad_mesh",
+        _report(
+            {
+                **REPORT,
+                "fingerprint": "x",
+                "mesh": [["tp", "two"]],
+                "reductions": [],
+                "checked": [],
+                "opaque": {},
+                "repeated": {},
+            }
+        ),
+        ("r.json", "'two'"),
+    ),
 ]:
-    case(f"report_{label}", "reports", lambda ctx, m, text=text: hp_core.VerifyReport.loads(text, source="r.json"),
-         ReportFormatError, *fragments)
-case("report_loads_int", "reports", lambda ctx, m: hp_core.VerifyReport.loads(3, source="r.json"), ReportFormatError,
-     "r.json")
+    case(
+        f"report_{label}",
+        "reports",
+        lambda ctx, m, text=text: hp_core.VerifyReport.loads(text, source="r.json"),
+        ReportFormatError,
+        *fragments,
+    )
+case(
+    "report_loads_int",
+    "reports",
+    lambda ctx, m: hp_core.VerifyReport.loads(3, source="r.json"),
+    ReportFormatError,
+    "r.json",
+)
 
 # ------------------------------------------------------------------ CLI (in process)
 
@@ -569,25 +1239,90 @@ P = ("plan", "--model", "llama")
 for label, argv, code, error, fragments in [
     ("plan_bad_mesh", (*P, "--mesh", "tp=x"), 2, None, ("--mesh", "'tp=x'")),
     ("plan_empty_mesh", (*P, "--mesh", ""), 2, None, ("--mesh", "got ''")),
-    ("plan_mesh_indivisible", (*P, "--mesh", "tp=4"), 1, DivisibilityError, ("model.layers.0.self_attn",)),
-    ("plan_unknown_preset", ("plan", "--model", "nosuch", "--mesh", "tp=2"), 2, None, ("--model", "'nosuch'")),
-    ("plan_config_negative_size", ("plan", "--model", "{tmp}/cfg_neg.json", "--mesh", "tp=2"), 2, None,
-     ("{tmp}/cfg_neg.json", "hidden_size")),
-    ("plan_config_bad_json", ("plan", "--model", "{tmp}/cfg_bad.json", "--mesh", "tp=2"), 2, None,
-     ("{tmp}/cfg_bad.json", "JSON")),
-    ("plan_config_unknown_type", ("plan", "--model", "{tmp}/cfg_type.json", "--mesh", "tp=2"), 2, None,
-     ("{tmp}/cfg_type.json", "nosuchtype")),
-    ("plan_config_missing", ("plan", "--model", "{tmp}/none.json", "--mesh", "tp=2"), 2, None,
-     ("{tmp}/none.json", "no such file")),
-    ("plan_overrides_bad_match", (*P, "--mesh", "tp=2", "--overrides", "{tmp}/bad_match.yaml"), 1, OverrideError,
-     ("'model.nrom'",)),
-    ("plan_overrides_syntax", (*P, "--mesh", "tp=2", "--overrides", "{tmp}/syntax.yaml"), 1, PlanYAMLError,
-     ("{tmp}/syntax.yaml:2:1",)),
-    ("plan_overrides_missing", (*P, "--mesh", "tp=2", "--overrides", "{tmp}/gone.yaml"), 2, None,
-     ("{tmp}/gone.yaml", "no such file")),
-    ("check_not_an_artifact", ("check", "{tmp}/empty_art.json"), 1, ArtifactFormatError, ("{tmp}/empty_art.json",)),
-    ("check_missing_artifact", ("check", "{tmp}/gone.json"), 2, None, ("{tmp}/gone.json", "no such file")),
-    ("freeze_bad_mesh", ("freeze", "--model", "llama", "--mesh", "tp=x", "-o", "{tmp}/o.json"), 2, None, ("--mesh", "'tp=x'")),
+    (
+        "plan_mesh_indivisible",
+        (*P, "--mesh", "tp=4"),
+        1,
+        DivisibilityError,
+        ("model.layers.0.self_attn",),
+    ),
+    (
+        "plan_unknown_preset",
+        ("plan", "--model", "nosuch", "--mesh", "tp=2"),
+        2,
+        None,
+        ("--model", "'nosuch'"),
+    ),
+    (
+        "plan_config_negative_size",
+        ("plan", "--model", "{tmp}/cfg_neg.json", "--mesh", "tp=2"),
+        2,
+        None,
+        ("{tmp}/cfg_neg.json", "hidden_size"),
+    ),
+    (
+        "plan_config_bad_json",
+        ("plan", "--model", "{tmp}/cfg_bad.json", "--mesh", "tp=2"),
+        2,
+        None,
+        ("{tmp}/cfg_bad.json", "JSON"),
+    ),
+    (
+        "plan_config_unknown_type",
+        ("plan", "--model", "{tmp}/cfg_type.json", "--mesh", "tp=2"),
+        2,
+        None,
+        ("{tmp}/cfg_type.json", "nosuchtype"),
+    ),
+    (
+        "plan_config_missing",
+        ("plan", "--model", "{tmp}/none.json", "--mesh", "tp=2"),
+        2,
+        None,
+        ("{tmp}/none.json", "no such file"),
+    ),
+    (
+        "plan_overrides_bad_match",
+        (*P, "--mesh", "tp=2", "--overrides", "{tmp}/bad_match.yaml"),
+        1,
+        OverrideError,
+        ("'model.nrom'",),
+    ),
+    (
+        "plan_overrides_syntax",
+        (*P, "--mesh", "tp=2", "--overrides", "{tmp}/syntax.yaml"),
+        1,
+        PlanYAMLError,
+        ("{tmp}/syntax.yaml:2:1",),
+    ),
+    (
+        "plan_overrides_missing",
+        (*P, "--mesh", "tp=2", "--overrides", "{tmp}/gone.yaml"),
+        2,
+        None,
+        ("{tmp}/gone.yaml", "no such file"),
+    ),
+    (
+        "check_not_an_artifact",
+        ("check", "{tmp}/empty_art.json"),
+        1,
+        ArtifactFormatError,
+        ("{tmp}/empty_art.json",),
+    ),
+    (
+        "check_missing_artifact",
+        ("check", "{tmp}/gone.json"),
+        2,
+        None,
+        ("{tmp}/gone.json", "no such file"),
+    ),
+    (
+        "freeze_bad_mesh",
+        ("freeze", "--model", "llama", "--mesh", "tp=x", "-o", "{tmp}/o.json"),
+        2,
+        None,
+        ("--mesh", "'tp=x'"),
+    ),
 ]:
     case(f"cli_{label}", "cli", CliCall(argv, code), error, *fragments)
 for label, argv, fragments in [
@@ -601,23 +1336,85 @@ for label, argv, fragments in [
 
 A = hp_core.apply
 for label, call, error, fragments in [
-    ("plan_dict", lambda ctx, m: A(m, {"modules": {}}, ctx.mesh), PreflightError, ("expects a ShardingPlan", "got dict")),
+    (
+        "plan_dict",
+        lambda ctx, m: A(m, {"modules": {}}, ctx.mesh),
+        PreflightError,
+        ("expects a ShardingPlan", "got dict"),
+    ),
     ("plan_string", lambda ctx, m: A(m, "tp=1", ctx.mesh), PreflightError, ("got str",)),
-    ("mode_typo", lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, mode="fast"), PreflightError, ("mode='fast'",)),
-    ("mode_int", lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, mode=3), PreflightError, ("mode=3",)),
-    ("mesh_spec", lambda ctx, m: A(m, ctx.plan(m, "tp"), hp_core.MeshSpec.parse("tp=1")), MeshMismatchError,
-     ("DeviceMesh", "got MeshSpec")),
-    ("mesh_string", lambda ctx, m: A(m, ctx.plan(m, "tp"), "tp=1"), MeshMismatchError, ("got str",)),
-    ("mesh_missing_axis", lambda ctx, m: A(m, ctx.plan(m, "tp=1,cp=1"), ctx.mesh), MeshMismatchError, ("lacks ['cp']",)),
-    ("mesh_size_differs", lambda ctx, m: A(m, ctx.plan(m, "tp=2"), ctx.mesh), MeshMismatchError, ("tp: plan 2, mesh 1",)),
-    ("model_other", lambda ctx, m: A(nn.Linear(2, 2), ctx.plan(m, "tp"), ctx.mesh), PreflightError,
-     ("'model.embed_tokens'", "does not have")),
-    ("verify_str", lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, verify="yes"), PreflightError, ("verify='yes'",)),
-    ("timeout_negative", lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, timeout=-1), RankTimeoutError, ("timeout=-1",)),
-    ("timeout_str", lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, timeout="x"), RankTimeoutError, ("timeout='x'",)),
-    ("model_none", lambda ctx, m: A(None, ctx.plan(m, "tp"), ctx.mesh), PreflightError, ("model", "NoneType")),
-    ("check_inputs_str", lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, check_inputs="no"), PreflightError,
-     ("check_inputs='no'",)),
+    (
+        "mode_typo",
+        lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, mode="fast"),
+        PreflightError,
+        ("mode='fast'",),
+    ),
+    (
+        "mode_int",
+        lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, mode=3),
+        PreflightError,
+        ("mode=3",),
+    ),
+    (
+        "mesh_spec",
+        lambda ctx, m: A(m, ctx.plan(m, "tp"), hp_core.MeshSpec.parse("tp=1")),
+        MeshMismatchError,
+        ("DeviceMesh", "got MeshSpec"),
+    ),
+    (
+        "mesh_string",
+        lambda ctx, m: A(m, ctx.plan(m, "tp"), "tp=1"),
+        MeshMismatchError,
+        ("got str",),
+    ),
+    (
+        "mesh_missing_axis",
+        lambda ctx, m: A(m, ctx.plan(m, "tp=1,cp=1"), ctx.mesh),
+        MeshMismatchError,
+        ("lacks ['cp']",),
+    ),
+    (
+        "mesh_size_differs",
+        lambda ctx, m: A(m, ctx.plan(m, "tp=2"), ctx.mesh),
+        MeshMismatchError,
+        ("tp: plan 2, mesh 1",),
+    ),
+    (
+        "model_other",
+        lambda ctx, m: A(nn.Linear(2, 2), ctx.plan(m, "tp"), ctx.mesh),
+        PreflightError,
+        ("'model.embed_tokens'", "does not have"),
+    ),
+    (
+        "verify_str",
+        lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, verify="yes"),
+        PreflightError,
+        ("verify='yes'",),
+    ),
+    (
+        "timeout_negative",
+        lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, timeout=-1),
+        RankTimeoutError,
+        ("timeout=-1",),
+    ),
+    (
+        "timeout_str",
+        lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, timeout="x"),
+        RankTimeoutError,
+        ("timeout='x'",),
+    ),
+    (
+        "model_none",
+        lambda ctx, m: A(None, ctx.plan(m, "tp"), ctx.mesh),
+        PreflightError,
+        ("model", "NoneType"),
+    ),
+    (
+        "check_inputs_str",
+        lambda ctx, m: A(m, ctx.plan(m, "tp"), ctx.mesh, check_inputs="no"),
+        PreflightError,
+        ("check_inputs='no'",),
+    ),
 ]:
     case(f"apply_{label}", "apply", call, error, *fragments, model="llama", fresh=True)
 
@@ -701,10 +1498,17 @@ def model_state(model: nn.Module | None) -> Any:
     if model is None:
         return None
     return {
-        "params": [(n, id(p), p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()],
+        "params": [
+            (n, id(p), p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()
+        ],
         "buffers": [(n, id(b), b.detach().clone()) for n, b in model.named_buffers()],
-        "modules": [(n, type(mod), sorted(mod.__dict__), id(mod)) for n, mod in model.named_modules()],
-        "hooks": [(n, len(mod._forward_hooks), len(mod._forward_pre_hooks)) for n, mod in model.named_modules()],
+        "modules": [
+            (n, type(mod), sorted(mod.__dict__), id(mod)) for n, mod in model.named_modules()
+        ],
+        "hooks": [
+            (n, len(mod._forward_hooks), len(mod._forward_pre_hooks))
+            for n, mod in model.named_modules()
+        ],
     }
 
 
@@ -734,7 +1538,10 @@ REGISTRIES = {
 
 def plugin_state() -> Any:
     return (
-        {kind: sorted((name, item.provider, id(item.value)) for name, item in reg.items()) for kind, reg in REGISTRIES.items()},
+        {
+            kind: sorted((name, item.provider, id(item.value)) for name, item in reg.items())
+            for kind, reg in REGISTRIES.items()
+        },
         [dataclasses.astuple(info) for info in plugin_report()],
     )
 
@@ -797,4 +1604,6 @@ def test_hostile_input(c: Case, ctx: Ctx, request, monkeypatch):
     for var, _ in c.env:  # the env limits back before the registries are read again
         monkeypatch.delenv(var, raising=False)
     assert same_model(model_before, model_state(model)), "the model changed after a refused call"
-    assert plugin_state() == plugins_before, "a registry or the plugin report changed after a refused call"
+    assert plugin_state() == plugins_before, (
+        "a registry or the plugin report changed after a refused call"
+    )

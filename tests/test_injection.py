@@ -34,7 +34,9 @@ def test_local_compute_stamps_meta():
         return None
 
     meta = factory._injection_meta
-    assert meta == InjectionMeta("local_compute", ("module", "ctx"), ("capacity", "jitter"), ("capacity",))
+    assert meta == InjectionMeta(
+        "local_compute", ("module", "ctx"), ("capacity", "jitter"), ("capacity",)
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         meta.kind = "x"  # frozen
 
@@ -65,7 +67,9 @@ def test_kwargs_rejected_at_decoration():
 
 
 def test_varargs_rejected_at_decoration():
-    with pytest.raises(InjectionDefinitionError, match=r"'\*args' is not allowed.*target_module, ctx"):
+    with pytest.raises(
+        InjectionDefinitionError, match=r"'\*args' is not allowed.*target_module, ctx"
+    ):
 
         @inner_wrapper
         def wrap(target_module, ctx, *args):
@@ -73,7 +77,10 @@ def test_varargs_rejected_at_decoration():
 
 
 def test_context_default_rejected():
-    with pytest.raises(InjectionDefinitionError, match=r"context parameter 'ctx' must not have a default.*'ctx=None'"):
+    with pytest.raises(
+        InjectionDefinitionError,
+        match=r"context parameter 'ctx' must not have a default.*'ctx=None'",
+    ):
 
         @local_compute
         def factory(module, ctx=None):
@@ -90,7 +97,10 @@ def test_missing_context_rejected_with_typo_hint():
     msg = str(e.value)
     assert "missing required context parameter(s) ctx" in msg
     assert "'cxt' looks like a misspelling of 'ctx'" in msg
-    with pytest.raises(InjectionDefinitionError, match=r"missing required context parameter\(s\) target_module\. @inner_wrapper"):
+    with pytest.raises(
+        InjectionDefinitionError,
+        match=r"missing required context parameter\(s\) target_module\. @inner_wrapper",
+    ):
 
         @inner_wrapper
         def wrap(ctx):
@@ -117,14 +127,23 @@ def test_require_injection_meta():
     def factory(ctx):
         return None
 
-    assert require_injection_meta(factory, "local_compute", source="overrides[0]").kind == "local_compute"
+    assert (
+        require_injection_meta(factory, "local_compute", source="overrides[0]").kind
+        == "local_compute"
+    )
 
     def plain(mesh):
         return None
 
-    with pytest.raises(TypeError, match=r"test_injection\..*plain \(from overrides\[0\]\) is not decorated with @local_compute"):
+    with pytest.raises(
+        TypeError,
+        match=r"test_injection\..*plain \(from overrides\[0\]\) is not decorated with @local_compute",
+    ):
         require_injection_meta(plain, "local_compute", source="overrides[0]")
-    with pytest.raises(TypeError, match=r"is decorated with @local_compute but is used where @inner_wrapper is needed"):
+    with pytest.raises(
+        TypeError,
+        match=r"is decorated with @local_compute but is used where @inner_wrapper is needed",
+    ):
         require_injection_meta(factory, "inner_wrapper", source="x")
     with pytest.raises(ValueError, match="unknown injection kind 'compute'"):
         require_injection_meta(factory, "compute", source="x")
@@ -159,7 +178,13 @@ def test_bind_fills_context_none_for_inactive_axes_and_binds_config():
 
 def test_bind_config_typo_lists_valid_and_closest():
     with pytest.raises(InjectionBindingError) as e:
-        bind_injection(_factory, _factory._injection_meta, context={}, config={"capacty": 2}, source="overrides[1].local_compute_fn")
+        bind_injection(
+            _factory,
+            _factory._injection_meta,
+            context={},
+            config={"capacty": 2},
+            source="overrides[1].local_compute_fn",
+        )
     msg = str(e.value)
     assert msg.startswith("overrides[1].local_compute_fn: unknown config key 'capacty'")
     assert "Did you mean 'capacity'?" in msg and "Valid config keys: ['capacity', 'jitter']" in msg
@@ -170,17 +195,30 @@ def test_bind_config_no_keys_at_all():
     def wrap(target_module, ctx):
         return None
 
-    with pytest.raises(InjectionBindingError, match=r"unknown config key 'zzz'.*Valid config keys: none"):
+    with pytest.raises(
+        InjectionBindingError, match=r"unknown config key 'zzz'.*Valid config keys: none"
+    ):
         bind_injection(wrap, wrap._injection_meta, context={}, config={"zzz": 1}, source="s")
 
 
 def test_bind_config_context_collision():
-    with pytest.raises(InjectionBindingError, match=r"config key\(s\) \['ctx'\] collide with framework context names"):
-        bind_injection(_factory, _factory._injection_meta, context={}, config={"ctx": 1, "capacity": 1}, source="s")
+    with pytest.raises(
+        InjectionBindingError,
+        match=r"config key\(s\) \['ctx'\] collide with framework context names",
+    ):
+        bind_injection(
+            _factory,
+            _factory._injection_meta,
+            context={},
+            config={"ctx": 1, "capacity": 1},
+            source="s",
+        )
 
 
 def test_bind_missing_required_config():
-    with pytest.raises(InjectionBindingError, match=r"needs config key\(s\) \['capacity'\].*capacity: \.\.\."):
+    with pytest.raises(
+        InjectionBindingError, match=r"needs config key\(s\) \['capacity'\].*capacity: \.\.\."
+    ):
         bind_injection(_factory, _factory._injection_meta, context={}, config={}, source="s")
 
 
@@ -226,11 +264,31 @@ def test_forward_compatible_ok():
 @pytest.mark.parametrize(
     "replacement_src,forward_src,problem",
     [
-        ("def r(x): pass", "def f(hidden_states): pass", "parameter 0 of the forward is 'hidden_states', the replacement has 'x'"),
-        ("def r(x): pass", "def f(x, y): pass", "parameter 1 of the forward is 'y', the replacement has nothing there"),
-        ("def r(x): pass", "def f(x, *a): pass", "the forward takes *a but the replacement does not"),
-        ("def r(x): pass", "def f(x, **k): pass", "the forward takes **k but the replacement does not"),
-        ("def r(x): pass", "def f(x, *, mask=None): pass", "the forward takes keyword 'mask' but the replacement does not"),
+        (
+            "def r(x): pass",
+            "def f(hidden_states): pass",
+            "parameter 0 of the forward is 'hidden_states', the replacement has 'x'",
+        ),
+        (
+            "def r(x): pass",
+            "def f(x, y): pass",
+            "parameter 1 of the forward is 'y', the replacement has nothing there",
+        ),
+        (
+            "def r(x): pass",
+            "def f(x, *a): pass",
+            "the forward takes *a but the replacement does not",
+        ),
+        (
+            "def r(x): pass",
+            "def f(x, **k): pass",
+            "the forward takes **k but the replacement does not",
+        ),
+        (
+            "def r(x): pass",
+            "def f(x, *, mask=None): pass",
+            "the forward takes keyword 'mask' but the replacement does not",
+        ),
     ],
 )
 def test_forward_incompatible(replacement_src, forward_src, problem):
@@ -267,7 +325,9 @@ def test_forward_compat_uninspectable():
 
 
 def test_target_dict_round_trip():
-    t = Target.from_dict({"_target_": "qwen2moe", "capacity": 1.5}, path="overrides[0].local_compute_fn")
+    t = Target.from_dict(
+        {"_target_": "qwen2moe", "capacity": 1.5}, path="overrides[0].local_compute_fn"
+    )
     assert t == Target("qwen2moe", {"capacity": 1.5})
     assert t.to_dict() == {"_target_": "qwen2moe", "capacity": 1.5}
     assert not t.is_path and Target("pkg.mod.f").is_path and Target("pkg.mod:f").is_path
@@ -321,10 +381,20 @@ def trusted_pkg(tmp_path, monkeypatch):
 
 def test_dotted_path_refused_unless_trusted(trusted_pkg, monkeypatch):
     with pytest.raises(UntrustedTargetError) as e:
-        resolve_injection(Target("hp_test_trustpkg.factories.moe"), "local_compute", source="overrides[3].local_compute_fn", trusted=())
+        resolve_injection(
+            Target("hp_test_trustpkg.factories.moe"),
+            "local_compute",
+            source="overrides[3].local_compute_fn",
+            trusted=(),
+        )
     msg = str(e.value)
-    assert msg.startswith("overrides[3].local_compute_fn: refusing to import 'hp_test_trustpkg.factories.moe'")
-    assert "hp_core.trust_packages('hp_test_trustpkg')" in msg and "HP_TRUSTED_PACKAGES=hp_test_trustpkg" in msg
+    assert msg.startswith(
+        "overrides[3].local_compute_fn: refusing to import 'hp_test_trustpkg.factories.moe'"
+    )
+    assert (
+        "hp_core.trust_packages('hp_test_trustpkg')" in msg
+        and "HP_TRUSTED_PACKAGES=hp_test_trustpkg" in msg
+    )
     assert "hp_test_trustpkg.factories" not in sys.modules  # nothing was imported
 
 
@@ -332,7 +402,9 @@ def test_dotted_path_trusted_by_call(trusted_pkg, monkeypatch):
     monkeypatch.setattr("hp_core.resolve.plugin_packages", lambda: frozenset(), raising=False)
     I.trust_packages(trusted_pkg)
     assert trusted_pkg in R.trusted_packages()
-    r = resolve_injection(Target("hp_test_trustpkg.factories:moe", {"capacity": 4.0}), "local_compute", source="s")
+    r = resolve_injection(
+        Target("hp_test_trustpkg.factories:moe", {"capacity": 4.0}), "local_compute", source="s"
+    )
     assert r.name == "hp_test_trustpkg.factories:moe" and r.provider == "hp_test_trustpkg"
     assert r.bind({}, source="s") == ("moe", 4.0)
 
@@ -348,15 +420,31 @@ def test_dotted_path_import_and_attribute_errors(trusted_pkg):
     trusted = [trusted_pkg]
     with pytest.raises(TargetError, match=r"cannot import module 'hp_test_trustpkg.nope'"):
         resolve_injection("hp_test_trustpkg.nope.f", "local_compute", source="s", trusted=trusted)
-    with pytest.raises(TargetError, match=r"module 'hp_test_trustpkg.factories' has no attribute 'mo'\. Did you mean 'moe'\?"):
-        resolve_injection("hp_test_trustpkg.factories.mo", "local_compute", source="s", trusted=trusted)
+    with pytest.raises(
+        TargetError,
+        match=r"module 'hp_test_trustpkg.factories' has no attribute 'mo'\. Did you mean 'moe'\?",
+    ):
+        resolve_injection(
+            "hp_test_trustpkg.factories.mo", "local_compute", source="s", trusted=trusted
+        )
     with pytest.raises(TargetError) as e:
-        resolve_injection("hp_test_trustpkg.factories.zzzzzzz", "local_compute", source="s", trusted=trusted)
+        resolve_injection(
+            "hp_test_trustpkg.factories.zzzzzzz", "local_compute", source="s", trusted=trusted
+        )
     assert "Did you mean" not in str(e.value)
     with pytest.raises(TypeError, match=r"plain \(from s\) is not decorated with @local_compute"):
-        resolve_injection("hp_test_trustpkg.factories.plain", "local_compute", source="s", trusted=trusted)
-    with pytest.raises(InjectionBindingError, match=r"unknown config key 'capcity'.*Did you mean 'capacity'"):
-        resolve_injection(Target("hp_test_trustpkg.factories.moe", {"capcity": 1}), "local_compute", source="s", trusted=trusted)
+        resolve_injection(
+            "hp_test_trustpkg.factories.plain", "local_compute", source="s", trusted=trusted
+        )
+    with pytest.raises(
+        InjectionBindingError, match=r"unknown config key 'capcity'.*Did you mean 'capacity'"
+    ):
+        resolve_injection(
+            Target("hp_test_trustpkg.factories.moe", {"capcity": 1}),
+            "local_compute",
+            source="s",
+            trusted=trusted,
+        )
 
 
 def test_trust_packages_validates_names():
@@ -374,7 +462,9 @@ def test_resolve_direct_callable_and_errors():
     r = resolve_injection(no_config, "local_compute", source="s")
     assert r.fn is no_config and r.provider == "direct" and r.name.endswith("no_config")
     assert r.bind({}, source="s") == "compute"
-    with pytest.raises(TargetError, match=r"expected a registry name, a @inner_wrapper function or a Target, got 3"):
+    with pytest.raises(
+        TargetError, match=r"expected a registry name, a @inner_wrapper function or a Target, got 3"
+    ):
         resolve_injection(3, "inner_wrapper", source="s")
     with pytest.raises(ValueError, match="unknown injection kind"):
         resolve_injection(_factory, "bogus", source="s")
@@ -383,13 +473,19 @@ def test_resolve_direct_callable_and_errors():
 
 
 def test_api1_mesh_parameters_refused_with_the_new_contract():
-    with pytest.raises(InjectionDefinitionError, match=r"parameter 'tp_mesh' is a context name of plugin API 1.*as 'ctx'"):
+    with pytest.raises(
+        InjectionDefinitionError,
+        match=r"parameter 'tp_mesh' is a context name of plugin API 1.*as 'ctx'",
+    ):
 
         @local_compute
         def factory(module, tp_mesh):
             return None
 
-    with pytest.raises(InjectionDefinitionError, match=r"'mesh' is a context name of plugin API 1.*target_module, ctx\."):
+    with pytest.raises(
+        InjectionDefinitionError,
+        match=r"'mesh' is a context name of plugin API 1.*target_module, ctx\.",
+    ):
 
         @inner_wrapper
         def wrap(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):

@@ -13,7 +13,15 @@ TOL = 1e-5
 
 @pytest.mark.parametrize("mode", ["production", "validate"])
 @pytest.mark.parametrize(
-    "case", ["local_compute_by_name", "local_compute_dispatching", "self_wrapper", "self_wrapper_local", "in_place_wrapper", "child_wrapper"]
+    "case",
+    [
+        "local_compute_by_name",
+        "local_compute_dispatching",
+        "self_wrapper",
+        "self_wrapper_local",
+        "in_place_wrapper",
+        "child_wrapper",
+    ],
 )
 def test_injection_matches_single_device(case, mode):
     for r in get_world(2).run(tasks.injected, case, mode):
@@ -28,13 +36,19 @@ def test_child_output_checked_against_inner_out_src_in_validate():
     for r in get_world(2).run(tasks.injected, "child_wrapper_wrong_layout", "validate"):
         assert r["error"] == "PlacementMismatchError" and r["stage"] == "inner_out_src"
         assert "model.layers.0.self_attn.o_proj: inner_out_src placement mismatch" in r["message"]
-        assert "expected (plan): {tp: shard(2)}" in r["message"] and "actual (DTensor propagation): {tp: partial}" in r["message"]
+        assert (
+            "expected (plan): {tp: shard(2)}" in r["message"]
+            and "actual (DTensor propagation): {tp: partial}" in r["message"]
+        )
 
 
 def test_wrong_out_src_caught_in_validate():
     for r in get_world(2).run(tasks.injected, "wrong_out_src", "validate"):
         assert r["error"] == "PlacementMismatchError" and r["stage"] == "out_src[attn_output]"
-        assert "expected (plan): {tp: replicate}" in r["message"] and "actual (DTensor propagation): {tp: partial}" in r["message"]
+        assert (
+            "expected (plan): {tp: replicate}" in r["message"]
+            and "actual (DTensor propagation): {tp: partial}" in r["message"]
+        )
 
 
 def test_wrapper_that_neither_returns_nor_installs():
@@ -46,4 +60,6 @@ def test_wrapper_that_neither_returns_nor_installs():
 def test_target_config_typo_names_the_closest_key():
     for r in get_world(2).run(tasks.injected, "target_config_typo", "production"):
         assert r["error"] == "InjectionBindingError"
-        assert "unknown config key 'scael'" in r["message"] and "Did you mean 'scale'?" in r["message"]
+        assert (
+            "unknown config key 'scael'" in r["message"] and "Did you mean 'scale'?" in r["message"]
+        )

@@ -13,10 +13,26 @@ from tests import dist_tasks_inputs as tasks
 pytestmark = pytest.mark.distributed
 
 CASES = {
-    "odd_length": ("InputLayoutError", "model.layers.0 (input 'hidden_states'): it splits the sequence over tp=2 (sequence parallelism), but this batch has 15 positions", "Pad the sequence to a multiple of 2"),
-    "lengths_differ": ("InputMismatchError", "the ranks of one tp group were called with different inputs", "split data over the data-parallel axis only"),
-    "dtypes_differ": ("InputMismatchError", "the ranks of one tp group were called with different inputs", "int32"),
-    "values_differ": ("InputMismatchError", "the ranks of one tp group were called with different inputs", "DistributedSampler"),
+    "odd_length": (
+        "InputLayoutError",
+        "model.layers.0 (input 'hidden_states'): it splits the sequence over tp=2 (sequence parallelism), but this batch has 15 positions",
+        "Pad the sequence to a multiple of 2",
+    ),
+    "lengths_differ": (
+        "InputMismatchError",
+        "the ranks of one tp group were called with different inputs",
+        "split data over the data-parallel axis only",
+    ),
+    "dtypes_differ": (
+        "InputMismatchError",
+        "the ranks of one tp group were called with different inputs",
+        "int32",
+    ),
+    "values_differ": (
+        "InputMismatchError",
+        "the ranks of one tp group were called with different inputs",
+        "DistributedSampler",
+    ),
 }
 
 
@@ -27,7 +43,9 @@ def test_bad_inputs_are_refused_on_every_rank(case, mode):
     results = get_world(2).run(tasks.bad_inputs, case, mode)
     for r in results:
         assert r["type"] == kind, r
-        assert (first in r["message"] and fix in r["message"]) or (case == "dtypes_differ" and first in r["message"])
+        assert (first in r["message"] and fix in r["message"]) or (
+            case == "dtypes_differ" and first in r["message"]
+        )
         assert r["then_ok"]
         # One guard all-reduce for the refused forward (it refused before the model's first
         # collective) and one for the good forward after it: the group stays in step.
@@ -58,7 +76,10 @@ def test_without_the_input_check_a_decode_step_under_sp_is_refused_with_the_fix(
     for r in get_world(2).run(tasks.generate, True, "production", False):
         assert r["type"] == "InputLayoutError"
         assert "1 positions along dim 1" in r["message"]
-        assert "generate() with a KV cache" in r["message"] and "sequence_parallel=False" in r["message"]
+        assert (
+            "generate() with a KV cache" in r["message"]
+            and "sequence_parallel=False" in r["message"]
+        )
 
 
 def test_data_parallel_ranks_may_have_different_batches():

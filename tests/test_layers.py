@@ -38,16 +38,29 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("verifier", ("hp_core.verifier",)),
     ("apply", ("hp_core.apply",)),
     ("public surface", ("hp_core",)),
-    ("tools", ("hp_core.artifact", "hp_core.training", "hp_core.hf_trainer", "hp_core.presets",
-               "hp_core.testing")),
+    (
+        "tools",
+        (
+            "hp_core.artifact",
+            "hp_core.training",
+            "hp_core.hf_trainer",
+            "hp_core.presets",
+            "hp_core.testing",
+        ),
+    ),
     ("demo", ("hp_core.demo",)),
     ("command line", ("hp_core.cli",)),
 )
 
 #: The hp_core modules a plugin may import: the public surface, nothing private.
 PLUGIN_SURFACE = (
-    "hp_core", "hp_core.hookspecs", "hp_core.injection", "hp_core.collectives", "hp_core.context",
-    "hp_core.plugins", "hp_core.testing",
+    "hp_core",
+    "hp_core.hookspecs",
+    "hp_core.injection",
+    "hp_core.collectives",
+    "hp_core.context",
+    "hp_core.plugins",
+    "hp_core.testing",
 )
 
 #: Function-local hp imports that are optional by design: (module, imported) -> why.
@@ -221,7 +234,8 @@ def test_imports_only_go_down() -> None:
         f"{e.source} (layer {LAYERS[layer_of(e.source)][0]!r}) imports {e.target} "
         f"(layer {LAYERS[layer_of(e.target)][0]!r}) at line {e.line}"
         for e in EDGES
-        if e.source.startswith("hp_core") and e.target.startswith("hp_core")
+        if e.source.startswith("hp_core")
+        and e.target.startswith("hp_core")
         and layer_of(e.target) > layer_of(e.source)
     ]
     assert upward == []
@@ -237,8 +251,11 @@ def test_no_hidden_imports() -> None:
 
 
 def test_the_core_never_imports_a_plugin() -> None:
-    bad = [f"{e.source} -> {e.target}" for e in EDGES
-           if e.source.startswith("hp_core") and not e.target.startswith("hp_core")]
+    bad = [
+        f"{e.source} -> {e.target}"
+        for e in EDGES
+        if e.source.startswith("hp_core") and not e.target.startswith("hp_core")
+    ]
     assert bad == []
 
 
@@ -247,13 +264,34 @@ def test_plugins_use_only_the_public_surface(plugin: str) -> None:
     bad = [
         f"{e.source}:{e.line} imports {e.target}"
         for e in EDGES
-        if e.source.split(".")[0] == plugin and e.target.startswith("hp_core")
+        if e.source.split(".")[0] == plugin
+        and e.target.startswith("hp_core")
         and e.target not in PLUGIN_SURFACE
     ]
     assert bad == []
 
 
 def test_no_source_file_over_500_lines() -> None:
-    big = [f"{p.relative_to(ROOT)}: {n}" for p in KNOWN.values()
-           if (n := p.read_text().count("\n")) > 500]
+    big = [
+        f"{p.relative_to(ROOT)}: {n}"
+        for p in KNOWN.values()
+        if (n := p.read_text().count("\n")) > 500
+    ]
     assert big == []
+
+
+def _documented_layers() -> list[tuple[str, tuple[str, ...]]]:
+    text = (ROOT / "docs" / "design.md").read_text()
+    block = text.split("<!-- layers: the rows below are read by tests/test_layers.py -->")[1]
+    block = block.split("<!-- /layers -->")[0]
+    rows = []
+    for line in block.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].isdigit():
+            rows.append((cells[1], tuple(m.strip(" `") for m in cells[2].split(","))))
+    return rows
+
+
+def test_the_design_document_shows_the_enforced_layers() -> None:
+    # One table per fact: docs/design.md prints the layer table this test enforces.
+    assert _documented_layers() == [(name, tuple(p)) for name, p in LAYERS]

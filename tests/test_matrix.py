@@ -33,7 +33,9 @@ def check(r: dict) -> str:
     assert "caught" not in r, r
     bad = {k: v for k, v in r["excess"].items() if not v <= TOL}
     assert not bad, f"mismatches above {TOL}: {bad}"
-    assert r["n_grads"] > 0 and not any(r["unmoved"].values()), f"weights the optimizer did not move: {r['unmoved']}"
+    assert r["n_grads"] > 0 and not any(r["unmoved"].values()), (
+        f"weights the optimizer did not move: {r['unmoved']}"
+    )
     assert r["collectives"] == 0, "the verifier issued a collective"
     return "matched"
 
@@ -110,7 +112,11 @@ def expected(family: str, sp: bool) -> str:
 
 def test_the_expected_outcomes_cover_every_family():
     assert set(EXPECTED) == set(FAMILY_NAMES)
-    assert all(w in (UNAIDED, FIXED, REFUSED) for v in EXPECTED.values() for w in ((v,) if isinstance(v, str) else v))
+    assert all(
+        w in (UNAIDED, FIXED, REFUSED)
+        for v in EXPECTED.values()
+        for w in ((v,) if isinstance(v, str) else v)
+    )
 
 
 @pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
@@ -120,10 +126,23 @@ def test_family_matches_or_is_refused_clearly(family, sp):
     outcomes = {outcome(r) for r in results}
     assert len(outcomes) == 1, "ranks disagree"
     (got,) = outcomes
-    assert got == expected(family, sp), f"{family} (sp={sp}): {got}, expected {expected(family, sp)}: {results[0]['rounds']}"
+    assert got == expected(family, sp), (
+        f"{family} (sp={sp}): {got}, expected {expected(family, sp)}: {results[0]['rounds']}"
+    )
 
 
-REQUIRED_TO_MATCH = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma", "gemma2", "gemma3"]
+REQUIRED_TO_MATCH = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "gemma",
+    "gemma2",
+    "gemma3",
+]
 
 
 @pytest.mark.parametrize("family", REQUIRED_TO_MATCH)

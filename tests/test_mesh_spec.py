@@ -79,9 +79,14 @@ def test_from_any():
     assert MeshSpec.from_any(ref) is ref
     assert MeshSpec.from_any("tp=4,cp=2") == ref
     assert MeshSpec.from_any({"tp": 4, "cp": 2}) == ref
-    with pytest.raises(MeshSpecError, match="mesh axis 'tp': size must be a positive integer, got '4'"):
+    with pytest.raises(
+        MeshSpecError, match="mesh axis 'tp': size must be a positive integer, got '4'"
+    ):
         MeshSpec.from_any({"tp": "4"})
-    with pytest.raises(MeshSpecError, match=r"expected a DeviceMesh, a MeshSpec, a \{axis: size\} mapping or 'tp=4,cp=2', got list"):
+    with pytest.raises(
+        MeshSpecError,
+        match=r"expected a DeviceMesh, a MeshSpec, a \{axis: size\} mapping or 'tp=4,cp=2', got list",
+    ):
         MeshSpec.from_any(["tp", 4])
 
 
@@ -128,5 +133,7 @@ def test_check_axis():
     assert str(info.value) == (
         "overrides[0].params.w: axis 'tpp' is not a dimension of the mesh {'dp': 2, 'tp': 4}. Did you mean 'tp'?"
     )
-    with pytest.raises(MeshSpecError, match=r"axis 'zz' is not a dimension of the mesh \{'dp': 2, 'tp': 4\}\.$"):
+    with pytest.raises(
+        MeshSpecError, match=r"axis 'zz' is not a dimension of the mesh \{'dp': 2, 'tp': 4\}\.$"
+    ):
         mesh.check_axis("zz", where="here")

@@ -16,4 +16,8 @@ def test_ddp_over_the_tp_ranks_is_refused_at_the_first_forward():
         assert r["type"] == "WrappedOverModelParallelRanksError", r
         assert "wrapped in DistributedDataParallel over ranks [0, 1]" in r["message"]
         assert f"rank(s) [{1 - rank}] of this rank's tp group" in r["message"]
-        assert "process_group=" in r["message"] and "HpTrainer" in r["message"] and "docs/training.md" in r["message"]
+        assert (
+            "process_group=" in r["message"]
+            and "HpTrainer" in r["message"]
+            and "docs/training.md" in r["message"]
+        )

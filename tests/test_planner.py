@@ -13,8 +13,8 @@ import torch
 
 from hp_core.context import ParallelContext
 from hp_core.mesh import MeshSpec
-from hp_core.plans import ShardingPlan
 from hp_core.planner.plan import plan
+from hp_core.plans import ShardingPlan
 from hp_core.presets import build_model, model_from_config, preset_config
 from tests._planner_helpers import (
     S1,
@@ -181,7 +181,9 @@ def test_context_parallel_shards_every_activation_on_cp_and_no_parameter():
         "out_src": {"output": L(cp="shard(1)", tp="partial")},
         "out_dst": {"output": L(cp="shard(1)", tp="replicate")},
     }
-    assert contract(p["model.layers.0"])["in_src"] == {"hidden_states": L(cp="shard(1)", tp="replicate")}
+    assert contract(p["model.layers.0"])["in_src"] == {
+        "hidden_states": L(cp="shard(1)", tp="replicate")
+    }
     assert contract(p["lm_head"])["out_src"] == {"output": L(cp="shard(1)", tp="shard(2)")}
     for fqn, spec in p.items():
         for rel, named in spec.params.items():
@@ -196,7 +198,10 @@ def test_cp_only_mesh_has_no_tp_layouts_and_no_layer_boundaries():
     assert list(p) == llama_order(sp=False)
     assert contract(p["model.layers.0.self_attn"]) == {
         **attention("replicate"),
-        "params": {k: L(cp="replicate") for k in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")},
+        "params": {
+            k: L(cp="replicate")
+            for k in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
+        },
         "in_src": {"hidden_states": L(cp="shard(1)")},
         "in_dst": {"hidden_states": L(cp="shard(1)")},
         "out_src": {"attn_output": L(cp="shard(1)")},
@@ -273,7 +278,11 @@ def test_the_model_is_left_untouched():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     names = [n for n, _ in model.named_modules()]
     param_ids = {n: id(p) for n, p in model.named_parameters()}
-    plan(model, "tp=2,cp=2", overrides=[{"match": "model.norm", "out_dst": {"tp": "replicate", "cp": "shard(1)"}}])
+    plan(
+        model,
+        "tp=2,cp=2",
+        overrides=[{"match": "model.norm", "out_dst": {"tp": "replicate", "cp": "shard(1)"}}],
+    )
     after = model.state_dict()
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -288,10 +297,25 @@ def test_the_model_is_left_untouched():
 
 def test_active_axes():
     mesh = MeshSpec.parse("dp=2,tp=2,cp=2")
-    assert ParallelContext.from_spec(mesh, sequence_parallel=True, ep_size=1).guard_axes == {"tp", "cp", "sp"}
-    assert ParallelContext.from_spec(mesh, sequence_parallel=False, ep_size=2).guard_axes == {"tp", "cp", "ep"}
-    assert ParallelContext.from_spec(MeshSpec.parse("tp=1,cp=2"), sequence_parallel=True, ep_size=1).guard_axes == {"cp"}
-    assert ParallelContext.from_spec(MeshSpec.parse("dp=4"), sequence_parallel=True, ep_size=1).guard_axes == set()
+    assert ParallelContext.from_spec(mesh, sequence_parallel=True, ep_size=1).guard_axes == {
+        "tp",
+        "cp",
+        "sp",
+    }
+    assert ParallelContext.from_spec(mesh, sequence_parallel=False, ep_size=2).guard_axes == {
+        "tp",
+        "cp",
+        "ep",
+    }
+    assert ParallelContext.from_spec(
+        MeshSpec.parse("tp=1,cp=2"), sequence_parallel=True, ep_size=1
+    ).guard_axes == {"cp"}
+    assert (
+        ParallelContext.from_spec(
+            MeshSpec.parse("dp=4"), sequence_parallel=True, ep_size=1
+        ).guard_axes
+        == set()
+    )
 
 
 def test_a_mesh_without_tp_or_cp_shards_nothing():

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from hp_core.collectives import Collective, Transition, grad_is_partial, transition
+from hp_core.planner.plan import plan
 from hp_core.plans.prediction import (
     boundary_collectives,
     boundary_transitions,
     sp_grad_params,
     step_collectives,
 )
-from hp_core.planner.plan import plan
 from hp_core.presets import build_model
 from hp_core.spec import ModuleShardingSpec
 from tests._planner_helpers import (
@@ -73,43 +73,60 @@ def test_sp_attention_boundary_collectives_and_transitions():
 
 
 def test_non_boundaries_and_unpaired_names_cost_nothing():
-    spec = ModuleShardingSpec(params={}, in_src={"x": {"tp": S1}}, in_dst={"y": {"tp": R}}, is_boundary=True)
+    spec = ModuleShardingSpec(
+        params={}, in_src={"x": {"tp": S1}}, in_dst={"y": {"tp": R}}, is_boundary=True
+    )
     assert boundary_transitions("m", spec) == []
-    hidden = ModuleShardingSpec(params={"w": {"tp": S0}}, in_src={"x": {"tp": S1}}, in_dst={"x": {"tp": R}}, is_boundary=False)
+    hidden = ModuleShardingSpec(
+        params={"w": {"tp": S0}},
+        in_src={"x": {"tp": S1}},
+        in_dst={"x": {"tp": R}},
+        is_boundary=False,
+    )
     assert boundary_collectives("m", hidden) == []
 
 
 def test_per_decoder_layer_sequence_parallel():
     two = step_collectives(plan(meta(num_hidden_layers=2), "tp=2").modules)
     three = step_collectives(plan(meta(num_hidden_layers=3), "tp=2").modules)
-    assert three - two == Counter({
-        ("forward", "all_gather", "tp"): 2,
-        ("forward", "reduce_scatter", "tp"): 2,
-        ("backward", "all_gather", "tp"): 2,
-        ("backward", "reduce_scatter", "tp"): 2,
-    })
-    assert two == Counter({
-        # 2 layers x 2 + lm_head gathers its input + the vocab-sharded logits
-        ("forward", "all_gather", "tp"): 6,
-        ("forward", "reduce_scatter", "tp"): 4,
-        ("forward", "all_reduce", "tp"): 1,  # vocab-parallel embedding
-        # 2 layers x 2 + layer 0's replicate→shard(1) entry
-        ("backward", "all_gather", "tp"): 5,
-        # 2 layers x 2 + lm_head's input gradient
-        ("backward", "reduce_scatter", "tp"): 5,
-        ("backward", "all_reduce", "tp"): 1,  # one bucket for the SP-replicated grads
-    })
+    assert three - two == Counter(
+        {
+            ("forward", "all_gather", "tp"): 2,
+            ("forward", "reduce_scatter", "tp"): 2,
+            ("backward", "all_gather", "tp"): 2,
+            ("backward", "reduce_scatter", "tp"): 2,
+        }
+    )
+    assert two == Counter(
+        {
+            # 2 layers x 2 + lm_head gathers its input + the vocab-sharded logits
+            ("forward", "all_gather", "tp"): 6,
+            ("forward", "reduce_scatter", "tp"): 4,
+            ("forward", "all_reduce", "tp"): 1,  # vocab-parallel embedding
+            # 2 layers x 2 + layer 0's replicate→shard(1) entry
+            ("backward", "all_gather", "tp"): 5,
+            # 2 layers x 2 + lm_head's input gradient
+            ("backward", "reduce_scatter", "tp"): 5,
+            ("backward", "all_reduce", "tp"): 1,  # one bucket for the SP-replicated grads
+        }
+    )
 
 
 def test_per_decoder_layer_without_sequence_parallel():
     two = step_collectives(plan(meta(num_hidden_layers=2), "tp=2", sequence_parallel=False).modules)
-    three = step_collectives(plan(meta(num_hidden_layers=3), "tp=2", sequence_parallel=False).modules)
-    assert three - two == Counter({("forward", "all_reduce", "tp"): 2, ("backward", "all_reduce", "tp"): 2})
-    assert two == Counter({
-        ("forward", "all_reduce", "tp"): 5,  # embedding + 2 per layer
-        ("forward", "all_gather", "tp"): 1,  # logits
-        ("backward", "all_reduce", "tp"): 5,  # 2 per layer + lm_head's input gradient
-    })
+    three = step_collectives(
+        plan(meta(num_hidden_layers=3), "tp=2", sequence_parallel=False).modules
+    )
+    assert three - two == Counter(
+        {("forward", "all_reduce", "tp"): 2, ("backward", "all_reduce", "tp"): 2}
+    )
+    assert two == Counter(
+        {
+            ("forward", "all_reduce", "tp"): 5,  # embedding + 2 per layer
+            ("forward", "all_gather", "tp"): 1,  # logits
+            ("backward", "all_reduce", "tp"): 5,  # 2 per layer + lm_head's input gradient
+        }
+    )
 
 
 def test_loss_parallel_saves_the_logits_gather_and_cp_adds_one_gradient_reduction():
@@ -117,18 +134,24 @@ def test_loss_parallel_saves_the_logits_gather_and_cp_adds_one_gradient_reductio
     lp = step_collectives(plan(meta(), "tp=2", loss_parallel=True).modules)
     assert base - lp == Counter({("forward", "all_gather", "tp"): 1})
     # cp shards the sequence everywhere: every parameter's gradient is summed over cp once per step
-    assert step_collectives(plan(meta(), "tp=2,cp=2").modules) - base == Counter({("backward", "all_reduce", "cp"): 1})
-    # the vocab-parallel cross-entropy adds its own two forward all-reduces
-    assert step_collectives(plan(meta(), "tp=2", loss_parallel=True).modules, loss_parallel=True) - lp == Counter(
-        {("forward", "all_reduce", "tp"): 2}
+    assert step_collectives(plan(meta(), "tp=2,cp=2").modules) - base == Counter(
+        {("backward", "all_reduce", "cp"): 1}
     )
-    assert step_collectives(plan(meta(), "cp=2").modules) == Counter({("backward", "all_reduce", "cp"): 1})
+    # the vocab-parallel cross-entropy adds its own two forward all-reduces
+    assert step_collectives(
+        plan(meta(), "tp=2", loss_parallel=True).modules, loss_parallel=True
+    ) - lp == Counter({("forward", "all_reduce", "tp"): 2})
+    assert step_collectives(plan(meta(), "cp=2").modules) == Counter(
+        {("backward", "all_reduce", "cp"): 1}
+    )
 
 
 def test_sp_grad_params_are_the_tp_replicated_params_on_sequence_shards():
     p = plan(meta(), "tp=2")
     norms = [
-        f"model.layers.{i}.{n}.weight" for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")
+        f"model.layers.{i}.{n}.weight"
+        for i in range(2)
+        for n in ("input_layernorm", "post_attention_layernorm")
     ]
     assert sp_grad_params(p.modules) == [*norms, "model.norm.weight"]
     assert sp_grad_params(plan(meta(), "tp=2", sequence_parallel=False).modules) == []
@@ -139,7 +162,9 @@ def test_deferred_biases_join_the_sp_gradient_bucket():
     grads = sp_grad_params(p.modules)
     assert "model.layers.0.self_attn.o_proj.bias" in grads
     assert "model.layers.1.mlp.down_proj.bias" in grads
-    assert not any(g.endswith(("q_proj.bias", "gate_proj.bias")) for g in grads)  # sharded with their weight
+    assert not any(
+        g.endswith(("q_proj.bias", "gate_proj.bias")) for g in grads
+    )  # sharded with their weight
     assert step_collectives(p.modules)[("backward", "all_reduce", "tp")] == 1
     # without SP the bias is added to a replicated output: every rank has the whole gradient
     no_sp = plan(meta(attention_bias=True, mlp_bias=True), "tp=2", sequence_parallel=False)

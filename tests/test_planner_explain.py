@@ -9,9 +9,9 @@ import torch
 from torch.distributed.tensor import Partial, Replicate
 
 from hp_core.injection import local_compute
+from hp_core.planner.plan import plan
 from hp_core.plans import PlanError, ShardingPlan
 from hp_core.plans.explain import explain
-from hp_core.planner.plan import plan
 from hp_core.presets import build_model
 from hp_core.spec import ModuleShardingSpec
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
@@ -48,7 +48,10 @@ def test_sequence_parallel_llama():
     assert text.endswith("\n")
     assert "[" not in text.split("override notes")[0]  # no rich markup
     headers = [line for line in text.splitlines() if line and not line.startswith(" ")]
-    assert headers[0] == "hp plan: mesh tp=2 (2 devices); sequence parallel on; loss parallel off; ep_size 1"
+    assert (
+        headers[0]
+        == "hp plan: mesh tp=2 (2 devices); sequence parallel on; loss parallel off; ep_size 1"
+    )
     assert headers[1] == f"13 modules planned (13 boundaries); fingerprint {p.fingerprint()[:16]}"
     assert headers[2:15] == list(p)  # every boundary, in model order
     assert section(text, "model.layers.0.self_attn") == [
@@ -106,31 +109,68 @@ def test_with_the_verifier_report_the_reductions_are_exact():
     p = plan(m, "tp=2", sequence_parallel=False)
     assert "includes one bucketed reduction" not in p.explain()  # no SP: the contract predicts none
     text = plan(m, "tp=2").explain(verify(m, plan(m, "tp=2")))
-    assert "  (backward all_reduce on tp includes one bucketed reduction of the 5 gradient(s) the verifier found partial over tp)" in text
+    assert (
+        "  (backward all_reduce on tp includes one bucketed reduction of the 5 gradient(s) the verifier found partial over tp)"
+        in text
+    )
 
 
 def test_loss_parallel_counts_the_parallel_cross_entropy():
     text = plan(meta(), "tp=2", loss_parallel=True).explain()
-    tail = text.split("collectives per training step (predicted, one forward + one backward):\n")[1].splitlines()
-    assert tail[:4] == ["  forward: 13", "    all_gather on tp: 5", "    all_reduce on tp: 4", "    reduce_scatter on tp: 4"]
-    assert "  (forward all_reduce on tp includes the vocab-parallel cross-entropy's 2: the max, then the sum of exponentials with the target logit)" in tail
+    tail = text.split("collectives per training step (predicted, one forward + one backward):\n")[
+        1
+    ].splitlines()
+    assert tail[:4] == [
+        "  forward: 13",
+        "    all_gather on tp: 5",
+        "    all_reduce on tp: 4",
+        "    reduce_scatter on tp: 4",
+    ]
+    assert (
+        "  (forward all_reduce on tp includes the vocab-parallel cross-entropy's 2: the max, then the sum of exponentials with the target logit)"
+        in tail
+    )
 
 
 def test_without_sequence_parallel_the_grad_all_reduce_shows():
     text = plan(meta(), "tp=2", sequence_parallel=False).explain()
-    assert "  in hidden_states: replicate on tp: unchanged (bwd all_reduce)" in section(text, "model.layers.1.self_attn")
-    assert "  out attn_output: partial→replicate on tp: all_reduce" in section(text, "model.layers.1.self_attn")
+    assert "  in hidden_states: replicate on tp: unchanged (bwd all_reduce)" in section(
+        text, "model.layers.1.self_attn"
+    )
+    assert "  out attn_output: partial→replicate on tp: all_reduce" in section(
+        text, "model.layers.1.self_attn"
+    )
     assert "bucketed" not in text
     assert len(re.findall(r"^model\.layers\.\d+$", text, re.MULTILINE)) == 0
 
 
 def test_cp_injections_attrs_and_notes():
     overrides = [
-        {"match": "model.layers.0.self_attn", "inner_wrapper": "sdpa_hf", "inner_target": "self", "region_dispatch": False, "tp_divide_attrs": ["head_dim"]},
+        {
+            "match": "model.layers.0.self_attn",
+            "inner_wrapper": "sdpa_hf",
+            "inner_target": "self",
+            "region_dispatch": False,
+            "tp_divide_attrs": ["head_dim"],
+        },
         {"match": "model.layers.1.self_attn", "inner_out_src": "first_input"},
-        {"match": "model.layers.0.mlp", "local_compute_fn": {"_target_": "my_compute", "capacity": 2}, "region_dispatch": True},
-        {"match": "model.layers.1.mlp", "local_compute_fn": tiny_compute, "region_dispatch": False, "inner_out_src": {"tp": "replicate"}},
-        {"match": "model.norm", "out_dst": {"y": {"tp": "replicate"}}, "in_src": {"x": {"tp": "shard(1)"}}, "in_dst": "none"},
+        {
+            "match": "model.layers.0.mlp",
+            "local_compute_fn": {"_target_": "my_compute", "capacity": 2},
+            "region_dispatch": True,
+        },
+        {
+            "match": "model.layers.1.mlp",
+            "local_compute_fn": tiny_compute,
+            "region_dispatch": False,
+            "inner_out_src": {"tp": "replicate"},
+        },
+        {
+            "match": "model.norm",
+            "out_dst": {"y": {"tp": "replicate"}},
+            "in_src": {"x": {"tp": "shard(1)"}},
+            "in_dst": "none",
+        },
         {"match": "model.layers.0.input_layernorm", "in_src": "none"},
     ]
     p = plan(head_attention_lm(), "tp=2,cp=2", overrides=overrides)
@@ -146,7 +186,9 @@ def test_cp_injections_attrs_and_notes():
     assert attn1[-1] == (
         "  attention under cp: needs a CP inner wrapper, none set yet (e.g. inner_wrapper: sdpa_hf from hp-plugin-cp)"
     )
-    assert "  injections: local_compute_fn=my_compute(capacity=2), region_dispatch=true" in section(text, "model.layers.0.mlp")
+    assert "  injections: local_compute_fn=my_compute(capacity=2), region_dispatch=true" in section(
+        text, "model.layers.0.mlp"
+    )
     assert (
         "  injections: local_compute_fn=tests.test_planner_explain.tiny_compute, "
         "inner_out_src={output: {tp: replicate}}, region_dispatch=false"
@@ -161,11 +203,15 @@ def test_cp_injections_attrs_and_notes():
 
 
 def test_expert_parallel_stacking_and_non_boundaries():
-    p = plan(list_moe_lm(1), "tp=2", ep_size=2, overrides=[{"match": "model.norm", "is_boundary": False}])
+    p = plan(
+        list_moe_lm(1), "tp=2", ep_size=2, overrides=[{"match": "model.norm", "is_boundary": False}]
+    )
     text = p.explain()
     moe = section(text, "model.layers.0.block_sparse_moe")
     assert "  expert parallel: ep_size=2 over the derived (edp, ep) expert mesh" in moe
-    assert "    stack experts.w2.weight ← experts.0.w2.weight … experts.3.w2.weight (4 experts)" in moe
+    assert (
+        "    stack experts.w2.weight ← experts.0.w2.weight … experts.3.w2.weight (4 experts)" in moe
+    )
     assert "    experts.w1.weight: {ep: shard(0)}" in moe
     assert section(text, "model.norm") == [
         "  params:",
@@ -178,11 +224,20 @@ def test_expert_parallel_stacking_and_non_boundaries():
 def test_hand_made_plans_and_edge_cases():
     # A non-sum partial cannot be declared (UnsupportedPartialError); explain still copes
     # with one that was put there by hand after the spec was built.
-    odd = ModuleShardingSpec(params={}, in_src={}, in_dst={}, out_src={"o": {"tp": Replicate()}}, out_dst={"o": {"tp": Replicate()}})
+    odd = ModuleShardingSpec(
+        params={},
+        in_src={},
+        in_dst={},
+        out_src={"o": {"tp": Replicate()}},
+        out_dst={"o": {"tp": Replicate()}},
+    )
     odd.out_src = {"o": {"tp": Partial("max")}}
     odd_text = explain(ShardingPlan({"head": odd}, ("tp",), (2,)))
     assert "  out o: Partial(max)→replicate on tp: all_reduce" in section(odd_text, "head")
-    assert "fingerprint unavailable (modules['head'].out_src.o.tp: placement Partial(max) has no DSL form" in odd_text
+    assert (
+        "fingerprint unavailable (modules['head'].out_src.o.tp: placement Partial(max) has no DSL form"
+        in odd_text
+    )
     spec = ModuleShardingSpec(params={}, in_src={}, in_dst={})
     spec._ep_size = 2
     spec._ep_stack = {"experts.w": ["experts.0.w"]}
@@ -195,6 +250,8 @@ def test_hand_made_plans_and_edge_cases():
         "  expert parallel: ep_size=2 over the derived (edp, ep) expert mesh",
         "    stack experts.w ← experts.0.w",
     ]
-    assert text.rstrip().endswith("collectives per training step (predicted, one forward + one backward):\n  none")
+    assert text.rstrip().endswith(
+        "collectives per training step (predicted, one forward + one backward):\n  none"
+    )
     with pytest.raises(PlanError, match="explain: expected a ShardingPlan, got dict"):
         explain({})

@@ -35,7 +35,9 @@ def meta(family: str, **kw) -> torch.nn.Module:
     return build_model(family, device="meta", **kw)
 
 
-def moe_contract(params: dict, ep_size: int = 0, stack: dict | None = None, between=SHARDED) -> dict:
+def moe_contract(
+    params: dict, ep_size: int = 0, stack: dict | None = None, between=SHARDED
+) -> dict:
     out = {
         "params": params,
         "in_src": {"hidden_states": between},
@@ -53,7 +55,9 @@ def moe_contract(params: dict, ep_size: int = 0, stack: dict | None = None, betw
 
 def test_qwen2moe_without_ep_replicates_the_whole_block_and_runs_on_local_tokens():
     p = plan(meta("qwen2moe"), "tp=2")
-    assert contract(p["model.layers.0.mlp"]) == moe_contract({k: L(tp="replicate") for k in QWEN_MOE_PARAMS})
+    assert contract(p["model.layers.0.mlp"]) == moe_contract(
+        {k: L(tp="replicate") for k in QWEN_MOE_PARAMS}
+    )
     # the shared expert belongs to the MoE block, not to a separate MLP boundary
     assert "model.layers.0.mlp.shared_expert" not in p
     assert contract(p["model.layers.0.self_attn"])["_needs_cp_attn"] is True
@@ -69,7 +73,9 @@ def test_qwen2moe_ep2_shards_batched_experts_on_ep():
     for i in range(2):
         assert contract(p[f"model.layers.{i}.mlp"]) == moe_contract(expected, ep_size=2)
     # attention and the rest are unaffected by EP
-    assert p["model.layers.0.self_attn"] == plan(meta("qwen2moe"), "tp=2")["model.layers.0.self_attn"]
+    assert (
+        p["model.layers.0.self_attn"] == plan(meta("qwen2moe"), "tp=2")["model.layers.0.self_attn"]
+    )
 
 
 def test_qwen2moe_ep_without_sequence_parallel_keeps_tokens_replicated():
@@ -96,7 +102,8 @@ def test_mixtral_ep2_with_cp():
 def test_per_expert_modulelist_is_stacked_under_one_name():
     p = plan(list_moe_lm(), "tp=2", ep_size=2)
     stacked = {
-        f"experts.{w}.weight": [f"experts.{i}.{w}.weight" for i in range(4)] for w in ("w1", "w2", "w3")
+        f"experts.{w}.weight": [f"experts.{i}.{w}.weight" for i in range(4)]
+        for w in ("w1", "w2", "w3")
     }
     assert contract(p["model.layers.0.block_sparse_moe"]) == moe_contract(
         {
@@ -124,11 +131,20 @@ def test_expert_count_must_divide_by_ep():
     msg = str(exc.value)
     assert msg.startswith("model.layers.0.block_sparse_moe.params.experts.w1.weight.ep: ")
     assert "shape (3, 32, 64) has size 3, which ep=2 does not divide" in msg
-    with pytest.raises(DivisibilityError, match=r"experts.gate_up_proj.ep: dim 0 of shape \(4, 64, 64\).*ep=3"):
+    with pytest.raises(
+        DivisibilityError, match=r"experts.gate_up_proj.ep: dim 0 of shape \(4, 64, 64\).*ep=3"
+    ):
         plan(meta("qwen2moe"), "tp=2", ep_size=3)
 
 
 def test_ep_placements_outside_a_moe_block_need_the_axis():
     with pytest.raises(MeshAxisError) as exc:
-        plan(meta("qwen2moe"), "tp=2", ep_size=2, overrides=[{"match": "model.norm", "params": {"weight": {"ep": "shard(0)"}}}])
-    assert str(exc.value).startswith("model.norm.params.weight: axis 'ep' is not a dimension of the mesh tp=2.")
+        plan(
+            meta("qwen2moe"),
+            "tp=2",
+            ep_size=2,
+            overrides=[{"match": "model.norm", "params": {"weight": {"ep": "shard(0)"}}}],
+        )
+    assert str(exc.value).startswith(
+        "model.norm.params.weight: axis 'ep' is not a dimension of the mesh tp=2."
+    )

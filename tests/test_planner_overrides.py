@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from hp_core.plans import OverrideMatchWarning, dump_plan, load_plan
 from hp_core.planner.plan import plan
+from hp_core.plans import OverrideMatchWarning, dump_plan, load_plan
 from hp_core.presets import build_model
 from hp_core.spec import ModuleShardingSpec
 from tests._planner_helpers import (
@@ -46,12 +46,15 @@ def test_dict_form_with_a_glob_merges_into_every_match_and_inherits_the_rest():
 
 def test_list_form_exact_key_replaces_the_whole_field_and_notes_what_was_dropped():
     entries = [
-        {"match": "model.layers.0.self_attn", "params": {
-            "q_proj.weight": {"tp": "shard(0)"},
-            "k_proj.weight": {"tp": "replicate"},
-            "v_proj.weight": {"tp": "replicate"},
-            "o_proj.weight": {"tp": "shard(1)"},
-        }},
+        {
+            "match": "model.layers.0.self_attn",
+            "params": {
+                "q_proj.weight": {"tp": "shard(0)"},
+                "k_proj.weight": {"tp": "replicate"},
+                "v_proj.weight": {"tp": "replicate"},
+                "o_proj.weight": {"tp": "shard(1)"},
+            },
+        },
         {"match": "lm_head", "out_dst": {"tp": "shard(2)"}},  # scalar shorthand
     ]
     p = plan(meta(), "tp=2", overrides=entries)
@@ -60,10 +63,17 @@ def test_list_form_exact_key_replaces_the_whole_field_and_notes_what_was_dropped
     assert p["lm_head"].out_dst == {"output": {"tp": Shard(2)}}
     assert p["lm_head"]._is_terminal is True  # internals always come from the derived spec
     assert p.notes == []  # same keys: nothing dropped
-    p2 = plan(meta(), "tp=2", overrides=[
-        {"match": "model.norm", "out_names": ["output"]},
-        {"match": "model.layers.0.self_attn", "in_src": {"attention_mask": {"tp": "replicate"}}},
-    ])
+    p2 = plan(
+        meta(),
+        "tp=2",
+        overrides=[
+            {"match": "model.norm", "out_names": ["output"]},
+            {
+                "match": "model.layers.0.self_attn",
+                "in_src": {"attention_mask": {"tp": "replicate"}},
+            },
+        ],
+    )
     assert p2["model.norm"].out_names == ["output"]
     assert p2.notes == [
         "overrides[1]: model.layers.0.self_attn.in_src: override replaces the whole field; dropped keys ['hidden_states']"
@@ -73,10 +83,14 @@ def test_list_form_exact_key_replaces_the_whole_field_and_notes_what_was_dropped
 def test_sentinels_auto_and_none():
     model = meta()
     model.model.norm.weight.requires_grad_(False)  # a frozen parameter needs no declaration
-    p = plan(model, "tp=2", overrides=[{"match": "model.norm", "params": "none", "out_dst": "auto"}])
+    p = plan(
+        model, "tp=2", overrides=[{"match": "model.norm", "params": "none", "out_dst": "auto"}]
+    )
     assert p["model.norm"].params == {}
     assert p["model.norm"].out_dst == {"output": L(tp="shard(1)")}
-    assert p.notes == ["overrides[0]: model.norm.params: cleared by 'none' (derived value {'weight': {'tp': Replicate()}} dropped)"]
+    assert p.notes == [
+        "overrides[0]: model.norm.params: cleared by 'none' (derived value {'weight': {'tp': Replicate()}} dropped)"
+    ]
 
 
 def test_yaml_file_form_with_when_guards(tmp_path):
@@ -117,7 +131,11 @@ def test_yaml_text_form_and_when_ep():
 
 
 def test_when_tp_is_skipped_on_a_cp_only_mesh():
-    p = plan(meta(), "cp=2", overrides=[{"match": "lm_head", "when": "tp", "params": {"weight": {"tp": "shard(0)"}}}])
+    p = plan(
+        meta(),
+        "cp=2",
+        overrides=[{"match": "lm_head", "when": "tp", "params": {"weight": {"tp": "shard(0)"}}}],
+    )
     assert p["lm_head"].params == {"weight": L(cp="replicate")}
 
 
@@ -146,20 +164,35 @@ def test_exact_key_on_a_non_boundary_inserts_a_new_boundary_in_model_order():
 
 
 def test_glob_matching_no_boundary_warns_and_changes_nothing():
-    with pytest.warns(OverrideMatchWarning, match=r"glob 'model.layers.\*.experts' matched no derived boundary"):
-        p = plan(meta(), "tp=2", overrides=[{"match": "model.layers.*.experts", "region_dispatch": False}])
+    with pytest.warns(
+        OverrideMatchWarning, match=r"glob 'model.layers.\*.experts' matched no derived boundary"
+    ):
+        p = plan(
+            meta(),
+            "tp=2",
+            overrides=[{"match": "model.layers.*.experts", "region_dispatch": False}],
+        )
     assert p.modules == plan(meta(), "tp=2").modules
 
 
 def test_tp_divide_attrs_and_head_counts_become_a_tp_local_attr_plan():
     model = head_attention_lm()
     p = plan(model, "tp=2")
-    assert p["model.layers.0.self_attn"]._tp_local_attr_plan == {"num_heads": (4, 2), "num_key_value_heads": (2, 1)}
+    assert p["model.layers.0.self_attn"]._tp_local_attr_plan == {
+        "num_heads": (4, 2),
+        "num_key_value_heads": (2, 1),
+    }
     assert p["model.layers.0.mlp"]._tp_local_attr_plan is None
     model.model.layers[0].mlp.groups = 4
-    p = plan(model, "tp=2", overrides=[{"match": "model.layers.0.mlp", "tp_divide_attrs": ["groups"]}])
+    p = plan(
+        model, "tp=2", overrides=[{"match": "model.layers.0.mlp", "tp_divide_attrs": ["groups"]}]
+    )
     assert p["model.layers.0.mlp"]._tp_local_attr_plan == {"groups": (4, 2)}
-    p = plan(model, "tp=2", overrides=[{"match": "model.layers.0.self_attn", "tp_divide_attrs": ["head_dim"]}])
+    p = plan(
+        model,
+        "tp=2",
+        overrides=[{"match": "model.layers.0.self_attn", "tp_divide_attrs": ["head_dim"]}],
+    )
     assert p["model.layers.0.self_attn"]._tp_local_attr_plan == {
         "num_heads": (4, 2),
         "num_key_value_heads": (2, 1),
@@ -167,7 +200,10 @@ def test_tp_divide_attrs_and_head_counts_become_a_tp_local_attr_plan():
     }
     # head counts are only divided when q/k/v are tp-sharded, and never without tp
     assert plan(model, "cp=2")["model.layers.0.self_attn"]._tp_local_attr_plan is None
-    replicated = {k: {"tp": "replicate"} for k in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")}
+    replicated = {
+        k: {"tp": "replicate"}
+        for k in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
+    }
     p = plan(model, "tp=2", overrides=[{"match": "model.layers.0.self_attn", "params": replicated}])
     assert p["model.layers.0.self_attn"]._tp_local_attr_plan is None
     assert p["model.layers.0.self_attn"]._deferred_bias_params == ()
@@ -179,6 +215,11 @@ def test_hf_models_have_no_head_attributes_to_divide():
 
 
 def test_a_planned_plan_round_trips_through_yaml():
-    p = plan(meta("qwen2moe"), "tp=2,cp=2", ep_size=2, overrides=[{"match": "model.norm", "region_dispatch": False}])
+    p = plan(
+        meta("qwen2moe"),
+        "tp=2,cp=2",
+        ep_size=2,
+        overrides=[{"match": "model.norm", "region_dispatch": False}],
+    )
     assert load_plan(dump_plan(p)) == p
     assert load_plan(dump_plan(p)).fingerprint() == p.fingerprint()

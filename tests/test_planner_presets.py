@@ -42,8 +42,19 @@ def test_tiny_config_shape(family):
 
 
 def test_overrides_apply():
-    cfg = tiny_config("llama", attention_bias=True, mlp_bias=True, num_hidden_layers=3, attn_implementation="eager")
-    assert (cfg.attention_bias, cfg.mlp_bias, cfg.num_hidden_layers, cfg._attn_implementation) == (True, True, 3, "eager")
+    cfg = tiny_config(
+        "llama",
+        attention_bias=True,
+        mlp_bias=True,
+        num_hidden_layers=3,
+        attn_implementation="eager",
+    )
+    assert (cfg.attention_bias, cfg.mlp_bias, cfg.num_hidden_layers, cfg._attn_implementation) == (
+        True,
+        True,
+        3,
+        "eager",
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -53,7 +64,9 @@ def test_build_model_is_seeded_and_runs(family):
     c = build_model(family, seed=4)
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    assert any(not torch.equal(sa[k], sc[k]) for k in sa if sa[k].is_floating_point() and sa[k].numel() > 1)
+    assert any(
+        not torch.equal(sa[k], sc[k]) for k in sa if sa[k].is_floating_point() and sa[k].numel() > 1
+    )
     assert all(p.dtype == torch.float32 for p in a.parameters())
     ids = torch.randint(0, 128, (1, 8))
     out = a(input_ids=ids, labels=ids)
@@ -65,15 +78,29 @@ def test_build_model_on_meta_and_cpu():
     assert {p.device.type for p in m.parameters()} == {"meta"}
     assert type(m).__name__ == "Qwen2MoeForCausalLM"
     assert m.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 64, 64)
-    assert build_model("mixtral", device="meta").model.layers[0].mlp.experts.down_proj.shape == (4, 64, 32)
+    assert build_model("mixtral", device="meta").model.layers[0].mlp.experts.down_proj.shape == (
+        4,
+        64,
+        32,
+    )
     tied = build_model("llama", device="meta", tie_word_embeddings=True)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
 
 
 def test_seven_b_presets():
     cfg = preset_config("llama-7b")
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.vocab_size, cfg.intermediate_size) == (
-        4096, 32, 32, 32000, 11008,
+    assert (
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.vocab_size,
+        cfg.intermediate_size,
+    ) == (
+        4096,
+        32,
+        32,
+        32000,
+        11008,
     )
     assert preset_config("mistral-7b").num_key_value_heads == 8
     assert preset_config("qwen2-7b", num_hidden_layers=1).num_hidden_layers == 1
@@ -85,9 +112,15 @@ def test_seven_b_presets():
 
 
 def test_unknown_names():
-    with pytest.raises(UnknownModelPresetError, match=r"unknown model family 'lama'\. Did you mean 'llama'\? Known: llama, qwen2"):
+    with pytest.raises(
+        UnknownModelPresetError,
+        match=r"unknown model family 'lama'\. Did you mean 'llama'\? Known: llama, qwen2",
+    ):
         tiny_config("lama")
     with pytest.raises(UnknownModelPresetError, match=r"unknown model family 'gpt2'\. Known:"):
         build_model("gpt2")
-    with pytest.raises(UnknownModelPresetError, match=r"unknown model preset 'llama-7B'\. Did you mean 'llama-7b'\?"):
+    with pytest.raises(
+        UnknownModelPresetError,
+        match=r"unknown model preset 'llama-7B'\. Did you mean 'llama-7b'\?",
+    ):
         preset_config("llama-7B")

@@ -41,9 +41,17 @@ def report() -> dict[str, PluginInfo]:
 
 
 def assert_real_plugins_loaded(rows: dict[str, PluginInfo]) -> None:
-    for name, dist in (("cp", "hp-plugin-cp"), ("moe", "hp-plugin-moe"), ("phi3", "hp-plugin-phi3")):
+    for name, dist in (
+        ("cp", "hp-plugin-cp"),
+        ("moe", "hp-plugin-moe"),
+        ("phi3", "hp-plugin-phi3"),
+    ):
         assert name in rows, f"{dist} is not installed: run pip install -e for it (see Makefile)"
-        assert (rows[name].distribution, rows[name].version, rows[name].status) == (dist, "0.1.0", "loaded")
+        assert (rows[name].distribution, rows[name].version, rows[name].status) == (
+            dist,
+            "0.1.0",
+            "loaded",
+        )
 
 
 # ------------------------------------------------------------------ real plugins
@@ -99,7 +107,9 @@ def test_plugin_packages_come_from_record_and_top_level(fakes):
             "../../bin/fake-script",
         ],
     )
-    (next(fakes.root.glob("fake_packaged-*.dist-info")) / "top_level.txt").write_text("fakepkg_top\n")
+    (next(fakes.root.glob("fake_packaged-*.dist-info")) / "top_level.txt").write_text(
+        "fakepkg_top\n"
+    )
     reset_plugins()
     assert report()["packaged"].status == "loaded"
     packages = plugin_packages()
@@ -132,7 +142,10 @@ def test_import_error_is_reported_and_does_not_take_down_the_others(fakes):
     rows = report()
     info = failed(rows, "broken")
     assert (info.distribution, info.version) == ("fake-broken-import", "0.1")
-    assert "importing entry point 'broken = fake_missing_module_xyz' raised ModuleNotFoundError" in info.error
+    assert (
+        "importing entry point 'broken = fake_missing_module_xyz' raised ModuleNotFoundError"
+        in info.error
+    )
     assert rows["healthy"].status == "loaded" and "healthy_attn" in INNER_WRAPPER_REGISTRY
     assert_real_plugins_loaded(rows)
     assert_strict_raises("broken", "fake-broken-import", "ModuleNotFoundError")
@@ -206,7 +219,10 @@ def test_name_registered_twice_by_one_plugin(fakes):
             register("again", len)
         """,
     )
-    assert "router adapter 'again' is registered twice by this plugin" in failed(report(), "twice").error
+    assert (
+        "router adapter 'again' is registered twice by this plugin"
+        in failed(report(), "twice").error
+    )
 
 
 def test_undecorated_function_fails_the_plugin_atomically(fakes):
@@ -220,7 +236,9 @@ def test_undecorated_function_fails_the_plugin_atomically(fakes):
         """,
     )
     info = failed(report(), "undecorated")
-    assert info.error.startswith("hp_register_inner_wrappers registered an invalid item: InjectionDefinitionError")
+    assert info.error.startswith(
+        "hp_register_inner_wrappers registered an invalid item: InjectionDefinitionError"
+    )
     assert "is not decorated with @inner_wrapper" in info.error
     assert "valid_first" not in INNER_WRAPPER_REGISTRY
     assert_strict_raises("undecorated", "fake-undecorated", "@inner_wrapper")
@@ -262,7 +280,9 @@ def test_hook_wrappers_are_refused(fakes):
             return (yield)
         """,
     )
-    assert "hook hp_register_templates is declared as a wrapper" in failed(report(), "wrapper").error
+    assert (
+        "hook hp_register_templates is declared as a wrapper" in failed(report(), "wrapper").error
+    )
 
 
 def test_hook_without_the_register_argument_is_called(fakes):
@@ -284,7 +304,10 @@ def test_entry_point_name_clash_with_an_installed_plugin(fakes):
     rows = plugin_report()
     cps = [p for p in rows if p.name == "cp"]
     # The fake is earlier on sys.path, so it wins, as an import would.
-    assert [(p.distribution, p.status) for p in cps] == [("fake-cp", "loaded"), ("hp-plugin-cp", "failed")]
+    assert [(p.distribution, p.status) for p in cps] == [
+        ("fake-cp", "loaded"),
+        ("hp-plugin-cp", "failed"),
+    ]
     assert cps[1].error.startswith("plugin name 'cp' is already used by plugin 'cp' (fake-cp 0.1).")
     assert INNER_WRAPPER_REGISTRY["impostor"].distribution == "fake-cp"
 
@@ -304,7 +327,9 @@ def test_plugin_that_reads_registries_at_import_fails_cleanly(fakes):
         """,
     )
     error = failed(report(), "eager").error
-    assert "plugin 'eager' accessed the hp plugin registries while plugins are being loaded" in error
+    assert (
+        "plugin 'eager' accessed the hp plugin registries while plugins are being loaded" in error
+    )
     assert report()["cp"].status == "loaded"
 
 
@@ -402,5 +427,8 @@ def test_strict_message_names_the_culprits_first(fakes):
     with pytest.raises(PluginLoadError) as e:
         load_plugins(strict=True)
     lines = str(e.value).splitlines()
-    assert lines[0] == "hp plugin(s) failed to load (strict mode): plugin 'broken' (fake-broken-import 0.1)"
+    assert (
+        lines[0]
+        == "hp plugin(s) failed to load (strict mode): plugin 'broken' (fake-broken-import 0.1)"
+    )
     assert lines[-1].startswith("Fix:")

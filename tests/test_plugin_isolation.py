@@ -67,7 +67,12 @@ def failed(name: str, dist: str, version: str) -> PluginInfo:
     """The failed row of ``name``; the healthy plugin and the real ones loaded anyway."""
     rows = report()
     info = rows[name]
-    assert (info.status, info.distribution, info.version, info.items) == ("failed", dist, version, 0), info
+    assert (info.status, info.distribution, info.version, info.items) == (
+        "failed",
+        dist,
+        version,
+        0,
+    ), info
     assert rows["healthy"].status == "loaded" and "healthy_attn" in INNER_WRAPPER_REGISTRY
     assert rows["cp"].status == "loaded" and rows["moe"].status == "loaded"
     return info
@@ -93,7 +98,10 @@ def assert_commands_unaffected(capsys, name: str, dist: str, version: str, fragm
     assert table_row(out, "healthy")[3] == "loaded"
     reset_plugins()
     assert cli.main(["plugins", "--strict"]) == 1  # the documented CI switch still fails
-    assert f"plugin {name!r} from distribution {dist} {version} failed to load" in capsys.readouterr().err
+    assert (
+        f"plugin {name!r} from distribution {dist} {version} failed to load"
+        in capsys.readouterr().err
+    )
     reset_plugins()
     code = cli.main(["plan", "--model", "llama", "--mesh", "tp=2"])
     out, err = capsys.readouterr()
@@ -131,7 +139,9 @@ def test_sys_exit_in_a_hook_fails_only_that_plugin(good, capsys):
     info = failed("hookexit", "fake-hookexit", "0.3")
     assert info.error == "hook hp_register_inner_wrappers raised SystemExit: plugin gave up"
     assert "half_registered" not in INNER_WRAPPER_REGISTRY  # all or nothing
-    assert_commands_unaffected(capsys, "hookexit", "fake-hookexit", "0.3", "SystemExit: plugin gave up")
+    assert_commands_unaffected(
+        capsys, "hookexit", "fake-hookexit", "0.3", "SystemExit: plugin gave up"
+    )
 
 
 def test_bare_sys_exit_in_a_hook_names_the_type(good):
@@ -145,7 +155,10 @@ def test_bare_sys_exit_in_a_hook_names_the_type(good):
             sys.exit()
         """,
     )
-    assert failed("bare", "fake-bare", "0.1").error == "hook hp_register_router_adapters raised SystemExit"
+    assert (
+        failed("bare", "fake-bare", "0.1").error
+        == "hook hp_register_router_adapters raised SystemExit"
+    )
 
 
 def test_custom_base_exception_at_import_and_in_a_hook(good, capsys):
@@ -162,7 +175,9 @@ def test_custom_base_exception_at_import_and_in_a_hook(good, capsys):
         ),
         dist="fake-hookabort",
     )
-    assert failed("aborter", "fake-aborter", "0.1").error.endswith("raised PluginAbort: no GPU here")
+    assert failed("aborter", "fake-aborter", "0.1").error.endswith(
+        "raised PluginAbort: no GPU here"
+    )
     error = failed("hookabort", "fake-hookabort", "0.1").error
     assert error == "hook hp_register_templates raised PluginAbort: templates unavailable"
     assert_commands_unaffected(capsys, "aborter", "fake-aborter", "0.1", "PluginAbort: no GPU here")
@@ -177,7 +192,10 @@ def test_generator_exit_in_a_hook(good):
             raise GeneratorExit("closed")
         """,
     )
-    assert failed("genexit", "fake-genexit", "0.1").error == "hook hp_register_router_adapters raised GeneratorExit: closed"
+    assert (
+        failed("genexit", "fake-genexit", "0.1").error
+        == "hook hp_register_router_adapters raised GeneratorExit: closed"
+    )
 
 
 @pytest.mark.parametrize("where", ["import", "hook"])
@@ -208,7 +226,11 @@ def test_keyboard_interrupt_propagates(good, capsys, where):
 def gate(fakes: FakePlugins) -> tuple[str, threading.Event]:
     """A module holding an Event that a blocking plugin waits on (importable by the plugin)."""
     name = f"fake_gate_{len(fakes.modules)}"
-    fakes.add_distribution(f"fake-gate-{len(fakes.modules)}", {}, modules={name: "import threading\nEVENT = threading.Event()\n"})
+    fakes.add_distribution(
+        f"fake-gate-{len(fakes.modules)}",
+        {},
+        modules={name: "import threading\nEVENT = threading.Event()\n"},
+    )
     module = __import__(name)
     return name, module.EVENT
 
@@ -282,8 +304,15 @@ def test_imports_run_in_a_daemon_thread_unless_the_limit_is_off(fakes, monkeypat
 @pytest.mark.parametrize(
     ("raw", "expected", "warns"),
     [
-        (None, 10.0, False), ("", 10.0, False), ("2.5", 2.5, False), ("0", None, False),
-        ("off", None, False), ("inf", None, False), ("abc", 10.0, True), ("-1", 10.0, True), ("nan", 10.0, True),
+        (None, 10.0, False),
+        ("", 10.0, False),
+        ("2.5", 2.5, False),
+        ("0", None, False),
+        ("off", None, False),
+        ("inf", None, False),
+        ("abc", 10.0, True),
+        ("-1", 10.0, True),
+        ("nan", 10.0, True),
     ],
 )
 def test_import_timeout_from_env(monkeypatch, raw, expected, warns):
@@ -293,7 +322,9 @@ def test_import_timeout_from_env(monkeypatch, raw, expected, warns):
     assert timeout == expected
     assert (problem is not None) == warns
     if warns:
-        assert problem.startswith(f"HP_PLUGIN_IMPORT_TIMEOUT={raw!r} is not a number of seconds; using 10 s.")
+        assert problem.startswith(
+            f"HP_PLUGIN_IMPORT_TIMEOUT={raw!r} is not a number of seconds; using 10 s."
+        )
         reset_plugins()
         with pytest.warns(HpPluginWarning, match="HP_PLUGIN_IMPORT_TIMEOUT"):
             plugin_report()
@@ -312,7 +343,10 @@ def test_registering_from_the_import_thread_fails_cleanly_not_by_timeout(fakes, 
     start = time.monotonic()
     error = report()["eagerreg"].error
     assert time.monotonic() - start < 4.0
-    assert "plugin 'eagerreg' accessed the hp plugin registries while plugins are being loaded" in error
+    assert (
+        "plugin 'eagerreg' accessed the hp plugin registries while plugins are being loaded"
+        in error
+    )
     assert "too_early" not in INNER_WRAPPER_REGISTRY
 
 
@@ -389,7 +423,15 @@ def one_error_line(err: str, command: str) -> str:
 
 def test_plan_refuses_a_wrapper_whose_plugin_is_not_installed(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("HP_PLUGINS", "moe")  # hp-plugin-cp (sdpa_hf) is not loaded
-    argv = ["plan", "--model", "llama", "--mesh", "cp=2", "--overrides", overrides(tmp_path, CP_YAML)]
+    argv = [
+        "plan",
+        "--model",
+        "llama",
+        "--mesh",
+        "cp=2",
+        "--overrides",
+        overrides(tmp_path, CP_YAML),
+    ]
     code, out, err = hp(capsys, *argv)
     assert (code, out) == (2, "")
     line = one_error_line(err, "plan")
@@ -405,7 +447,9 @@ def test_plan_refuses_a_wrapper_whose_plugin_is_not_installed(capsys, tmp_path, 
     code, out, err = hp(capsys, *argv, "--allow-missing-plugins", "--verify")
     assert (code, out) == (1, "")
     warning, refusal = err.split("\nhp plan: error: ")
-    assert warning.startswith("warning: plan['model.layers.0.self_attn'].inner_wrapper (and 1 more module): ")
+    assert warning.startswith(
+        "warning: plan['model.layers.0.self_attn'].inner_wrapper (and 1 more module): "
+    )
     assert refusal.startswith("UnknownRegistryItemError: unknown inner wrapper 'sdpa_hf'.\n")
     assert " ".join(refusal.split()) in " ".join(line.split())
 
@@ -418,12 +462,22 @@ def test_plan_refuses_a_wrapper_whose_plugin_is_not_installed(capsys, tmp_path, 
 
 def test_allow_missing_plugins_warns_and_plans(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("HP_DISABLE_PLUGIN_AUTOLOAD", "1")
-    argv = ["plan", "--model", "llama", "--mesh", "cp=2", "--overrides", overrides(tmp_path, CP_YAML)]
+    argv = [
+        "plan",
+        "--model",
+        "llama",
+        "--mesh",
+        "cp=2",
+        "--overrides",
+        overrides(tmp_path, CP_YAML),
+    ]
     code, out, err = hp(capsys, *argv, "--allow-missing-plugins")
     assert code == 0
     assert out.startswith("hp plan: mesh cp=2") and "inner_wrapper=sdpa_hf" in out
     assert err.count("\n") == 1
-    assert err.startswith("warning: plan['model.layers.0.self_attn'].inner_wrapper (and 1 more module): UnknownRegistryItemError: ")
+    assert err.startswith(
+        "warning: plan['model.layers.0.self_attn'].inner_wrapper (and 1 more module): UnknownRegistryItemError: "
+    )
     assert "pip install hp-plugin-cp" in err
     assert err.rstrip().endswith(
         "planning anyway (--allow-missing-plugins): hp_core.apply refuses this plan until a plugin provides it."
@@ -431,7 +485,15 @@ def test_allow_missing_plugins_warns_and_plans(capsys, tmp_path, monkeypatch):
 
 
 def test_an_unknown_wrapper_gets_no_install_hint(capsys, tmp_path):
-    argv = ["plan", "--model", "llama", "--mesh", "tp=2", "--overrides", overrides(tmp_path, RING_YAML)]
+    argv = [
+        "plan",
+        "--model",
+        "llama",
+        "--mesh",
+        "tp=2",
+        "--overrides",
+        overrides(tmp_path, RING_YAML),
+    ]
     code, out, err = hp(capsys, *argv)
     assert (code, out) == (2, "")
     line = one_error_line(err, "plan")
@@ -461,23 +523,41 @@ def test_plan_and_freeze_refuse_an_ep_plan_without_its_moe_plugin(capsys, tmp_pa
     code, out, err = hp(capsys, *freeze_argv)
     assert (code, out) == (2, "")
     line = one_error_line(err, "freeze")
-    assert "unknown compute factory 'qwen2moe'" in line and line.endswith("To freeze anyway, pass --allow-missing-plugins.")
+    assert "unknown compute factory 'qwen2moe'" in line and line.endswith(
+        "To freeze anyway, pass --allow-missing-plugins."
+    )
     assert not artifact.exists()
 
     code, out, err = hp(capsys, *freeze_argv, "--allow-missing-plugins")
     assert code == 0 and out.startswith(f"hp freeze: wrote {artifact}: ")
-    assert err.startswith("warning: plan['model.layers.0.mlp'].local_compute_fn") and "freezing anyway" in err
+    assert (
+        err.startswith("warning: plan['model.layers.0.mlp'].local_compute_fn")
+        and "freezing anyway" in err
+    )
     assert artifact.exists()
 
 
 def test_two_missing_items_are_one_line(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("HP_DISABLE_PLUGIN_AUTOLOAD", "1")
-    argv = ["plan", "--model", "qwen2moe", "--mesh", "cp=2", "--ep", "2", "--overrides", overrides(tmp_path, CP_YAML + MOE_YAML)]
+    argv = [
+        "plan",
+        "--model",
+        "qwen2moe",
+        "--mesh",
+        "cp=2",
+        "--ep",
+        "2",
+        "--overrides",
+        overrides(tmp_path, CP_YAML + MOE_YAML),
+    ]
     code, _, err = hp(capsys, *argv)
     assert code == 2
     line = one_error_line(err, "plan")
     assert "unknown inner wrapper 'sdpa_hf'" in line
-    assert "Also missing: 'qwen2moe' (plan['model.layers.0.mlp'].local_compute_fn (and 1 more module))." in line
+    assert (
+        "Also missing: 'qwen2moe' (plan['model.layers.0.mlp'].local_compute_fn (and 1 more module))."
+        in line
+    )
     code, _, err = hp(capsys, *argv, "--allow-missing-plugins")
     assert code == 0 and err.count("\nwarning: ") == 1 and err.startswith("warning: ")
 
@@ -493,7 +573,17 @@ def test_user_registered_items_count_as_installed(capsys, tmp_path, monkeypatch)
     monkeypatch.setenv("HP_DISABLE_PLUGIN_AUTOLOAD", "1")
     reset_plugins()
     register_inner_wrapper("my_ring_attention", ring, region_dispatch=False)
-    code = cli.main(["plan", "--model", "llama", "--mesh", "tp=2", "--overrides", overrides(tmp_path, RING_YAML)])
+    code = cli.main(
+        [
+            "plan",
+            "--model",
+            "llama",
+            "--mesh",
+            "tp=2",
+            "--overrides",
+            overrides(tmp_path, RING_YAML),
+        ]
+    )
     _, err = capsys.readouterr()
     assert (code, err) == (0, "")
 

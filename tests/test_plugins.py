@@ -75,7 +75,12 @@ def snapshot() -> dict[RegistryKind, dict[str, RegisteredItem]]:
 
 
 def test_registries_are_read_only_mappings():
-    for registry in (TEMPLATE_REGISTRY, INNER_WRAPPER_REGISTRY, COMPUTE_FACTORY_REGISTRY, ROUTER_ADAPTER_REGISTRY):
+    for registry in (
+        TEMPLATE_REGISTRY,
+        INNER_WRAPPER_REGISTRY,
+        COMPUTE_FACTORY_REGISTRY,
+        ROUTER_ADAPTER_REGISTRY,
+    ):
         assert isinstance(registry, Mapping)
         assert not hasattr(registry, "__setitem__")
         with pytest.raises(TypeError):
@@ -109,7 +114,12 @@ def test_builtin_plugin_registers_default_role_rules_through_the_hook():
     assert all(i.distribution == "hp-core" and i.kind is RegistryKind.TEMPLATE for i in builtin)
     assert TEMPLATE_REGISTRY[names[0]].value is templates.DEFAULT_ROLE_RULES[0]
     first = plugin_report()[0]
-    assert (first.name, first.distribution, first.status, first.items) == ("builtin", "hp-core", "builtin", len(names))
+    assert (first.name, first.distribution, first.status, first.items) == (
+        "builtin",
+        "hp-core",
+        "builtin",
+        len(names),
+    )
     assert "hp_core" in plugin_packages()
 
 
@@ -117,11 +127,18 @@ def test_builtin_plugin_registers_default_role_rules_through_the_hook():
 
 
 def test_register_inner_wrapper_records_user_provenance_and_meta():
-    item = register_inner_wrapper("my_attn", attn_wrapper, needs_cp=True, region_dispatch=False, forward_style="qkv")
+    item = register_inner_wrapper(
+        "my_attn", attn_wrapper, needs_cp=True, region_dispatch=False, forward_style="qkv"
+    )
     assert INNER_WRAPPER_REGISTRY["my_attn"] is item
     assert lookup("inner_wrapper", "my_attn") is item
     assert (item.kind, item.name, item.value, item.provider, item.distribution, item.version) == (
-        RegistryKind.INNER_WRAPPER, "my_attn", attn_wrapper, "user", None, None,
+        RegistryKind.INNER_WRAPPER,
+        "my_attn",
+        attn_wrapper,
+        "user",
+        None,
+        None,
     )
     assert dict(item.meta) == {"needs_cp": True, "region_dispatch": False, "forward_style": "qkv"}
     with pytest.raises(TypeError):
@@ -137,8 +154,13 @@ def test_registered_item_resolves_through_injection_lookup():
 
 
 def test_register_compute_factory_and_suggestion():
-    register_compute_factory("my_moe", moe_factory, architectures=("Qwen2MoeForCausalLM", "MixtralForCausalLM"))
-    assert COMPUTE_FACTORY_REGISTRY["my_moe"].meta["architectures"] == ("Qwen2MoeForCausalLM", "MixtralForCausalLM")
+    register_compute_factory(
+        "my_moe", moe_factory, architectures=("Qwen2MoeForCausalLM", "MixtralForCausalLM")
+    )
+    assert COMPUTE_FACTORY_REGISTRY["my_moe"].meta["architectures"] == (
+        "Qwen2MoeForCausalLM",
+        "MixtralForCausalLM",
+    )
     assert suggest_compute_factory("MixtralForCausalLM") == "my_moe"
     assert suggest_compute_factory("LlamaForCausalLM") is None
 
@@ -197,16 +219,22 @@ def test_undecorated_function_is_rejected_with_the_decorator_to_use():
     with pytest.raises(InjectionDefinitionError) as e:
         register_inner_wrapper("plain", plain)
     assert isinstance(e.value, TypeError)
-    assert "plain" in str(e.value) and "@inner_wrapper" in str(e.value) and "'plain'" in str(e.value)
+    assert (
+        "plain" in str(e.value) and "@inner_wrapper" in str(e.value) and "'plain'" in str(e.value)
+    )
     with pytest.raises(TypeError, match="@local_compute"):
         register_compute_factory("plain", plain)
     assert snapshot() == before
 
 
 def test_wrong_decorator_kind_is_rejected():
-    with pytest.raises(TypeError, match="decorated with @local_compute but is used where @inner_wrapper"):
+    with pytest.raises(
+        TypeError, match="decorated with @local_compute but is used where @inner_wrapper"
+    ):
         register_inner_wrapper("wrong", moe_factory)
-    with pytest.raises(TypeError, match="decorated with @inner_wrapper but is used where @local_compute"):
+    with pytest.raises(
+        TypeError, match="decorated with @inner_wrapper but is used where @local_compute"
+    ):
         register_compute_factory("wrong", attn_wrapper)
 
 
@@ -216,7 +244,10 @@ def test_bad_names_are_rejected(name):
     with pytest.raises(InvalidRegistrationError) as e:
         register_inner_wrapper(name, attn_wrapper)  # type: ignore[arg-type]
     lines = str(e.value).splitlines()
-    assert lines[0].startswith("provider 'user' (a register_* call), inner wrapper") and repr(name) in lines[0]
+    assert (
+        lines[0].startswith("provider 'user' (a register_* call), inner wrapper")
+        and repr(name) in lines[0]
+    )
     assert "no dots" in lines[1]
     assert lines[2].startswith("Fix:")
     assert snapshot() == before
@@ -255,7 +286,9 @@ def test_bad_inner_wrapper_options(kwargs, fragment):
 
 
 def test_bad_architectures():
-    with pytest.raises(InvalidRegistrationError, match=r"Fix: pass architectures=\('MixtralForCausalLM',\)"):
+    with pytest.raises(
+        InvalidRegistrationError, match=r"Fix: pass architectures=\('MixtralForCausalLM',\)"
+    ):
         register_compute_factory("f", moe_factory, architectures="MixtralForCausalLM")  # type: ignore[arg-type]
     with pytest.raises(InvalidRegistrationError, match="architecture 'not a class' is not valid"):
         register_compute_factory("f", moe_factory, architectures=("not a class",))
@@ -281,7 +314,11 @@ def test_unknown_name_lists_known_names_with_providers_and_the_closest_match():
         INNER_WRAPPER_REGISTRY.get_item("sdpa_qvk")
     err = e.value
     assert type(err) is UnknownRegistryItemError
-    assert isinstance(err, LookupError) and isinstance(err, ValueError) and not isinstance(err, KeyError)
+    assert (
+        isinstance(err, LookupError)
+        and isinstance(err, ValueError)
+        and not isinstance(err, KeyError)
+    )
     lines = str(err).splitlines()
     assert lines[0] == "unknown inner wrapper 'sdpa_qvk'. Did you mean 'sdpa_qkv'?"
     assert "sdpa_qkv (provider 'user'" in lines[1] and "flex_hf (provider 'user'" in lines[1]
@@ -300,7 +337,9 @@ def test_subscript_error_is_also_a_keyerror_with_a_readable_str():
 
 
 def test_lookup_of_an_unknown_kind():
-    with pytest.raises(ValueError, match=r"unknown registry kind 'inner_wrappers'\. Did you mean 'inner_wrapper'\?"):
+    with pytest.raises(
+        ValueError, match=r"unknown registry kind 'inner_wrappers'\. Did you mean 'inner_wrapper'\?"
+    ):
         lookup("inner_wrappers", "x")
 
 
@@ -392,7 +431,9 @@ def test_register_plugin_reserved_names(name):
 
 def test_register_plugin_name_taken():
     register_plugin(ExamplePlugin(), name="taken")
-    with pytest.raises(PluginLoadError, match="plugin name 'taken' is already used by plugin 'taken'"):
+    with pytest.raises(
+        PluginLoadError, match="plugin name 'taken' is already used by plugin 'taken'"
+    ):
         register_plugin(ExamplePlugin(), name="taken")
 
 

@@ -20,14 +20,21 @@ def _no_plugins(monkeypatch):
 
 @pytest.mark.parametrize(
     ("kind", "name", "dist"),
-    [("inner_wrapper", "sdpa_hf", "hp-plugin-cp"), ("inner_wrapper", "flex_qkv", "hp-plugin-cp"), ("compute_factory", "mixtral", "hp-plugin-moe")],
+    [
+        ("inner_wrapper", "sdpa_hf", "hp-plugin-cp"),
+        ("inner_wrapper", "flex_qkv", "hp-plugin-cp"),
+        ("compute_factory", "mixtral", "hp-plugin-moe"),
+    ],
 )
 def test_missing_first_party_item_names_its_distribution(kind, name, dist):
     with pytest.raises(UnknownRegistryItemError) as e:
         lookup(kind, name)
     lines = str(e.value).splitlines()
     assert lines[0] == f"unknown {kind.replace('_', ' ')} {name!r}."
-    assert lines[1].startswith(f"{name!r} is provided by the distribution {dist}") and f"pip install {dist}" in lines[1]
+    assert (
+        lines[1].startswith(f"{name!r} is provided by the distribution {dist}")
+        and f"pip install {dist}" in lines[1]
+    )
 
 
 def test_other_names_get_no_install_hint():

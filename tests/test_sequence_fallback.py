@@ -15,12 +15,20 @@ def test_the_variant_is_what_the_planner_derives_without_sequence_parallelism():
     for fqn, spec in no_sp.items():
         mine = variant[fqn]
         assert (mine.params, mine.in_src, mine.in_dst, mine.out_src, mine.out_dst) == (
-            spec.params, spec.in_src, spec.in_dst, spec.out_src, spec.out_dst
+            spec.params,
+            spec.in_src,
+            spec.in_dst,
+            spec.out_src,
+            spec.out_dst,
         ), fqn
     # the layers keep their (now identity) boundary; the planner without SP has none
     assert set(variant) - set(no_sp) == {"model.layers.0", "model.layers.1"}
     layer = variant["model.layers.1"]
-    assert layer.in_src == layer.in_dst == {"hidden_states": {"tp": no_sp["model.norm"].in_src["hidden_states"]["tp"]}}
+    assert (
+        layer.in_src
+        == layer.in_dst
+        == {"hidden_states": {"tp": no_sp["model.norm"].in_src["hidden_states"]["tp"]}}
+    )
 
 
 def test_the_variant_is_verified_once_when_first_needed():

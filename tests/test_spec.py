@@ -38,7 +38,15 @@ def test_axis_names_equal_and_hash_like_plain_strings():
     assert str(MeshAxisName.dp_cp) == "dp_cp"
     assert f"{MeshAxisName.cp:>4}" == "  cp"
     assert [m.value for m in MeshAxisName] == [
-        "tp", "cp", "ep", "pp", "dp", "dp_replicate", "dp_shard", "dp_cp", "ep_shard",
+        "tp",
+        "cp",
+        "ep",
+        "pp",
+        "dp",
+        "dp_replicate",
+        "dp_shard",
+        "dp_cp",
+        "ep_shard",
     ]
 
 
@@ -56,7 +64,9 @@ def test_resolve_placements_mesh_order_missing_replicated():
 
 
 def test_resolve_placements_unknown_axis_names_closest():
-    with pytest.raises(ValueError, match=r"'tpp' is not a dimension of the mesh \('dp', 'tp'\).*Did you mean 'tp'"):
+    with pytest.raises(
+        ValueError, match=r"'tpp' is not a dimension of the mesh \('dp', 'tp'\).*Did you mean 'tp'"
+    ):
         resolve_placements({"tpp": Shard(0)}, ["dp", "tp"])
     with pytest.raises(ValueError) as e:
         resolve_placements({"zzz": Shard(0)}, ["tp"])
@@ -86,7 +96,19 @@ def test_parse_placement_passes_placement_objects_through():
     assert parse_placement(p) is p
 
 
-@pytest.mark.parametrize("text", ["shard(-1)", "shard()", "shard(1.5)", "sharded(1)", "", "replicate(0)", "partial(avg)", "shard(1) x"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "shard(-1)",
+        "shard()",
+        "shard(1.5)",
+        "sharded(1)",
+        "",
+        "replicate(0)",
+        "partial(avg)",
+        "shard(1) x",
+    ],
+)
 def test_parse_placement_rejects_with_grammar(text):
     with pytest.raises(PlacementSyntaxError) as e:
         parse_placement(text, path="overrides[0].in_src.x.tp")
@@ -98,7 +120,9 @@ def test_parse_placement_rejects_with_grammar(text):
 
 
 def test_parse_placement_rejects_non_string():
-    with pytest.raises(PlacementSyntaxError, match=r"p: expected a placement string, got int 3\..*Grammar"):
+    with pytest.raises(
+        PlacementSyntaxError, match=r"p: expected a placement string, got int 3\..*Grammar"
+    ):
         parse_placement(3, path="p")
 
 
@@ -128,7 +152,9 @@ def test_named_placement_must_be_nonempty_mapping(raw):
 
 @pytest.mark.parametrize("axis", ["", "  ", 3])
 def test_named_placement_axis_must_be_nonempty_string(axis):
-    with pytest.raises(PlacementSyntaxError, match=r"doc: mesh axis names must be non-empty strings"):
+    with pytest.raises(
+        PlacementSyntaxError, match=r"doc: mesh axis names must be non-empty strings"
+    ):
         parse_named_placement({axis: "replicate"}, path="doc")
 
 
@@ -145,7 +171,11 @@ def test_spec_defaults_and_internal_fields():
     assert s.params is None and s.in_src is None and s.is_boundary is True
     assert s._deferred_bias_params == () and s._ep_stack == {} and s._ep_size == 0
     assert s._is_terminal is False and s._needs_cp_attn is False
-    assert s._tp_local_attr_plan is None and s._resolved_inner_wrapper is None and s._resolved_inner_target is None
+    assert (
+        s._tp_local_attr_plan is None
+        and s._resolved_inner_wrapper is None
+        and s._resolved_inner_target is None
+    )
     assert not s.has_injection and s.output_names() == []
     with pytest.raises(TypeError):
         ModuleShardingSpec(_ep_size=2)  # internal: not an init argument
@@ -162,9 +192,13 @@ def test_out_shorthand_normalizes_and_is_idempotent():
 
 
 def test_named_outputs_and_out_names():
-    s = ModuleShardingSpec(out_src={"a": {"tp": Shard(0)}, "b": {"tp": Replicate()}}, out_names=["b", "a"])
+    s = ModuleShardingSpec(
+        out_src={"a": {"tp": Shard(0)}, "b": {"tp": Replicate()}}, out_names=["b", "a"]
+    )
     assert s.output_names() == ["b", "a"]
-    assert ModuleShardingSpec(out_src={"a": {"tp": Shard(0)}, "b": {"tp": Replicate()}}).output_names() == ["a", "b"]
+    assert ModuleShardingSpec(
+        out_src={"a": {"tp": Shard(0)}, "b": {"tp": Replicate()}}
+    ).output_names() == ["a", "b"]
 
 
 def test_dsl_strings_accepted_in_python_specs():
@@ -188,24 +222,45 @@ def test_sentinels_are_kept():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(params="all"), r"ModuleShardingSpec\.params: the only string values are the sentinels"),
+        (
+            dict(params="all"),
+            r"ModuleShardingSpec\.params: the only string values are the sentinels",
+        ),
         (dict(params=[1]), r"ModuleShardingSpec\.params: expected a mapping"),
-        (dict(params={"": {"tp": Shard(0)}}), r"ModuleShardingSpec\.params: keys must be non-empty"),
-        (dict(params={"w": {}}), r"ModuleShardingSpec\.params\.w: expected a non-empty \{axis: placement\}"),
+        (
+            dict(params={"": {"tp": Shard(0)}}),
+            r"ModuleShardingSpec\.params: keys must be non-empty",
+        ),
+        (
+            dict(params={"w": {}}),
+            r"ModuleShardingSpec\.params\.w: expected a non-empty \{axis: placement\}",
+        ),
         (dict(params={"w": {"": Shard(0)}}), r"params\.w: mesh axis names must be non-empty"),
-        (dict(params={"w": {"tp": "shard(-2)"}}), r"params\.w\.tp: 'shard\(-2\)' is not a placement"),
+        (
+            dict(params={"w": {"tp": "shard(-2)"}}),
+            r"params\.w\.tp: 'shard\(-2\)' is not a placement",
+        ),
         (dict(in_dst={"x": {"tp": 5}}), r"in_dst\.x\.tp: expected a placement string"),
         (dict(out_src=["a"]), r"out_src: expected a mapping"),
         (dict(out_names="abc"), r"out_names: the only string values"),
         (dict(out_names=5), r"out_names: expected a list of names"),
-        (dict(tp_divide_attrs=["num_heads", ""]), r"tp_divide_attrs: every entry must be a non-empty string"),
+        (
+            dict(tp_divide_attrs=["num_heads", ""]),
+            r"tp_divide_attrs: every entry must be a non-empty string",
+        ),
         (dict(is_boundary="yes"), r"is_boundary: expected True or False"),
         (dict(region_dispatch=1), r"region_dispatch: expected True, False or None"),
         (dict(skip_source_lowering="x"), r"skip_source_lowering: expected True, False or None"),
         (dict(inner_target=""), r"inner_target: expected 'self' or a child attribute name"),
         (dict(inner_wrapper=""), r"inner_wrapper: an empty string names no registry item"),
-        (dict(local_compute_fn=3), r"local_compute_fn: expected a registry name, a decorated function or a Target"),
-        (dict(inner_out_src="last_input"), r"inner_out_src: the only string value is 'first_input'"),
+        (
+            dict(local_compute_fn=3),
+            r"local_compute_fn: expected a registry name, a decorated function or a Target",
+        ),
+        (
+            dict(inner_out_src="last_input"),
+            r"inner_out_src: the only string value is 'first_input'",
+        ),
         (dict(inner_out_src={"tp": "bogus"}), r"inner_out_src\.tp: 'bogus' is not a placement"),
     ],
 )
@@ -220,9 +275,13 @@ def test_injection_field_forms():
         return None
 
     t = Target("qwen2moe", {"capacity": 2})
-    s = ModuleShardingSpec(inner_target="self", inner_wrapper=w, local_compute_fn=t, inner_out_src="first_input")
+    s = ModuleShardingSpec(
+        inner_target="self", inner_wrapper=w, local_compute_fn=t, inner_out_src="first_input"
+    )
     assert s.has_injection and s.inner_wrapper is w and s.local_compute_fn is t
-    s2 = ModuleShardingSpec(inner_target="core", inner_wrapper="sdpa_qkv", inner_out_src={"tp": Replicate()})
+    s2 = ModuleShardingSpec(
+        inner_target="core", inner_wrapper="sdpa_qkv", inner_out_src={"tp": Replicate()}
+    )
     assert s2.inner_out_src == {"output": {"tp": Replicate()}}
 
 
@@ -263,9 +322,15 @@ def test_merge_unset_and_auto_inherit_internal_from_derived():
 
 def test_merge_explicit_value_replaces_whole_field_and_notes_dropped_keys():
     derived = _derived()
-    merged, notes = merge_specs(derived, ModuleShardingSpec(params={"q_proj.weight": {"tp": Replicate()}}), fqn="layers.0.attn")
+    merged, notes = merge_specs(
+        derived,
+        ModuleShardingSpec(params={"q_proj.weight": {"tp": Replicate()}}),
+        fqn="layers.0.attn",
+    )
     assert merged.params == {"q_proj.weight": {"tp": Replicate()}}
-    assert notes == ["layers.0.attn.params: override replaces the whole field; dropped keys ['o_proj.weight']"]
+    assert notes == [
+        "layers.0.attn.params: override replaces the whole field; dropped keys ['o_proj.weight']"
+    ]
 
 
 def test_merge_explicit_empty_dict_replaces():
@@ -277,7 +342,9 @@ def test_merge_explicit_empty_dict_replaces():
 def test_merge_none_sentinel_clears():
     merged, notes = merge_specs(
         _derived(),
-        ModuleShardingSpec(params=NONE, in_src=NONE, out_src=NONE, out_names=NONE, tp_divide_attrs=NONE),
+        ModuleShardingSpec(
+            params=NONE, in_src=NONE, out_src=NONE, out_names=NONE, tp_divide_attrs=NONE
+        ),
         fqn="m",
     )
     assert merged.params == {} and merged.in_src == {}
@@ -288,7 +355,9 @@ def test_merge_none_sentinel_clears():
 
 
 def test_merge_list_fields_note_replacement():
-    merged, notes = merge_specs(_derived(), ModuleShardingSpec(tp_divide_attrs=["num_kv_heads"]), fqn="m")
+    merged, notes = merge_specs(
+        _derived(), ModuleShardingSpec(tp_divide_attrs=["num_kv_heads"]), fqn="m"
+    )
     assert merged.tp_divide_attrs == ["num_kv_heads"]
     assert notes == ["m.tp_divide_attrs: override replaces ['num_heads'] with ['num_kv_heads']"]
     _, quiet = merge_specs(_derived(), ModuleShardingSpec(tp_divide_attrs=["num_heads"]), fqn="m")
@@ -301,7 +370,9 @@ def test_merge_injection_fields_win_when_set():
     derived = _derived()
     derived.inner_target = "self"
     derived.region_dispatch = True
-    merged, _ = merge_specs(derived, ModuleShardingSpec(inner_wrapper="sdpa_hf", region_dispatch=False), fqn="m")
+    merged, _ = merge_specs(
+        derived, ModuleShardingSpec(inner_wrapper="sdpa_hf", region_dispatch=False), fqn="m"
+    )
     assert merged.inner_wrapper == "sdpa_hf" and merged.region_dispatch is False
     assert merged.inner_target == "self"  # inherited: override left it None
 
@@ -314,7 +385,10 @@ def test_merge_is_boundary_false_wins_true_inherits():
 
 
 def test_merge_never_mutates_inputs_and_is_deterministic():
-    derived, override = _derived(), ModuleShardingSpec(in_dst={"hidden_states": {"tp": Shard(1)}}, inner_wrapper="x")
+    derived, override = (
+        _derived(),
+        ModuleShardingSpec(in_dst={"hidden_states": {"tp": Shard(1)}}, inner_wrapper="x"),
+    )
     before = (copy.deepcopy(derived), copy.deepcopy(override))
     a, _ = merge_specs(derived, override)
     b, _ = merge_specs(derived, override)
@@ -330,7 +404,13 @@ def test_merge_derived_sentinel_is_not_propagated():
 
 def test_finalize_insert_complete_contract():
     ins = finalize_insert(
-        ModuleShardingSpec(params=NONE, in_src=NONE, in_dst=NONE, out_src={"tp": Replicate()}, out_dst={"tp": Replicate()}),
+        ModuleShardingSpec(
+            params=NONE,
+            in_src=NONE,
+            in_dst=NONE,
+            out_src={"tp": Replicate()},
+            out_dst={"tp": Replicate()},
+        ),
         fqn="model.extra",
     )
     assert ins.params == {} and ins.in_src == {} and ins.in_dst == {}
@@ -338,7 +418,9 @@ def test_finalize_insert_complete_contract():
 
 
 def test_finalize_insert_non_boundary_needs_params_only():
-    ins = finalize_insert(ModuleShardingSpec(params={"weight": {"tp": Shard(0)}}, is_boundary=False), fqn="m.w")
+    ins = finalize_insert(
+        ModuleShardingSpec(params={"weight": {"tp": Shard(0)}}, is_boundary=False), fqn="m.w"
+    )
     assert ins.params == {"weight": {"tp": Shard(0)}} and ins.in_src == {} and ins.in_dst == {}
     assert ins.is_boundary is False
 
@@ -358,7 +440,9 @@ def test_finalize_insert_incomplete_names_fqn_missing_fields_and_fix():
 
 
 def test_placement_mismatch_error_message_and_fields():
-    e = PlacementMismatchError("model.layers.0.mlp", {"tp": Shard(1)}, {"tp": Partial()}, "out_src[output]")
+    e = PlacementMismatchError(
+        "model.layers.0.mlp", {"tp": Shard(1)}, {"tp": Partial()}, "out_src[output]"
+    )
     assert isinstance(e, ValueError)
     assert (e.module_name, e.stage) == ("model.layers.0.mlp", "out_src[output]")
     msg = str(e)
@@ -384,7 +468,7 @@ def test_placement_mismatch_error_rejects_unknown_stage():
 
 
 def test_close_matches():
-    assert S.close_matches("tpp", ["tp", "cp", "ep"]) [0] == "tp"
+    assert S.close_matches("tpp", ["tp", "cp", "ep"])[0] == "tp"
     assert S.close_matches("qqqq", ["tp"]) == []
 
 
@@ -392,7 +476,9 @@ def test_merge_copies_targets():
     from hp_core.injection import Target
 
     t = Target("qwen2moe", {"capacity": 1})
-    merged, _ = merge_specs(ModuleShardingSpec(), ModuleShardingSpec(local_compute_fn=t, region_dispatch=False))
+    merged, _ = merge_specs(
+        ModuleShardingSpec(), ModuleShardingSpec(local_compute_fn=t, region_dispatch=False)
+    )
     assert merged.local_compute_fn == t and merged.local_compute_fn is not t
     merged.local_compute_fn.config["capacity"] = 9
     assert t.config == {"capacity": 1}

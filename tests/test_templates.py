@@ -35,17 +35,27 @@ def test_default_rules_classify_hf_names(fqn, role):
 
 
 def test_architecture_scoped_rules_take_precedence_only_for_their_architecture():
-    rule = RoleRule("phi.dense", r"\.dense\.weight$", Role.COLWISE, architectures=("PhiForCausalLM",))
+    rule = RoleRule(
+        "phi.dense", r"\.dense\.weight$", Role.COLWISE, architectures=("PhiForCausalLM",)
+    )
     rules = [*DEFAULT_ROLE_RULES, rule]
-    assert classify_param("model.layers.0.self_attn.dense.weight", rules, ["PhiForCausalLM"]) is Role.COLWISE
-    assert classify_param("model.layers.0.self_attn.dense.weight", rules, ["LlamaForCausalLM"]) is Role.ROWWISE
+    assert (
+        classify_param("model.layers.0.self_attn.dense.weight", rules, ["PhiForCausalLM"])
+        is Role.COLWISE
+    )
+    assert (
+        classify_param("model.layers.0.self_attn.dense.weight", rules, ["LlamaForCausalLM"])
+        is Role.ROWWISE
+    )
     assert rule.matches("a.dense.weight", ["PhiForCausalLM"]) and not rule.matches("a.dense.weight")
 
 
 def test_role_rule_validation():
     with pytest.raises(ValueError, match=r"RoleRule 'x': role must be a hp_core.Role"):
         RoleRule("x", "a", "colwise")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"RoleRule 'x': architectures must be a tuple of class names"):
+    with pytest.raises(
+        ValueError, match=r"RoleRule 'x': architectures must be a tuple of class names"
+    ):
         RoleRule("x", "a", Role.NORM, architectures="LlamaForCausalLM")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"RoleRule 'x': pattern '\(' is not a regular expression"):
         RoleRule("x", "(", Role.NORM)

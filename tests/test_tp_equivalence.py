@@ -27,7 +27,9 @@ def _check(result: dict) -> None:
     assert not bad, f"mismatches above {TOL}: {bad}"
     assert result["n_grads"] == result["n_params"] > 0  # every parameter has a gradient, compared
     stuck = {k: v for k, v in result["not_stepped"].items() if v}
-    assert not stuck, f"the optimizer step did not move (or made non-finite) these parameters: {stuck}"
+    assert not stuck, (
+        f"the optimizer step did not move (or made non-finite) these parameters: {stuck}"
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
@@ -50,7 +52,9 @@ def test_tp2(family, sp):
     ids=["biases-sp", "biases-no-sp", "tied", "loss-parallel", "qwen2-tied-loss-parallel-no-sp"],
 )
 def test_tp2_variants(family, config, loss_parallel, sp):
-    results = get_world(2).run(tasks.train_compare, family, (2,), ("tp",), sp=sp, loss_parallel=loss_parallel, **config)
+    results = get_world(2).run(
+        tasks.train_compare, family, (2,), ("tp",), sp=sp, loss_parallel=loss_parallel, **config
+    )
     for r in results:
         _check(r)
 
@@ -68,22 +72,36 @@ def test_collectives_per_layer_sp(mode):
     """SP: 2 all-gather + 2 reduce-scatter per decoder layer each way, one bucketed grad reduction."""
     w = get_world(2)
     one, two = (w.run(tasks.count_collectives, "llama", mode, layers=n)[0] for n in (1, 2))
-    per_layer_fwd = {op: two["forward"].get(op, 0) - one["forward"].get(op, 0) for op in set(two["forward"]) | set(one["forward"])}
-    per_layer_bwd = {op: two["backward"].get(op, 0) - one["backward"].get(op, 0) for op in set(two["backward"]) | set(one["backward"])}
+    per_layer_fwd = {
+        op: two["forward"].get(op, 0) - one["forward"].get(op, 0)
+        for op in set(two["forward"]) | set(one["forward"])
+    }
+    per_layer_bwd = {
+        op: two["backward"].get(op, 0) - one["backward"].get(op, 0)
+        for op in set(two["backward"]) | set(one["backward"])
+    }
     assert {k: v for k, v in per_layer_fwd.items() if v} == {"all_gather": 2, "reduce_scatter": 2}
     assert {k: v for k, v in per_layer_bwd.items() if v} == {"all_gather": 2, "reduce_scatter": 2}
     for r in (one, two):
         assert r["forward"] == r["pred_forward"] and r["backward"] == r["pred_backward"]
-        assert r["backward"]["all_reduce"] == 1 and r["sync_reductions"] == 1  # once per step, all params
+        assert (
+            r["backward"]["all_reduce"] == 1 and r["sync_reductions"] == 1
+        )  # once per step, all params
 
 
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_collectives_per_layer_no_sp(mode):
     """Without SP: 2 all-reduce per decoder layer forward and 2 backward."""
     w = get_world(2)
-    one, two = (w.run(tasks.count_collectives, "llama", mode, sp=False, layers=n)[0] for n in (1, 2))
-    per_layer_fwd = {op: two["forward"].get(op, 0) - one["forward"].get(op, 0) for op in two["forward"]}
-    per_layer_bwd = {op: two["backward"].get(op, 0) - one["backward"].get(op, 0) for op in two["backward"]}
+    one, two = (
+        w.run(tasks.count_collectives, "llama", mode, sp=False, layers=n)[0] for n in (1, 2)
+    )
+    per_layer_fwd = {
+        op: two["forward"].get(op, 0) - one["forward"].get(op, 0) for op in two["forward"]
+    }
+    per_layer_bwd = {
+        op: two["backward"].get(op, 0) - one["backward"].get(op, 0) for op in two["backward"]
+    }
     assert {k: v for k, v in per_layer_fwd.items() if v} == {"all_reduce": 2}
     assert {k: v for k, v in per_layer_bwd.items() if v} == {"all_reduce": 2}
     for r in (one, two):
@@ -95,8 +113,13 @@ def test_collectives_loss_parallel_and_biases_match_prediction():
     lp = w.run(tasks.count_collectives, "llama", "production", loss_parallel=True)[0]
     assert lp["forward"] == lp["pred_forward"] and lp["backward"] == lp["pred_backward"]
     assert lp["forward"]["all_reduce"] == 4  # input check + embedding + the loss's max and sums
-    biased = w.run(tasks.count_collectives, "llama", "validate", attention_bias=True, mlp_bias=True)[0]
-    assert biased["forward"] == biased["pred_forward"] and biased["backward"] == biased["pred_backward"]
+    biased = w.run(
+        tasks.count_collectives, "llama", "validate", attention_bias=True, mlp_bias=True
+    )[0]
+    assert (
+        biased["forward"] == biased["pred_forward"]
+        and biased["backward"] == biased["pred_backward"]
+    )
 
 
 def test_production_hot_path_has_no_dtensor_dispatch():

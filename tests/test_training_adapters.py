@@ -77,14 +77,20 @@ def make_plan(shape=(2, 2), ep_size=1, axes=("cp", "tp")):
 def test_active_axes():
     assert ParallelContext.from_plan(make_plan((2, 2))).active_axes == ("cp", "tp")
     assert ParallelContext.from_plan(make_plan((1, 2), ep_size=2)).active_axes == ("tp", "ep")
-    assert ParallelContext.from_plan(make_plan(None)).active_axes == ("cp", "tp")  # sizes unknown: every axis counts
+    assert ParallelContext.from_plan(make_plan(None)).active_axes == (
+        "cp",
+        "tp",
+    )  # sizes unknown: every axis counts
 
 
 def test_user_registration_provenance_and_hp_plugins(capsys):
     calls = []
     item = register_training_adapter("rec", Recorder("rec", calls), axis="cp")
     assert (item.provider, item.distribution) == ("user", None)
-    assert dict(item.meta) == {"axis": "cp", "methods": ("prepare_model", "shard_batch", "after_backward")}
+    assert dict(item.meta) == {
+        "axis": "cp",
+        "methods": ("prepare_model", "shard_batch", "after_backward"),
+    }
     assert TRAINING_ADAPTER_REGISTRY["rec"] is item
     with pytest.raises(DuplicateRegistrationError, match="already registered by provider 'user'"):
         register_training_adapter("rec", Recorder("x", calls), axis="cp")

@@ -20,7 +20,9 @@ def _import_all() -> list[str]:
         for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
             try:
                 importlib.import_module(info.name)
-            except ImportError:  # an optional extra that is not installed (hp_core.testing needs transformers)
+            except (
+                ImportError
+            ):  # an optional extra that is not installed (hp_core.testing needs transformers)
                 failed.append(info.name)
     return failed
 
@@ -47,13 +49,26 @@ def hp_error_classes() -> list[type]:
 
 def test_the_walk_finds_the_known_classes():
     names = {c.__name__ for c in hp_error_classes()}
-    assert {"PlacementSyntaxError", "PreflightError", "ArtifactSignatureError", "CPConfigError", "MoEConfigError"} <= names
-    assert {"InputLimitError", "PlanYAMLInputLimitError", "ReportFormatInputLimitError", "ArtifactLimitError"} <= names
+    assert {
+        "PlacementSyntaxError",
+        "PreflightError",
+        "ArtifactSignatureError",
+        "CPConfigError",
+        "MoEConfigError",
+    } <= names
+    assert {
+        "InputLimitError",
+        "PlanYAMLInputLimitError",
+        "ReportFormatInputLimitError",
+        "ArtifactLimitError",
+    } <= names
     assert len(names) >= 60, sorted(names)
 
 
 def test_every_hp_error_is_documented():
     text = DOC.read_text()
     documented = set(re.findall(r"`(\w+Error)`", text))
-    missing = [f"{c.__module__}.{c.__name__}" for c in hp_error_classes() if c.__name__ not in documented]
+    missing = [
+        f"{c.__module__}.{c.__name__}" for c in hp_error_classes() if c.__name__ not in documented
+    ]
     assert not missing, f"add these to {DOC.name} (| error | typical cause | fix |): {missing}"

@@ -76,15 +76,28 @@ def test_per_head_qk_norms_are_partial_with_and_without_sequence_parallel(sp):
 def test_deferred_rowwise_biases_are_partial_only_under_sequence_parallel():
     m = meta("llama", attention_bias=True, mlp_bias=True)
     sp = verify(m, plan(m, "tp=2")).partial()
-    assert sp["model.layers.0.self_attn.o_proj.bias"] == ("tp",) and sp["model.layers.1.mlp.down_proj.bias"] == ("tp",)
+    assert sp["model.layers.0.self_attn.o_proj.bias"] == ("tp",) and sp[
+        "model.layers.1.mlp.down_proj.bias"
+    ] == ("tp",)
     no_sp = verify(m, plan(m, "tp=2", sequence_parallel=False)).partial()
     assert not any(n.endswith(("o_proj.bias", "down_proj.bias")) for n in no_sp)
 
 
 def test_context_parallel_makes_every_parameter_partial_on_cp():
     m = meta("llama")
-    p = plan(m, "cp=2", overrides=[{"match": "*.self_attn", "when": "cp", "inner_target": "self",
-                                     "inner_wrapper": "sdpa_hf", "region_dispatch": False}])
+    p = plan(
+        m,
+        "cp=2",
+        overrides=[
+            {
+                "match": "*.self_attn",
+                "when": "cp",
+                "inner_target": "self",
+                "inner_wrapper": "sdpa_hf",
+                "region_dispatch": False,
+            }
+        ],
+    )
     got = verify(m, p).partial()
     assert set(got) == {n for n, _ in m.named_parameters()}
     assert set(got.values()) == {("cp",)}
@@ -129,13 +142,17 @@ def test_an_index_attribute_may_differ_but_nothing_else():
 
 def test_full_width_qk_norm_on_sharded_projections_is_refused_with_a_fix_that_verifies():
     m = meta("olmo2")
-    with pytest.raises(UndeclaredCommunicationError, match=r"model\.layers\.0\.self_attn \(Olmo2Attention\)") as e:
+    with pytest.raises(
+        UndeclaredCommunicationError, match=r"model\.layers\.0\.self_attn \(Olmo2Attention\)"
+    ) as e:
         verify(m, plan(m, "tp=2"))
     assert e.value.suspects == ("q_norm.weight", "k_norm.weight")  # named in the message too
     assert "next to sharded parameters: q_norm.weight, k_norm.weight" in str(e.value)
     fix = fix_from(str(e.value))
     # one entry for the same block in every layer (they share the contract), pasted as is
-    assert fix[0]["match"] == "model.layers.*.self_attn" and fix[0]["params"]["q_proj.weight"] == {"tp": "replicate"}
+    assert fix[0]["match"] == "model.layers.*.self_attn" and fix[0]["params"]["q_proj.weight"] == {
+        "tp": "replicate"
+    }
     verify(m, plan(m, "tp=2", overrides=fix))
 
 
@@ -161,7 +178,9 @@ def test_dropout_on_a_partial_sum_is_refused_and_p_zero_is_not():
     torch.manual_seed(0)
     with torch.device("meta"):
         m = toys.dropout_mlp_lm(0.1)
-    with pytest.raises(RandomOnPartialError, match=r"model\.layers\.0\.mlp \(DropoutMLP\).*partial sum"):
+    with pytest.raises(
+        RandomOnPartialError, match=r"model\.layers\.0\.mlp \(DropoutMLP\).*partial sum"
+    ):
         verify(m, plan(m, "tp=2"))
     with torch.device("meta"):
         m0 = toys.dropout_mlp_lm(0.0)
@@ -171,9 +190,16 @@ def test_dropout_on_a_partial_sum_is_refused_and_p_zero_is_not():
 def test_a_width_the_plan_does_not_divide_fails_in_production_and_is_refused():
     with torch.device("meta"):
         m = toys.local_width_lm()
-    with pytest.raises(ProductionDiffersError, match=r"(?s)model\.layers\.0\.self_attn \(LocalWidthAttention\).*tp_divide_attrs"):
+    with pytest.raises(
+        ProductionDiffersError,
+        match=r"(?s)model\.layers\.0\.self_attn \(LocalWidthAttention\).*tp_divide_attrs",
+    ):
         verify(m, plan(m, "tp=2"))
-    fixed = plan(m, "tp=2", overrides={"model.layers.0.self_attn": ModuleShardingSpec(tp_divide_attrs=["inner_width"])})
+    fixed = plan(
+        m,
+        "tp=2",
+        overrides={"model.layers.0.self_attn": ModuleShardingSpec(tp_divide_attrs=["inner_width"])},
+    )
     verify(m, fixed)
 
 
@@ -186,7 +212,9 @@ def test_an_embedding_whose_forward_never_looks_up_its_weight_is_refused():
     m = meta("llama")
     m.model.embed_tokens.__class__ = Indexed
     # DTensor sees the whole-vocabulary indexing of a vocabulary shard
-    with pytest.raises(UndeclaredCommunicationError, match=r"model\.embed_tokens \(Indexed\).*aten\.index"):
+    with pytest.raises(
+        UndeclaredCommunicationError, match=r"model\.embed_tokens \(Indexed\).*aten\.index"
+    ):
         verify(m, plan(m, "tp=2"))
 
 
@@ -197,22 +225,31 @@ def test_production_refuses_a_lookup_it_cannot_make_vocab_parallel():
     emb = Indexed(8, 4)
     with _verification_mesh(plan(meta("llama"), "tp=2"), "tp=2") as mesh:
         lookup = VocabParallelLookup("emb", emb, emb.forward, mesh, "tp", "production")
-        with pytest.raises(VocabLookupError, match=r"emb: the forward of Indexed never called torch\.nn\.functional\.embedding"):
+        with pytest.raises(
+            VocabLookupError,
+            match=r"emb: the forward of Indexed never called torch\.nn\.functional\.embedding",
+        ):
             lookup(torch.zeros(2, 3, dtype=torch.long))
 
 
 def test_a_replicated_parameter_next_to_sharded_ones_in_local_code_is_refused():
     m = meta("qwen3")
     p = plan(m, "tp=2", overrides=[{"match": "*.self_attn", "region_dispatch": False}])
-    with pytest.raises(AmbiguousGradientError, match=r"self_attn\.q_norm\.weight: replicated on 'tp'"):
+    with pytest.raises(
+        AmbiguousGradientError, match=r"self_attn\.q_norm\.weight: replicated on 'tp'"
+    ):
         verify(m, p)
 
 
 def test_a_tied_weight_with_a_whole_and_a_partial_gradient_is_refused():
     m = meta("llama")
     m.model.norm.weight = m.model.layers[0].input_layernorm.weight
-    keep_final_norm_whole = {"model.norm": ModuleShardingSpec(in_dst={"hidden_states": {"tp": torch.distributed.tensor.Replicate()}},
-                                                              out_src={"output": {"tp": torch.distributed.tensor.Replicate()}})}
+    keep_final_norm_whole = {
+        "model.norm": ModuleShardingSpec(
+            in_dst={"hidden_states": {"tp": torch.distributed.tensor.Replicate()}},
+            out_src={"output": {"tp": torch.distributed.tensor.Replicate()}},
+        )
+    }
     with pytest.raises(MixedGradientError, match=r"model\.layers\.0\.input_layernorm\.weight"):
         verify(m, plan(m, "tp=2", overrides=keep_final_norm_whole))
 
@@ -220,17 +257,29 @@ def test_a_tied_weight_with_a_whole_and_a_partial_gradient_is_refused():
 def test_a_parameter_outside_every_boundary_is_judged_by_the_layouts_around_it():
     with torch.device("meta"):
         m = toys.PositionEmbeddingLM()
-    wpe = {"wpe": ModuleShardingSpec(is_boundary=False, params={"weight": {"tp": torch.distributed.tensor.Replicate()}})}
+    wpe = {
+        "wpe": ModuleShardingSpec(
+            is_boundary=False, params={"weight": {"tp": torch.distributed.tensor.Replicate()}}
+        )
+    }
     # without SP every activation between boundaries is whole on tp: its gradient is whole
     report = verify(m, plan(m, "tp=2", sequence_parallel=False, overrides=wpe))
     assert "wpe.weight" not in report.partial()
     # under SP some are sharded and some whole: hp cannot tell which it meets
-    with pytest.raises(AmbiguousGradientError, match=r"wpe\.weight: its module runs outside every boundary"):
+    with pytest.raises(
+        AmbiguousGradientError, match=r"wpe\.weight: its module runs outside every boundary"
+    ):
         verify(m, plan(m, "tp=2", overrides=wpe))
 
 
 def test_every_refusal_is_an_hp_error_and_a_value_error():
-    for cls in (UndeclaredCommunicationError, RandomOnPartialError, ProductionDiffersError, AmbiguousGradientError, VocabLookupError):
+    for cls in (
+        UndeclaredCommunicationError,
+        RandomOnPartialError,
+        ProductionDiffersError,
+        AmbiguousGradientError,
+        VocabLookupError,
+    ):
         assert issubclass(cls, HpError) and issubclass(cls, ValueError)
     assert issubclass(VerificationError, HpError)
 
@@ -259,11 +308,22 @@ def test_a_model_whose_inputs_cannot_be_guessed_needs_them():
 
     with torch.device("meta"):
         m = NoIds()
-    p = plan(m, "tp=2", overrides={"up": ModuleShardingSpec(params={"weight": {"tp": torch.distributed.tensor.Shard(0)},
-                                                                       "bias": {"tp": torch.distributed.tensor.Shard(0)}},
-                                                               in_src={"input": {"tp": torch.distributed.tensor.Replicate()}},
-                                                               in_dst={"input": {"tp": torch.distributed.tensor.Replicate()}}, out_src={"output": {"tp": torch.distributed.tensor.Shard(1)}},
-                                                               out_dst={"output": {"tp": torch.distributed.tensor.Shard(1)}})})
+    p = plan(
+        m,
+        "tp=2",
+        overrides={
+            "up": ModuleShardingSpec(
+                params={
+                    "weight": {"tp": torch.distributed.tensor.Shard(0)},
+                    "bias": {"tp": torch.distributed.tensor.Shard(0)},
+                },
+                in_src={"input": {"tp": torch.distributed.tensor.Replicate()}},
+                in_dst={"input": {"tp": torch.distributed.tensor.Replicate()}},
+                out_src={"output": {"tp": torch.distributed.tensor.Shard(1)}},
+                out_dst={"output": {"tp": torch.distributed.tensor.Shard(1)}},
+            )
+        },
+    )
     with pytest.raises(UnverifiableError, match=r"cannot guess what NoIds\.forward takes"):
         verify(m, p)
     report = verify(m, p, inputs=((torch.ones(2, 8),), {}))
@@ -283,7 +343,10 @@ def test_the_verifier_leaves_the_model_untouched():
 def test_meta_clone_shares_repeats_and_keeps_ties():
     m = build_family("llama", num_hidden_layers=3, tie_word_embeddings=True)
     clone = meta_clone(m, {"model.layers.2": "model.layers.1"})
-    assert clone.model.layers[2] is clone.model.layers[1] and clone.model.layers[1] is not m.model.layers[1]
+    assert (
+        clone.model.layers[2] is clone.model.layers[1]
+        and clone.model.layers[1] is not m.model.layers[1]
+    )
     assert clone.lm_head.weight is clone.model.embed_tokens.weight
     assert all(p.is_meta for p in clone.parameters()) and all(b.is_meta for b in clone.buffers())
 
@@ -301,7 +364,9 @@ def test_meta_values_answer_data_dependent_questions_neutrally():
 def test_model_code_that_fails_on_production_attributes_is_refused():
     with torch.device("meta"):
         m = toys.HeadCountReader()
-    with pytest.raises(ProductionDiffersError, match="production mode fails outside every boundary"):
+    with pytest.raises(
+        ProductionDiffersError, match="production mode fails outside every boundary"
+    ):
         verify(m, plan(m, "tp=2", sequence_parallel=False))
 
 
@@ -310,7 +375,10 @@ def test_the_report_summarizes_what_was_proven():
     report = verify(m, plan(m, "tp=2"))
     text = report.summary()
     assert text.startswith("verified on mesh {'tp': 2} in ")
-    assert "partial gradients summed over tp: " in text and "not looked into: model.layers.0.mlp" in text
+    assert (
+        "partial gradients summed over tp: " in text
+        and "not looked into: model.layers.0.mlp" in text
+    )
     # Layer 0 (entered from the embedding) and layer 1 are proven; layer 2 repeats layer 1.
     assert report.repeated == {"model.layers.2": "model.layers.1"}
     assert "1 repeated layers skipped" in text
@@ -331,7 +399,10 @@ def test_given_inputs_become_meta_tensors_of_the_same_shape(given, expected):
 
     args, kwargs = _to_meta_inputs(given)
     assert all(t.is_meta for t in (*args, *kwargs.values()))
-    assert (tuple(tuple(t.shape) for t in args), {k: tuple(v.shape) for k, v in kwargs.items()}) == expected
+    assert (
+        tuple(tuple(t.shape) for t in args),
+        {k: tuple(v.shape) for k, v in kwargs.items()},
+    ) == expected
 
 
 def test_a_fake_group_cannot_start_inside_a_real_one():
@@ -356,8 +427,14 @@ def test_an_input_that_arrives_in_another_layout_than_declared_is_refused():
 
     m = meta("llama")
     whole = {"hidden_states": {"tp": Replicate()}}
-    with pytest.raises(LayoutMismatchError, match=r"model\.norm: its input 'hidden_states' arrives with local shape \(2, 8, 64\)"):
-        verify(m, plan(m, "tp=2", overrides=[{"match": "model.norm", "in_src": whole, "in_dst": whole}]))
+    with pytest.raises(
+        LayoutMismatchError,
+        match=r"model\.norm: its input 'hidden_states' arrives with local shape \(2, 8, 64\)",
+    ):
+        verify(
+            m,
+            plan(m, "tp=2", overrides=[{"match": "model.norm", "in_src": whole, "in_dst": whole}]),
+        )
 
 
 def test_the_cross_run_checks_name_what_differs():
@@ -375,25 +452,50 @@ def test_the_cross_run_checks_name_what_differs():
     m = meta("llama")
     p = plan(m, "tp=2")
     fqn = "model.layers.0.self_attn"
-    val, prod = BoundaryRecord(fqn, True, shapes=[((2, 16, 64),)]), BoundaryRecord(fqn, False, shapes=[((2, 8, 64),)])
-    with pytest.raises(ProductionDiffersError, match=r"model\.layers\.0\.self_attn: production mode produces local output shapes"):
+    val, prod = (
+        BoundaryRecord(fqn, True, shapes=[((2, 16, 64),)]),
+        BoundaryRecord(fqn, False, shapes=[((2, 8, 64),)]),
+    )
+    with pytest.raises(
+        ProductionDiffersError,
+        match=r"model\.layers\.0\.self_attn: production mode produces local output shapes",
+    ):
         check_modes_agree({fqn: val}, {fqn: prod})
-    plain = BoundaryRecord(fqn, False, shapes=[((2, 16, 64),)], inputs=[{"hidden_states": (2, 16, 64)}])
-    right = BoundaryRecord(fqn, False, shapes=[((2, 8, 64),)], inputs=[{"hidden_states": (2, 8, 64)}])
-    check_layouts({fqn: plain}, {fqn: right}, p, {"tp": 2})  # in and out sequence-sharded, as declared
-    whole_out = BoundaryRecord(fqn, False, shapes=[((2, 16, 64),)], inputs=[{"hidden_states": (2, 8, 64)}])
-    with pytest.raises(LayoutMismatchError, match="its output 'attn_output' leaves with local shape"):
+    plain = BoundaryRecord(
+        fqn, False, shapes=[((2, 16, 64),)], inputs=[{"hidden_states": (2, 16, 64)}]
+    )
+    right = BoundaryRecord(
+        fqn, False, shapes=[((2, 8, 64),)], inputs=[{"hidden_states": (2, 8, 64)}]
+    )
+    check_layouts(
+        {fqn: plain}, {fqn: right}, p, {"tp": 2}
+    )  # in and out sequence-sharded, as declared
+    whole_out = BoundaryRecord(
+        fqn, False, shapes=[((2, 16, 64),)], inputs=[{"hidden_states": (2, 8, 64)}]
+    )
+    with pytest.raises(
+        LayoutMismatchError, match="its output 'attn_output' leaves with local shape"
+    ):
         check_layouts({fqn: plain}, {fqn: whole_out}, p, {"tp": 2})
-    whole_in = BoundaryRecord(fqn, False, shapes=[((2, 8, 64),)], inputs=[{"hidden_states": (2, 16, 64)}])
-    with pytest.raises(LayoutMismatchError, match="its input 'hidden_states' arrives with local shape"):
+    whole_in = BoundaryRecord(
+        fqn, False, shapes=[((2, 8, 64),)], inputs=[{"hidden_states": (2, 16, 64)}]
+    )
+    with pytest.raises(
+        LayoutMismatchError, match="its input 'hidden_states' arrives with local shape"
+    ):
         check_layouts({fqn: plain}, {fqn: whole_in}, p, {"tp": 2})
-    with pytest.raises(LayoutMismatchError, match="its input 'hidden_states' arrives with local shape"):
+    with pytest.raises(
+        LayoutMismatchError, match="its input 'hidden_states' arrives with local shape"
+    ):
         arrival_check({fqn: plain}, p, {"tp": 2})(fqn, 0, {"hidden_states": (2, 16, 64)})
     # attention gathers its input and shards its projections: the input's gradient is partial
     partial = BoundaryRecord(fqn, True, input_grads={"hidden_states": [(("tp", Partial()),)]})
     check_input_gradients({fqn: partial}, p, ["tp"])
     whole = BoundaryRecord(fqn, True, input_grads={"hidden_states": [(("tp", Replicate()),)]})
-    with pytest.raises(InputGradientError, match=r"model\.layers\.0\.self_attn: the gradient of its input 'hidden_states' is whole"):
+    with pytest.raises(
+        InputGradientError,
+        match=r"model\.layers\.0\.self_attn: the gradient of its input 'hidden_states' is whole",
+    ):
         check_input_gradients({fqn: whole}, p, ["tp"])
 
 
@@ -411,7 +513,9 @@ def test_a_learned_activation_parameter_inside_a_sharded_mlp_is_partial(sp):
     """Its gradient sums over this rank's features only: partial on tp with or without SP."""
     with torch.device("meta"):
         m = toys.learned_activation_lm()
-    assert verify(m, plan(m, "tp=2", sequence_parallel=sp)).partial()["model.layers.0.mlp.beta"] == ("tp",)
+    assert verify(m, plan(m, "tp=2", sequence_parallel=sp)).partial()[
+        "model.layers.0.mlp.beta"
+    ] == ("tp",)
 
 
 def test_a_report_saves_and_loads_and_refuses_edits():

@@ -34,8 +34,20 @@ DISTS = {
     "hp-plugin-moe": ("hp_plugin_moe", "hp_plugin_moe"),
     "hp-plugin-phi3": ("plugins/hp-plugin-phi3", "hp_plugin_phi3"),
 }
-SOURCE_JUNK = (".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".ruff_cache", ".coverage*")
-OWN = re.compile(r"^(hp[_-]|__editable__|__pycache__$)", re.IGNORECASE)  # never linked into the fresh venv
+SOURCE_JUNK = (
+    ".git",
+    ".venv",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".coverage*",
+)
+OWN = re.compile(
+    r"^(hp[_-]|__editable__|__pycache__$)", re.IGNORECASE
+)  # never linked into the fresh venv
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -43,18 +55,32 @@ def _clean_env(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("PYTHON", "PIP_", "COV_", "COVERAGE_", "HP_", "VIRTUAL_ENV", "TORCHELASTIC_"))
+        if not k.startswith(
+            ("PYTHON", "PIP_", "COV_", "COVERAGE_", "HP_", "VIRTUAL_ENV", "TORCHELASTIC_")
+        )
     }
     env.update(
-        PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1",
-        PYTHONNOUSERSITE="1", OMP_NUM_THREADS="1", COLUMNS="200", **extra,
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_NO_INDEX="1",
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+        PYTHONNOUSERSITE="1",
+        OMP_NUM_THREADS="1",
+        COLUMNS="200",
+        **extra,
     )
     return env
 
 
-def _run(cmd: list[str], cwd: Path, timeout: int = 120, **env: str) -> subprocess.CompletedProcess[str]:
+def _run(
+    cmd: list[str], cwd: Path, timeout: int = 120, **env: str
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(c) for c in cmd], cwd=cwd, env=_clean_env(**env), capture_output=True, text=True, timeout=timeout
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env=_clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -65,18 +91,37 @@ def built(tmp_path_factory):
     src = tmp / "src"
     junk = shutil.ignore_patterns(*SOURCE_JUNK)
     core = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    for name in ("pyproject.toml", core["readme"], *core["license-files"]):  # what the root build reads
+    for name in (
+        "pyproject.toml",
+        core["readme"],
+        *core["license-files"],
+    ):  # what the root build reads
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, src / name)
     for dist, (folder, package) in DISTS.items():
-        tree = package if dist == "hp-core" else folder  # the core's sources; a plugin's whole folder
+        tree = (
+            package if dist == "hp-core" else folder
+        )  # the core's sources; a plugin's whole folder
         shutil.copytree(ROOT / tree, src / tree, ignore=junk)
     out = tmp / "dist"
     # -v: pip shows the backend's own output (setuptools' warnings) only when verbose.
     proc = _run(
-        [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "--no-index",
-         "--no-cache-dir", "-w", out, *(f"./{folder}" for folder, _ in DISTS.values())],
-        cwd=src, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-v",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--no-cache-dir",
+            "-w",
+            out,
+            *(f"./{folder}" for folder, _ in DISTS.values()),
+        ],
+        cwd=src,
+        timeout=180,
     )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
@@ -119,12 +164,18 @@ def test_wheel_metadata_license_and_ranges(built, dist):
     if dist == "hp-core":
         base = {r.name: r for r in reqs if r.marker is None}
         assert set(base) == {"torch", "pluggy", "pyyaml", "rich"}
-        assert base["torch"].specifier.contains("2.13.0") and not base["torch"].specifier.contains("2.14.0")
+        assert base["torch"].specifier.contains("2.13.0") and not base["torch"].specifier.contains(
+            "2.14.0"
+        )
         assert not base["torch"].specifier.contains("2.12.0")
         assert "hf" in meta.get_all("Provides-Extra") and "test" in meta.get_all("Provides-Extra")
         hf = [r for r in reqs if r.marker is not None and r.marker.evaluate({"extra": "hf"})]
-        assert [(r.name, str(r.specifier)) for r in hf] == [("transformers", str(Requirement("transformers<6,>=5.0").specifier))]
-        test = {r.name for r in reqs if r.marker is not None and r.marker.evaluate({"extra": "test"})}
+        assert [(r.name, str(r.specifier)) for r in hf] == [
+            ("transformers", str(Requirement("transformers<6,>=5.0").specifier))
+        ]
+        test = {
+            r.name for r in reqs if r.marker is not None and r.marker.evaluate({"extra": "test"})
+        }
         assert "transformers" in test or "hp-core" in test
     else:
         (core,) = reqs
@@ -143,7 +194,11 @@ def venv(built, tmp_path_factory):
     proc = _run([sys.executable, "-m", "venv", "--without-pip", env_dir], cwd=tmp)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     python = env_dir / "bin" / "python"
-    site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp).stdout.strip())
+    site = Path(
+        _run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp
+        ).stdout.strip()
+    )
     assert site.is_dir() and site.is_relative_to(env_dir), site
 
     deps = tmp / "third_party"  # symlinks to this environment's packages, minus anything of hp's
@@ -166,8 +221,18 @@ def venv(built, tmp_path_factory):
 
     # pip of this environment, installing into the fresh one (pip>=22.3: --python).
     proc = _run(
-        [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "--no-compile",
-         *wheels.values()],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            python,
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--no-compile",
+            *wheels.values(),
+        ],
         cwd=tmp,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -196,7 +261,9 @@ def test_fresh_venv_imports_hp_from_the_wheels(venv):
     for path in info["files"] + info["dists"]:
         assert Path(path).resolve().is_relative_to(site), (path, site)
         assert not Path(path).resolve().is_relative_to(ROOT.resolve()), path
-    for url in info["direct_url"]:  # installed from the built wheel files, not editable from a folder
+    for url in info[
+        "direct_url"
+    ]:  # installed from the built wheel files, not editable from a folder
         assert "dir_info" not in url and url["url"].endswith(".whl"), url
     assert info["torch"].startswith("2.13.0")
 
@@ -210,13 +277,17 @@ def test_hp_plugins_in_fresh_venv_lists_cp_and_moe_loaded(venv):
         cells = [c.strip() for c in line.strip("│┃ ").split("│")]
         if len(cells) >= 4:
             rows.setdefault(cells[0], cells)
-    for name, dist in (("cp", "hp-plugin-cp"), ("moe", "hp-plugin-moe"), ("phi3", "hp-plugin-phi3")):
+    for name, dist in (
+        ("cp", "hp-plugin-cp"),
+        ("moe", "hp-plugin-moe"),
+        ("phi3", "hp-plugin-phi3"),
+    ):
         assert name in rows, proc.stdout
         assert rows[name][1:4] == [dist, "0.1.0", "loaded"], rows[name]
     assert rows["builtin"][1] == "hp-core"
 
 
-DIST_CHECK = '''
+DIST_CHECK = """
 import copy, json, sys
 from pathlib import Path
 
@@ -249,7 +320,7 @@ result = {"ok": ok, "world": world, "sharded": len(sharded), "diff": diff, "hp_c
 Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(result))  # files: rank outputs interleave
 dist.destroy_process_group()
 sys.exit(0 if ok else 1)
-'''
+"""
 
 
 @pytest.mark.distributed
@@ -260,9 +331,18 @@ def test_tp2_gloo_plan_apply_in_fresh_venv_matches_single_process(venv):
     results = tmp / "dist_results"
     results.mkdir()
     proc = _run(
-        [env_dir / "bin" / "python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         script, results],
-        cwd=tmp, timeout=180,
+        [
+            env_dir / "bin" / "python",
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            script,
+            results,
+        ],
+        cwd=tmp,
+        timeout=180,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]

@@ -47,7 +47,9 @@ def test_unpicklable_exception_and_result_are_reported():
     w = get_world(2)
     with pytest.raises(WorldTaskError) as e:
         w.run(tasks.raise_unpicklable)
-    assert e.value.exceptions == {0: None, 1: None} and "_Unpicklable: cannot travel" in str(e.value)
+    assert e.value.exceptions == {0: None, 1: None} and "_Unpicklable: cannot travel" in str(
+        e.value
+    )
     with pytest.raises(WorldTaskError, match="cannot be sent back"):
         w.run(tasks.return_unpicklable)
     assert w.run(tasks.all_reduce_rank)[1] == (1, 3.0)

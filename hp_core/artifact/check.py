@@ -39,7 +39,9 @@ def check_against_model(artifact: Artifact, model: nn.Module) -> list[str]:
             hint = f" Closest module: {best[0]!r}." if best else ""
             problems.append(f"modules[{fqn!r}]: not a module of this model.{hint}")
     if plan.mesh_shape is None:
-        problems.append("mesh: the artifact has no mesh sizes, so shapes cannot be checked. Re-freeze it.")
+        problems.append(
+            "mesh: the artifact has no mesh sizes, so shapes cannot be checked. Re-freeze it."
+        )
     if problems:
         return problems
     try:

@@ -96,7 +96,9 @@ def callable_target(fn: Any, path: str) -> str:
 
 def _layout(named: Any, path: str) -> dict[str, str]:
     if not isinstance(named, Mapping) or not named:
-        raise FreezeError(f"{path}: expected a non-empty {{axis: placement}} mapping, got {named!r}.")
+        raise FreezeError(
+            f"{path}: expected a non-empty {{axis: placement}} mapping, got {named!r}."
+        )
     out: dict[str, str] = {}
     for axis, p in named.items():
         where = f"{path}.{axis}"
@@ -104,13 +106,19 @@ def _layout(named: Any, path: str) -> dict[str, str]:
             out[str(axis)] = format_placement(parse_placement(p, path=where))
         except PlacementSyntaxError as e:
             message = str(e)
-            raise FreezeError(message if message.startswith(where) else f"{where}: {message}") from None
+            raise FreezeError(
+                message if message.startswith(where) else f"{where}: {message}"
+            ) from None
     return out
 
 
 def _layout_map(value: Any, path: str) -> dict[str, dict[str, str]]:
     if not isinstance(value, Mapping):
-        sentinel = " (an unresolved override sentinel: freeze a finished plan, from plan())" if isinstance(value, str) else ""
+        sentinel = (
+            " (an unresolved override sentinel: freeze a finished plan, from plan())"
+            if isinstance(value, str)
+            else ""
+        )
         raise FreezeError(
             f"{path}: expected a mapping of name to {{axis: placement}}, got {value!r}{sentinel}."
         )

@@ -188,7 +188,9 @@ def _rules(meta: Mapping[str, Any], group: str) -> dict[str, tuple[str, Mapping[
     """``fqn → (path, rule)`` of one group, checking each rule's shape and keys."""
     raw = meta[group]
     if not isinstance(raw, list):
-        raise MetaError(f"{group}: expected a list of {{{MATCH_KEY}: FQN, ...}} rules, got {raw!r}.")
+        raise MetaError(
+            f"{group}: expected a list of {{{MATCH_KEY}: FQN, ...}} rules, got {raw!r}."
+        )
     rows = fields_in_group(group)
     valid = (MATCH_KEY, *(str(r.key) for r in rows))
     out: dict[str, tuple[str, Mapping[str, Any]]] = {}
@@ -200,11 +202,15 @@ def _rules(meta: Mapping[str, Any], group: str) -> dict[str, tuple[str, Mapping[
                 f"{where}.{MATCH_KEY}: expected a string (a module FQN), got {type(value).__name__} {value!r}."
             )
         if not isinstance(rule, Mapping) or not isinstance(rule.get(MATCH_KEY), str):
-            raise MetaError(f"{where}: expected a mapping with a string {MATCH_KEY!r} (a module FQN), got {rule!r}.")
+            raise MetaError(
+                f"{where}: expected a mapping with a string {MATCH_KEY!r} (a module FQN), got {rule!r}."
+            )
         fqn = rule[MATCH_KEY]
         where = f"{where} ({fqn!r})"
         if fqn in out:
-            raise MetaError(f"{where}: a second rule for {fqn!r} in {group}; each module has at most one.")
+            raise MetaError(
+                f"{where}: a second rule for {fqn!r} in {group}; each module has at most one."
+            )
         for key in rule:
             if key not in valid:
                 raise MetaError(
@@ -223,7 +229,9 @@ def _key_hint(key: Any, group: str, valid: tuple[str, ...]) -> str:
     return f" Did you mean {best[0]!r}?" if best else ""
 
 
-def _fill(values: dict[str, Any], rows: tuple[SpecField, ...], rule: Mapping[str, Any], where: str) -> None:
+def _fill(
+    values: dict[str, Any], rows: tuple[SpecField, ...], rule: Mapping[str, Any], where: str
+) -> None:
     for row in rows:
         raw = rule.get(str(row.key), MISSING)
         values[row.name] = REBUILDERS[str(row.rebuild)](raw, f"{where}.{row.key}")
@@ -289,7 +297,9 @@ def rebuild(meta: Mapping[str, Any], *, model: nn.Module | None = None) -> Shard
             raise MetaError(f"meta: unknown key {key!r}.{hint} Valid keys: {', '.join(valid)}.")
     missing = [k for k in valid if k not in meta]
     if missing:
-        raise MetaError(f"meta: missing key(s) {', '.join(missing)}; a meta is what freeze(plan) returns.")
+        raise MetaError(
+            f"meta: missing key(s) {', '.join(missing)}; a meta is what freeze(plan) returns."
+        )
     groups = {g: _rules(meta, g) for g in FROZEN_GROUPS}
     modules: dict[str, ModuleShardingSpec] = {}
     for fqn, (module_path, _) in groups[PARAM_PLAN].items():
@@ -305,15 +315,24 @@ def rebuild(meta: Mapping[str, Any], *, model: nn.Module | None = None) -> Shard
                     f"{where}: {fqn!r} has no {PARAM_PLAN} rule; every planned module has one."
                 )
     mesh = meta["mesh"]
-    if not isinstance(mesh, Mapping) or "axis_names" not in mesh or any(k not in _MESH_KEYS for k in mesh):
+    if (
+        not isinstance(mesh, Mapping)
+        or "axis_names" not in mesh
+        or any(k not in _MESH_KEYS for k in mesh)
+    ):
         raise MetaError(f"mesh: expected {{axis_names: [...], shape: [...]}}, got {mesh!r}.")
     names, shape = mesh["axis_names"], mesh.get("shape")
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise MetaError(f"mesh.axis_names: expected a list of axis names such as [tp, cp], got {type(names).__name__} {names!r}.")
+        raise MetaError(
+            f"mesh.axis_names: expected a list of axis names such as [tp, cp], got {type(names).__name__} {names!r}."
+        )
     if shape is not None and (
-        not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape)
+        not isinstance(shape, list)
+        or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape)
     ):
-        raise MetaError(f"mesh.shape: expected a list of axis sizes such as [4, 2], got {type(shape).__name__} {shape!r}.")
+        raise MetaError(
+            f"mesh.shape: expected a list of axis sizes such as [4, 2], got {type(shape).__name__} {shape!r}."
+        )
     try:
         plan = ShardingPlan(
             modules=modules,

@@ -92,7 +92,9 @@ _INPUT_KEYS = ("hp_version", "mesh", "model", "overrides", "plugins")
 _CONFIG_BOOKKEEPING = ("transformers_version", "_name_or_path", "_commit_hash")
 #: Injection field → the registry its plain names refer to (from the one table the plan-time
 #: check uses too, :data:`hp_core.plan_items.INJECTION_FIELDS`).
-INJECTION_REGISTRIES: Mapping[str, str] = {field: registry for field, (_, registry) in INJECTION_FIELDS.items()}
+INJECTION_REGISTRIES: Mapping[str, str] = {
+    field: registry for field, (_, registry) in INJECTION_FIELDS.items()
+}
 _REFREEZE = "Re-create it with this hp: hp freeze --model ... --mesh ... -o ARTIFACT."
 
 
@@ -128,7 +130,9 @@ class ArtifactRegistryError(ArtifactError):
 
 def canonical_json(data: Any) -> bytes:
     """Sorted keys, fixed separators, UTF-8, no NaN, one trailing newline: stable bytes."""
-    text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    text = json.dumps(
+        data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
     return (text + "\n").encode("utf-8")
 
 
@@ -196,14 +200,21 @@ class Artifact:
 
     def body(self) -> dict[str, Any]:
         """Everything the signature covers."""
-        return {"format": FORMAT, "format_version": self.format_version, "inputs": self.inputs, "meta": self.meta}
+        return {
+            "format": FORMAT,
+            "format_version": self.format_version,
+            "inputs": self.inputs,
+            "meta": self.meta,
+        }
 
     def plan(self, *, model: nn.Module | None = None) -> ShardingPlan:
         """The plan (``rebuild(meta, model=model)``)."""
         return rebuild(self.meta, model=model)
 
 
-def make_artifact(plan: ShardingPlan, *, model: nn.Module, overrides: OverridesLike = None) -> Artifact:
+def make_artifact(
+    plan: ShardingPlan, *, model: nn.Module, overrides: OverridesLike = None
+) -> Artifact:
     """Freeze ``plan`` and sign it together with the inputs that produced it.
 
     ``model`` is the model the plan was made for (its digest is recorded) and ``overrides``
@@ -217,7 +228,9 @@ def make_artifact(plan: ShardingPlan, *, model: nn.Module, overrides: OverridesL
     config = getattr(model, "config", None)
     inputs = {
         **installed_versions(),
-        "mesh": ",".join(f"{n}={s}" for n, s in zip(plan.mesh_axis_names, plan.mesh_shape or (), strict=False)),
+        "mesh": ",".join(
+            f"{n}={s}" for n, s in zip(plan.mesh_axis_names, plan.mesh_shape or (), strict=False)
+        ),
         "model": {
             "class": type(model).__qualname__,
             "model_type": getattr(config, "model_type", None),
@@ -238,7 +251,9 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise ArtifactFormatError(f"duplicate key {key!r}: an artifact is canonical JSON. {_REFREEZE}")
+            raise ArtifactFormatError(
+                f"duplicate key {key!r}: an artifact is canonical JSON. {_REFREEZE}"
+            )
         out[key] = value
     return out
 
@@ -281,13 +296,19 @@ def _check_inputs(source: str, inputs: dict[str, Any]) -> None:
         raise _schema_error(source, "inputs.overrides", "a list of override entries", overrides)
     for i, entry in enumerate(overrides):
         if not isinstance(entry, dict):
-            raise _schema_error(source, f"inputs.overrides[{i}]", "a mapping (an override entry)", entry)
+            raise _schema_error(
+                source, f"inputs.overrides[{i}]", "a mapping (an override entry)", entry
+            )
         if "match" not in entry:
-            raise ArtifactSchemaError(f"{source}: inputs.overrides[{i}]: has no 'match'. {_REFREEZE}")
+            raise ArtifactSchemaError(
+                f"{source}: inputs.overrides[{i}]: has no 'match'. {_REFREEZE}"
+            )
         _check_str(source, f"inputs.overrides[{i}].match", entry["match"])
     plugins = inputs["plugins"]
     if not isinstance(plugins, dict):
-        raise _schema_error(source, "inputs.plugins", "a mapping of plugin name to {distribution, version}", plugins)
+        raise _schema_error(
+            source, "inputs.plugins", "a mapping of plugin name to {distribution, version}", plugins
+        )
     for name, info in plugins.items():
         where = f"inputs.plugins[{name!r}]"
         _check_keys(source, where, info, ("distribution", "version"))
@@ -302,7 +323,9 @@ def _meta_error(source: str, error: MetaError) -> ArtifactSchemaError:
     return ArtifactSchemaError(f"{source}: {message} {_REFREEZE}")
 
 
-def loads_artifact(data: bytes | str, *, source: str = "<artifact>", check_registry: bool = True) -> Artifact:
+def loads_artifact(
+    data: bytes | str, *, source: str = "<artifact>", check_registry: bool = True
+) -> Artifact:
     """Parse and verify an artifact (format, version, signature, schema, registry items).
 
     The text is read under hp's input limits (:mod:`hp_core.bounded`): a file that is too
@@ -313,16 +336,20 @@ def loads_artifact(data: bytes | str, *, source: str = "<artifact>", check_regis
             f"{source}: expected the artifact's text or bytes, got {type(data).__name__}; to read a file use read_artifact(path)."
         )
     try:
-        doc = loads_json(data, source=source, object_pairs_hook=_no_duplicates, error=ArtifactLimitError)
+        doc = loads_json(
+            data, source=source, object_pairs_hook=_no_duplicates, error=ArtifactLimitError
+        )
     except ArtifactLimitError:
         raise
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArtifactFormatError(f"{source}: not an hp artifact (not UTF-8 JSON: {e}). {_REFREEZE}") from None
+        raise ArtifactFormatError(
+            f"{source}: not an hp artifact (not UTF-8 JSON: {e}). {_REFREEZE}"
+        ) from None
     except ArtifactFormatError as e:
         raise ArtifactFormatError(f"{source}: {e}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ArtifactFormatError(
-            f"{source}: not an hp artifact (no \"format\": {FORMAT!r}). Artifacts are written by "
+            f'{source}: not an hp artifact (no "format": {FORMAT!r}). Artifacts are written by '
             f"hp freeze; a plan YAML file is read with hp_core.load_plan instead."
         )
     version = doc.get("format_version")
@@ -353,7 +380,9 @@ def loads_artifact(data: bytes | str, *, source: str = "<artifact>", check_regis
             f"{sorted(inputs) if isinstance(inputs, dict) else inputs!r}. {_REFREEZE}"
         )
     _check_inputs(source, inputs)
-    artifact = Artifact(meta=doc["meta"], inputs=inputs, signature=doc["signature"], format_version=version)
+    artifact = Artifact(
+        meta=doc["meta"], inputs=inputs, signature=doc["signature"], format_version=version
+    )
     try:
         plan = artifact.plan()
     except MetaError as e:
@@ -395,7 +424,9 @@ def missing_registry_items(plan: ShardingPlan) -> list[str]:
         elif (field, name) in missing:
             kind = INJECTION_REGISTRIES[field]
             known = ", ".join(sorted(PluginRegistry(kind))) or "none"
-            problems.append(f"{where}: {name!r} is not a registered {kind.replace('_', ' ')} (registered: {known})")
+            problems.append(
+                f"{where}: {name!r} is not a registered {kind.replace('_', ' ')} (registered: {known})"
+            )
     return problems
 
 
@@ -405,14 +436,14 @@ def version_drift(artifact: Artifact) -> list[str]:
     then_plugins = artifact.inputs.get("plugins") or {}
     notes = []
     if artifact.inputs.get("hp_version") != now["hp_version"]:
-        notes.append(f"hp {artifact.inputs.get('hp_version')} froze it; hp {now['hp_version']} is installed")
+        notes.append(
+            f"hp {artifact.inputs.get('hp_version')} froze it; hp {now['hp_version']} is installed"
+        )
     for name in sorted(set(then_plugins) | set(now["plugins"])):
         was = (then_plugins.get(name) or {}).get("version")
         has = (now["plugins"].get(name) or {}).get("version")
         if was != has:
-            notes.append(
-                f"plugin {name!r}: {was or 'absent'} when frozen, {has or 'absent'} now"
-            )
+            notes.append(f"plugin {name!r}: {was or 'absent'} when frozen, {has or 'absent'} now")
     return notes
 
 
@@ -442,7 +473,9 @@ def read_artifact(path: str | os.PathLike[str], *, check_registry: bool = True) 
     try:
         data = read_bounded(path, source=str(path), error=ArtifactLimitError)
     except FileNotFoundError:
-        raise ArtifactFormatError(f"{path}: no such artifact file. Write one with hp freeze (-o PATH).") from None
+        raise ArtifactFormatError(
+            f"{path}: no such artifact file. Write one with hp freeze (-o PATH)."
+        ) from None
     except OSError as e:  # a directory, no permission, ...
         raise ArtifactFormatError(f"{path}: cannot read the artifact: {e.strerror or e}.") from None
     return loads_artifact(data, source=str(path), check_registry=check_registry)

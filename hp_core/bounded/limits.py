@@ -7,7 +7,6 @@ cap. The helpers that word a refusal (:func:`refusal`, :func:`format_path`, ...)
 shared by the JSON and YAML readers beside this module.
 """
 
-
 from __future__ import annotations
 
 import dataclasses

@@ -74,8 +74,13 @@ def cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
     verdict. (``demo.run_demo`` is looked up on the module at call time: tests replace it.)"""
     with failing(2, demo.DemoError, message=str):
         setup = demo.default_setup(
-            args.model, world=args.world, mesh=args.mesh, ep=args.ep,
-            steps=args.steps, batch=args.batch, seq=args.seq,
+            args.model,
+            world=args.world,
+            mesh=args.mesh,
+            ep=args.ep,
+            steps=args.steps,
+            batch=args.batch,
+            seq=args.seq,
         )
     for note in setup.notes:
         out.print(Text(f"note: {note}"), soft_wrap=True)
@@ -113,9 +118,7 @@ def cmd_demo(args: argparse.Namespace, out: Console, err: Console) -> int:
     code = demo.verdict(rows)
     if code == 0:
         out.print(
-            Text(
-                f"every step matches the single-device run (rtol={demo.RTOL}, atol={demo.ATOL})"
-            )
+            Text(f"every step matches the single-device run (rtol={demo.RTOL}, atol={demo.ATOL})")
         )
     else:
         bad = [r.step for r in rows if not r.ok()]

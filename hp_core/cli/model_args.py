@@ -84,7 +84,7 @@ def _read_config_file(file: Path) -> dict[str, Any]:
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise _usage(
             f"--model: {str(file)!r} has no 'model_type'; an HF config.json names its model type "
-            "(e.g. \"model_type\": \"llama\")."
+            '(e.g. "model_type": "llama").'
         )
     return dict(data)
 

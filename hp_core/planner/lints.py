@@ -76,7 +76,9 @@ class TemplateBuildError(PlanningError):
     ``template``, ``provider`` and ``fqn`` name the template, who registered it and the module.
     """
 
-    def __init__(self, message: str, *, template: str = "", provider: str = "", fqn: str = "") -> None:
+    def __init__(
+        self, message: str, *, template: str = "", provider: str = "", fqn: str = ""
+    ) -> None:
         super().__init__(message)
         self.template = template
         self.provider = provider
@@ -90,7 +92,9 @@ class MeshTypeError(ArgumentTypeError, MeshSpecError):
 _FUSED_PARTS = {Role.FUSED_QKV: ("q/k/v", "q", "v"), Role.FUSED_GATE_UP: ("gate/up", "gate", "up")}
 
 
-def _check_fused(fqn: str, spec: ModuleShardingSpec, roles: Mapping[str, Role], mesh: MeshSpec) -> None:
+def _check_fused(
+    fqn: str, spec: ModuleShardingSpec, roles: Mapping[str, Role], mesh: MeshSpec
+) -> None:
     if mesh.size("tp") <= 1:
         return
     params = spec.params if isinstance(spec.params, dict) else {}
@@ -170,7 +174,9 @@ def _check_params(model: nn.Module, fqn: str, spec: ModuleShardingSpec, mesh: Me
         stacked = spec._ep_stack.get(rel)
         if stacked:
             first = _param(module, stacked[0])
-            shape: tuple[int, ...] = (len(stacked), *tuple(first.shape)) if first is not None else ()
+            shape: tuple[int, ...] = (
+                (len(stacked), *tuple(first.shape)) if first is not None else ()
+            )
         else:
             p = _param(module, rel)
             if p is None:
@@ -221,7 +227,11 @@ def _tp_sharded_heads(spec: ModuleShardingSpec) -> list[str]:
     out = []
     for rel, named in params.items():
         leaf = rel.rpartition(".")[0].rpartition(".")[2]
-        if leaf in _Q_NAMES + _KV_NAMES and isinstance(named.get("tp"), Shard) and rel.endswith("weight"):
+        if (
+            leaf in _Q_NAMES + _KV_NAMES
+            and isinstance(named.get("tp"), Shard)
+            and rel.endswith("weight")
+        ):
             out.append(rel)
     return out
 
@@ -248,17 +258,26 @@ def _check_heads(model: nn.Module, fqn: str, spec: ModuleShardingSpec, mesh: Mes
             )
 
 
-def compute_tp_local_attrs(model: nn.Module, fqn: str, spec: ModuleShardingSpec, mesh: MeshSpec) -> dict[str, tuple[int, int]] | None:
+def compute_tp_local_attrs(
+    model: nn.Module, fqn: str, spec: ModuleShardingSpec, mesh: MeshSpec
+) -> dict[str, tuple[int, int]] | None:
     """Head-count attributes (when q/k/v are tp-sharded) plus ``tp_divide_attrs`` → (global, local)."""
     tp = mesh.size("tp")
     module = _module(model, fqn)
     names: list[str] = []
     if _tp_sharded_heads(spec):
-        names += [a for a in HEAD_COUNT_ATTRS if isinstance(getattr(module, a, None), int) and not isinstance(getattr(module, a), bool)]
+        names += [
+            a
+            for a in HEAD_COUNT_ATTRS
+            if isinstance(getattr(module, a, None), int)
+            and not isinstance(getattr(module, a), bool)
+        ]
     extra = spec.tp_divide_attrs if isinstance(spec.tp_divide_attrs, list) else []
     for attr in extra:
         if not hasattr(module, attr):
-            public = [n for n, v in vars(module).items() if isinstance(v, int) and not n.startswith("_")]
+            public = [
+                n for n, v in vars(module).items() if isinstance(v, int) and not n.startswith("_")
+            ]
             best = close_matches(attr, public, n=1)
             hint = f" Did you mean {best[0]!r}?" if best else ""
             raise PlanningError(
@@ -287,7 +306,9 @@ def compute_tp_local_attrs(model: nn.Module, fqn: str, spec: ModuleShardingSpec,
     return plan
 
 
-def compute_deferred_biases(model: nn.Module, fqn: str, spec: ModuleShardingSpec) -> tuple[str, ...]:
+def compute_deferred_biases(
+    model: nn.Module, fqn: str, spec: ModuleShardingSpec
+) -> tuple[str, ...]:
     """Biases of rowwise-sharded Linears whose output leaves the boundary as Partial on tp.
 
     Megatron semantics: such a bias is added once, after the exit reduction, rather than
@@ -305,7 +326,12 @@ def compute_deferred_biases(model: nn.Module, fqn: str, spec: ModuleShardingSpec
         weight = params.get(rel[: -len("bias")] + "weight", {})
         w_tp, b_tp = weight.get("tp"), named.get("tp", Replicate())
         owner = _module(module, rel.rpartition(".")[0])
-        if isinstance(owner, nn.Linear) and isinstance(w_tp, Shard) and w_tp.dim == 1 and isinstance(b_tp, Replicate):
+        if (
+            isinstance(owner, nn.Linear)
+            and isinstance(w_tp, Shard)
+            and w_tp.dim == 1
+            and isinstance(b_tp, Replicate)
+        ):
             deferred.append(rel)
     return tuple(deferred)
 
@@ -349,7 +375,11 @@ def _check_input_names(model: nn.Module, fqn: str, spec: ModuleShardingSpec) -> 
     except (TypeError, ValueError):  # pragma: no cover - nn.Module forwards are introspectable
         return
     params = sig.parameters
-    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)]
+    named = [
+        n
+        for n, p in params.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)
+    ]
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
     for field in ("in_src", "in_dst"):
         value = getattr(spec, field)
@@ -364,7 +394,9 @@ def _check_input_names(model: nn.Module, fqn: str, spec: ModuleShardingSpec) -> 
             )
 
 
-def _check_coverage(model: nn.Module, modules: Mapping[str, ModuleShardingSpec], mesh: MeshSpec) -> None:
+def _check_coverage(
+    model: nn.Module, modules: Mapping[str, ModuleShardingSpec], mesh: MeshSpec
+) -> None:
     if "tp" not in mesh and "cp" not in mesh:
         return  # nothing is planned on any axis: every parameter stays whole
     seen: dict[int, list[tuple[str, Any]]] = {}
@@ -401,7 +433,9 @@ def _check_coverage(model: nn.Module, modules: Mapping[str, ModuleShardingSpec],
                 "every parameter belongs to exactly one boundary. Remove it from all but one."
             )
     if uncovered:
-        listing = ", ".join(uncovered[:8]) + (f" and {len(uncovered) - 8} more" if len(uncovered) > 8 else "")
+        listing = ", ".join(uncovered[:8]) + (
+            f" and {len(uncovered) - 8} more" if len(uncovered) > 8 else ""
+        )
         raise CoverageError(
             f"trainable parameter(s) {listing} are not declared by any boundary, so apply would not "
             "know their layout. Add them to the 'params' of the boundary that owns them (an override "

@@ -26,7 +26,18 @@ __all__ = [
 ]
 
 _PROJECTION_ROLES = (Role.COLWISE, Role.ROWWISE, Role.FUSED_QKV, Role.FUSED_GATE_UP)
-_ATTENTION_LEAVES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value", "query_key_value", "c_attn", "Wqkv")
+_ATTENTION_LEAVES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "qkv_proj",
+    "query",
+    "key",
+    "value",
+    "query_key_value",
+    "c_attn",
+    "Wqkv",
+)
 
 
 class UncoveredParameterError(CoverageError):
@@ -102,7 +113,11 @@ def _ancestors(fqn: str) -> list[str]:
 
 
 def _claim_pass(
-    params: Iterable[str], roots: dict[str, str], claimed: dict[str, tuple[str, str]], *, inclusive_owner: dict[str, str]
+    params: Iterable[str],
+    roots: dict[str, str],
+    claimed: dict[str, tuple[str, str]],
+    *,
+    inclusive_owner: dict[str, str],
 ) -> None:
     """Give every unclaimed parameter under one of ``roots`` (first registered wins) to it.
 
@@ -200,7 +215,12 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
     for r, kind in [*pair_roots.items(), *moe_roots.items()]:
         layer = _parent(r)
         in_stack = _parent(layer) in stacks and layer.rpartition(".")[2].isdigit()
-        if layer and layer not in layer_roots and layer in modules and (kind == "attention" or in_stack):
+        if (
+            layer
+            and layer not in layer_roots
+            and layer in modules
+            and (kind == "attention" or in_stack)
+        ):
             layer_roots.append(layer)
 
     kinds: dict[str, str] = {}
@@ -238,7 +258,8 @@ def check_unclaimed(structure: ModelStructure, modules: Mapping[str, ModuleShard
     if not missing:
         return
     lines = "\n".join(
-        f"  {f} ({structure.roles[f].value}, shape {structure.unclaimed[f][1]})" for f in missing[:10]
+        f"  {f} ({structure.roles[f].value}, shape {structure.unclaimed[f][1]})"
+        for f in missing[:10]
     )
     more = f"\n  ... and {len(missing) - 10} more" if len(missing) > 10 else ""
     mod = structure.unclaimed[missing[0]][0]

@@ -73,8 +73,16 @@ def _transition_line(t: Transition) -> str:
 def _unpaired(side: str, src: Any, dst: Any) -> list[str]:
     src = src if isinstance(src, dict) else {}
     dst = dst if isinstance(dst, dict) else {}
-    lines = [f"{side} {n}: {_layout(src[n])} (no {side}_dst entry: passed on as is)" for n in src if n not in dst]
-    lines += [f"{side} {n}: → {_layout(dst[n])} (no {side}_src entry: arrives as is)" for n in dst if n not in src]
+    lines = [
+        f"{side} {n}: {_layout(src[n])} (no {side}_dst entry: passed on as is)"
+        for n in src
+        if n not in dst
+    ]
+    lines += [
+        f"{side} {n}: → {_layout(dst[n])} (no {side}_src entry: arrives as is)"
+        for n in dst
+        if n not in src
+    ]
     return lines
 
 
@@ -132,7 +140,10 @@ def _boundary_lines(fqn: str, spec: ModuleShardingSpec, plan: ShardingPlan) -> l
         lines += _unpaired("in", spec.in_src, spec.in_dst)
         lines += [_transition_line(t) for t in transitions if t.side == "out"]
         lines += _unpaired("out", spec.out_src, spec.out_dst)
-        if not transitions and not any(isinstance(v, dict) and v for v in (spec.in_src, spec.out_src, spec.in_dst, spec.out_dst)):
+        if not transitions and not any(
+            isinstance(v, dict) and v
+            for v in (spec.in_src, spec.out_src, spec.in_dst, spec.out_dst)
+        ):
             lines.append("in/out: no layouts declared (nothing is redistributed)")
         if isinstance(spec.out_names, list):
             lines.append(f"out names: {', '.join(spec.out_names)}")
@@ -147,7 +158,9 @@ def _boundary_lines(fqn: str, spec: ModuleShardingSpec, plan: ShardingPlan) -> l
             + ", ".join(spec._deferred_bias_params)
         )
     if spec._ep_size:
-        lines.append(f"expert parallel: ep_size={spec._ep_size} over the derived (edp, ep) expert mesh")
+        lines.append(
+            f"expert parallel: ep_size={spec._ep_size} over the derived (edp, ep) expert mesh"
+        )
         for stacked, sources in spec._ep_stack.items():
             lines.append(
                 f"{_INDENT}stack {stacked} ← {sources[0]} … {sources[-1]} ({len(sources)} experts)"
@@ -250,7 +263,9 @@ def explain(plan: ShardingPlan, report: Any = None) -> str:
             )
         else:
             what = f"the gradients of parameters replicated on {axis} that see only this rank's share of the data"
-        out.append(f"{_INDENT}(backward all_reduce on {axis} includes one bucketed reduction of {what})")
+        out.append(
+            f"{_INDENT}(backward all_reduce on {axis} includes one bucketed reduction of {what})"
+        )
     if plan.notes:
         out.append("")
         out.append("override notes:")

@@ -249,10 +249,17 @@ def _entry_text(entry: OverrideEntry) -> str:
     try:
         item.update(
             spec_to_data(
-                entry.spec, entry.source or "overrides", OverrideError, fields=OVERRIDE_FIELDS, internals=False, strict=False
+                entry.spec,
+                entry.source or "overrides",
+                OverrideError,
+                fields=OVERRIDE_FIELDS,
+                internals=False,
+                strict=False,
             )
         )
-        return yaml.safe_dump(item, default_flow_style=True, sort_keys=False, width=1 << 16, allow_unicode=True).strip()
+        return yaml.safe_dump(
+            item, default_flow_style=True, sort_keys=False, width=1 << 16, allow_unicode=True
+        ).strip()
     except (PlanError, yaml.YAMLError):
         return f"{item!r} {entry.spec!r}"
 

@@ -34,7 +34,10 @@ __all__ = [
 ]
 
 
-def _pairs(src: Mapping[str, Mapping[str, Placement]] | None, dst: Mapping[str, Mapping[str, Placement]] | None):
+def _pairs(
+    src: Mapping[str, Mapping[str, Placement]] | None,
+    dst: Mapping[str, Mapping[str, Placement]] | None,
+):
     src = src if isinstance(src, dict) else {}
     dst = dst if isinstance(dst, dict) else {}
     for name in src:
@@ -139,7 +142,9 @@ def sp_grad_params(modules: Mapping[str, ModuleShardingSpec]) -> list[str]:
     return out
 
 
-def reduction_axes(modules: Mapping[str, ModuleShardingSpec], reductions: Iterable[Any] | None = None) -> list[str]:
+def reduction_axes(
+    modules: Mapping[str, ModuleShardingSpec], reductions: Iterable[Any] | None = None
+) -> list[str]:
     """The axes over which hp sums partial gradients once per step.
 
     With ``reductions`` (a verifier report's, ``VerifyReport.reductions``) this is exact.
@@ -156,15 +161,25 @@ def reduction_axes(modules: Mapping[str, ModuleShardingSpec], reductions: Iterab
         in_dst = spec.in_dst if isinstance(spec.in_dst, dict) else {}
         for layout in in_dst.values():
             for axis, p in layout.items():
-                replicated = any(isinstance(named.get(axis, Replicate()), Replicate) and "ep" not in named for named in spec.params.values())
-                if isinstance(p, Shard) and replicated and axis not in axes and not is_data_axis(axis):
+                replicated = any(
+                    isinstance(named.get(axis, Replicate()), Replicate) and "ep" not in named
+                    for named in spec.params.values()
+                )
+                if (
+                    isinstance(p, Shard)
+                    and replicated
+                    and axis not in axes
+                    and not is_data_axis(axis)
+                ):
                     axes.append(str(axis))
     return axes
 
 
 def input_check_axes(axis_names: Iterable[str], sizes: Iterable[int]) -> list[str]:
     """The axes the input guard compares a forward's inputs over (non-dp axes of size > 1)."""
-    return [str(a) for a, n in zip(axis_names, sizes, strict=True) if int(n) > 1 and not is_data_axis(a)]
+    return [
+        str(a) for a, n in zip(axis_names, sizes, strict=True) if int(n) > 1 and not is_data_axis(a)
+    ]
 
 
 def step_collectives(

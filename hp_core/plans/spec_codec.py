@@ -99,9 +99,7 @@ def _callable_path(fn: Any) -> tuple[str, bool]:
 
 def _layout_to_data(named: Any, path: str, err: type[PlanError]) -> dict[str, str]:
     if not isinstance(named, Mapping):
-        raise err(
-            f"{path}: expected an {{axis: placement}} mapping, got {tname(named)} {named!r}."
-        )
+        raise err(f"{path}: expected an {{axis: placement}} mapping, got {tname(named)} {named!r}.")
     out: dict[str, str] = {}
     for axis, p in named.items():
         try:
@@ -243,7 +241,13 @@ def _parse_layout(
 
 
 def _parse_layout_map(
-    raw: Any, name: str, path: str, err: type[PlanError], *, sentinels: bool, module: str | None = None
+    raw: Any,
+    name: str,
+    path: str,
+    err: type[PlanError],
+    *,
+    sentinels: bool,
+    module: str | None = None,
 ) -> Any:
     out_like = SPEC_FIELDS_BY_NAME[name].kind in ("out_map", "inner_out")
     if isinstance(raw, str):

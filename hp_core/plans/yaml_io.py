@@ -64,9 +64,7 @@ def read_source(src: Any, what: str) -> tuple[str, str, bool]:
             return src, "<string>", False
         path = src
     else:
-        raise PlanYAMLError(
-            f"{what}: expected YAML text or a file path, got {tname(src)} {src!r}."
-        )
+        raise PlanYAMLError(f"{what}: expected YAML text or a file path, got {tname(src)} {src!r}.")
     try:
         # Bounded: a file over the size cap is refused after reading at most the cap.
         data = read_bounded(path, source=str(path), error=PlanYAMLInputLimitError)
@@ -131,7 +129,11 @@ def dump_plan(plan: ShardingPlan) -> str:
 def load_plan(text_or_path: str | os.PathLike[str]) -> ShardingPlan:
     """Read a plan from YAML text or a ``.yaml``/``.yml``/``.json`` file written by :func:`dump_plan`."""
     if not isinstance(text_or_path, (str, os.PathLike)):
-        hint = " (it is one already: use it as is, or plan.copy())" if isinstance(text_or_path, ShardingPlan) else ""
+        hint = (
+            " (it is one already: use it as is, or plan.copy())"
+            if isinstance(text_or_path, ShardingPlan)
+            else ""
+        )
         raise PlanTypeError(
             f"a plan: expected YAML text or a file path, got {tname(text_or_path)} {short(text_or_path)} "
             f"(load_plan takes a str or an os.PathLike){hint}. For a dict, use hp_core.plans.plan_from_dict."

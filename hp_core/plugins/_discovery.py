@@ -157,5 +157,3 @@ def top_level_packages(ep: importlib_metadata.EntryPoint) -> set[str]:
         elif len(parts) == 1 and head.endswith(".py") and head[:-3].isidentifier():
             packages.add(head[:-3])
     return packages
-
-

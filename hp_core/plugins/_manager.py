@@ -127,9 +127,7 @@ def register_plugin(plugin: object, *, name: str) -> PluginInfo:
     check_not_loading_thread()
     with LOCK:
         state = current_state(strict=False)
-        info = load_one(
-            state, name, lambda: plugin, distribution=None, version=None, packages=()
-        )
+        info = load_one(state, name, lambda: plugin, distribution=None, version=None, packages=())
         if info.status == "failed":
             # load_one committed nothing; tell the caller instead of adding a report row.
             raise PluginLoadError(

@@ -210,7 +210,7 @@ def _user_register(kind: RegistryKind) -> Callable[..., RegisteredItem]:
         return_annotation=RegisteredItem
     )
     register.__doc__ = (
-        f"Register {spec.doc} under its name (provider ``\"user\"``); "
+        f'Register {spec.doc} under its name (provider ``"user"``); '
         f"the callback of ``{spec.hook_name}``.\n\n"
         "Raises InvalidRegistrationError (or InjectionDefinitionError, a TypeError) for a bad "
         "item and DuplicateRegistrationError for a taken name; the registry is unchanged then."

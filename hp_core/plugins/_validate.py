@@ -53,8 +53,7 @@ def check_name(kind: RegistryKind, name: Any, *, source: str) -> str:
         return name
     if dotted:
         rule = (
-            "letters, digits, '_' and '-', optionally namespaced with dots "
-            "(e.g. 'phi3.fused_qkv')"
+            "letters, digits, '_' and '-', optionally namespaced with dots (e.g. 'phi3.fused_qkv')"
         )
     else:
         rule = (

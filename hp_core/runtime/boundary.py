@@ -52,7 +52,13 @@ class _LegacyEmptyCat(TorchDispatchMode):
     """``torch.cat`` skips 1-D empty tensors (a legacy rule that old KV-cache code relies on);
     DTensor does not, and would re-lay out the empty piece. Drop them before DTensor sees them."""
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         if func is torch.ops.aten.cat.default and args and isinstance(args[0], list | tuple):
             pieces = [t for t in args[0] if not (t.dim() == 1 and t.numel() == 0)]
             if pieces and len(pieces) < len(args[0]):
@@ -64,11 +70,25 @@ class UndeclaredCommunicationError(HpError, ValueError):
     """Inside a region, DTensor had to redistribute a tensor the contract does not mention."""
 
     def __init__(
-        self, fqn: str, module_type: str, detail: str, phase: str = "forward", fix: str = "", suspects: tuple[str, ...] = ()
+        self,
+        fqn: str,
+        module_type: str,
+        detail: str,
+        phase: str = "forward",
+        fix: str = "",
+        suspects: tuple[str, ...] = (),
     ) -> None:
-        self.fqn, self.module_type, self.detail, self.phase, self.fix = fqn, module_type, detail, phase, fix
+        self.fqn, self.module_type, self.detail, self.phase, self.fix = (
+            fqn,
+            module_type,
+            detail,
+            phase,
+            fix,
+        )
         self.suspects = tuple(suspects)
-        op = detail.replace("Implicit redistribution occurred for ", "").replace(" while ExplicitRedistributionContext was active", "")
+        op = detail.replace("Implicit redistribution occurred for ", "").replace(
+            " while ExplicitRedistributionContext was active", ""
+        )
         hint = (
             f" Replicated in this region next to sharded parameters: {', '.join(suspects)} — the usual culprits."
             if suspects
@@ -85,7 +105,10 @@ class UndeclaredCommunicationError(HpError, ValueError):
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.fqn, self.module_type, self.detail, self.phase, self.fix, self.suspects))
+        return (
+            type(self),
+            (self.fqn, self.module_type, self.detail, self.phase, self.fix, self.suspects),
+        )
 
 
 def suspects(spec: ModuleShardingSpec, axis: str = "tp") -> tuple[str, ...]:
@@ -94,15 +117,22 @@ def suspects(spec: ModuleShardingSpec, axis: str = "tp") -> tuple[str, ...]:
     if not any(isinstance(n.get(axis), Shard) for n in params.values()):
         return ()
     return tuple(
-        rel for rel, n in params.items()
-        if not isinstance(n.get(axis), Shard) and rel not in spec._deferred_bias_params and "ep" not in n
+        rel
+        for rel, n in params.items()
+        if not isinstance(n.get(axis), Shard)
+        and rel not in spec._deferred_bias_params
+        and "ep" not in n
     )
 
 
 def positions(fn: Callable[..., Any]) -> dict[str, int]:
     """Positional index of each parameter of ``fn`` that can be passed positionally."""
     params = inspect.signature(fn).parameters.values()
-    return {p.name: i for i, p in enumerate(params) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    return {
+        p.name: i
+        for i, p in enumerate(params)
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
 
 
 def _owner(module: nn.Module, rel: str) -> tuple[nn.Module, str]:
@@ -138,7 +168,11 @@ class BoundaryForward:
         self.strict = strict
         self.fix_match = fix_match or fqn  # the override key of the fixes this boundary proposes
         # Randomness inside a region whose computation is sharded on tp draws per rank (rng.py).
-        sharded = [n for n in (*(spec.params or {}).values(), *(spec.in_dst or {}).values()) if isinstance(n.get("tp"), Shard)]
+        sharded = [
+            n
+            for n in (*(spec.params or {}).values(), *(spec.in_dst or {}).values())
+            if isinstance(n.get("tp"), Shard)
+        ]
         self.rng = rng if sharded and rng is not None and rng.active else None
         self.__signature__ = inspect.signature(self.original)
         self._pos = positions(self.original)
@@ -146,8 +180,11 @@ class BoundaryForward:
         partial_axes = [a for a in mesh.mesh_dim_names if grad_is_partial(spec, a)]
         self.inputs = {
             name: Redistribution(
-                in_src.get(name, in_dst.get(name)), in_dst.get(name, in_src.get(name)), mesh,
-                grad_partial_axes=partial_axes, where=f"{fqn} ({type(module).__name__}) input {name!r}",
+                in_src.get(name, in_dst.get(name)),
+                in_dst.get(name, in_src.get(name)),
+                mesh,
+                grad_partial_axes=partial_axes,
+                where=f"{fqn} ({type(module).__name__}) input {name!r}",
             )
             for name in dict.fromkeys([*in_src, *in_dst])
         }
@@ -155,36 +192,59 @@ class BoundaryForward:
         self.out_names = spec.output_names() or list(out_dst)
         self.outputs = {
             name: Redistribution(
-                out_src.get(name, out_dst.get(name)), out_dst.get(name, out_src.get(name)), mesh,
+                out_src.get(name, out_dst.get(name)),
+                out_dst.get(name, out_src.get(name)),
+                mesh,
                 where=f"{fqn} ({type(module).__name__}) output {name!r}",
             )
             for name in dict.fromkeys([*out_src, *out_dst])
         }
         self.expected_out = {name: to_placements(layout, mesh) for name, layout in out_src.items()}
         self.deferred = [_owner(module, rel) for rel in spec._deferred_bias_params]
-        self.own_params = [_owner(module, rel) for rel in (spec.params or {}) if rel not in spec._ep_stack]
+        self.own_params = [
+            _owner(module, rel) for rel in (spec.params or {}) if rel not in spec._ep_stack
+        ]
         # Validate: local code hides from DTensor whether a replicated parameter's gradient is
         # partial, so the contract says it when the parameter is unwrapped for local code.
         names = list(mesh.mesh_dim_names)
         self.local_grad_placements = {}
         if mode == "validate":
-            for rel in [*spec._deferred_bias_params, *(r for r in (spec.params or {}) if r not in spec._ep_stack)]:
+            for rel in [
+                *spec._deferred_bias_params,
+                *(r for r in (spec.params or {}) if r not in spec._ep_stack),
+            ]:
                 named = (spec.params or {}).get(rel, {})
                 if is_expert_param(spec, named):
                     continue
-                partial = contract_partial_axes(fqn, spec, rel, names) if (not self.dispatch or rel in spec._deferred_bias_params) else ()
+                partial = (
+                    contract_partial_axes(fqn, spec, rel, names)
+                    if (not self.dispatch or rel in spec._deferred_bias_params)
+                    else ()
+                )
                 base = to_placements(named, mesh)
-                self.local_grad_placements[rel] = tuple(Partial() if a in partial else p for a, p in zip(names, base, strict=True))
-        self._rel_of = {(id(o), n): rel for rel, (o, n) in zip(
-            [*spec._deferred_bias_params, *(r for r in (spec.params or {}) if r not in spec._ep_stack)],
-            [*self.deferred, *self.own_params], strict=True)}
+                self.local_grad_placements[rel] = tuple(
+                    Partial() if a in partial else p for a, p in zip(names, base, strict=True)
+                )
+        self._rel_of = {
+            (id(o), n): rel
+            for rel, (o, n) in zip(
+                [
+                    *spec._deferred_bias_params,
+                    *(r for r in (spec.params or {}) if r not in spec._ep_stack),
+                ],
+                [*self.deferred, *self.own_params],
+                strict=True,
+            )
+        }
         if not (spec.params or self.inputs or self.outputs):
             # An empty contract (e.g. a plan over a dp-only mesh) has nothing to check, and its
             # parameters are plain tensors that a DTensor backward could not mix with.
             self.dispatch = False
 
     # ------------------------------------------------------------------ inputs
-    def _convert_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], how: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _convert_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], how: str
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if not self.inputs:
             return args, kwargs
         args = list(args)  # type: ignore[assignment]
@@ -233,7 +293,11 @@ class BoundaryForward:
             for owner, name in self.deferred:
                 bias = owner._parameters[name]
                 if isinstance(bias, DTensor):
-                    bias = bias.to_local(grad_placements=self.local_grad_placements.get(self._rel_of[(id(owner), name)]))
+                    bias = bias.to_local(
+                        grad_placements=self.local_grad_placements.get(
+                            self._rel_of[(id(owner), name)]
+                        )
+                    )
                 items[0] = items[0] + bias
         return self._join(items, was_tuple)
 
@@ -241,8 +305,15 @@ class BoundaryForward:
         expected = self.expected_out.get(name)
         stage = f"out_src[{name}]"
         if not isinstance(x, DTensor):
-            raise PlacementMismatchError(self.fqn, self.spec.out_src[name], f"a plain {type(x).__name__} (not a DTensor)", stage)
-        if expected is not None and not all(same_placement(a, e) for a, e in zip(x.placements, expected, strict=True)):
+            raise PlacementMismatchError(
+                self.fqn,
+                self.spec.out_src[name],
+                f"a plain {type(x).__name__} (not a DTensor)",
+                stage,
+            )
+        if expected is not None and not all(
+            same_placement(a, e) for a, e in zip(x.placements, expected, strict=True)
+        ):
             names = list(self.mesh.mesh_dim_names)
             actual = dict(zip(names, x.placements, strict=True))
             declared = dict(zip(names, expected, strict=True))
@@ -270,7 +341,9 @@ class BoundaryForward:
             if isinstance(p, DTensor):
                 saved.append((owner, name, p))
                 rel = self._rel_of[(id(owner), name)]
-                owner._parameters[name] = p.to_local(grad_placements=self.local_grad_placements.get(rel))
+                owner._parameters[name] = p.to_local(
+                    grad_placements=self.local_grad_placements.get(rel)
+                )
         try:
             yield
         finally:
@@ -295,11 +368,17 @@ class BoundaryForward:
             if "Implicit redistribution" not in str(e):
                 raise
             raise UndeclaredCommunicationError(
-                self.fqn, type(self.module).__name__, str(e), phase=phase,
-                fix=keep_whole_yaml(self.fqn, self.spec, match=self.fix_match), suspects=suspects(self.spec),
+                self.fqn,
+                type(self.module).__name__,
+                str(e),
+                phase=phase,
+                fix=keep_whole_yaml(self.fqn, self.spec, match=self.fix_match),
+                suspects=suspects(self.spec),
             ) from None
 
-    def _replicate_rest(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _replicate_rest(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Validate: undeclared tensor inputs (rotary tables, masks) join as replicated DTensors.
 
         Wrapping them explicitly (rather than only allowing implicit replication) keeps the
@@ -324,7 +403,9 @@ class BoundaryForward:
         return t
 
     def _random(self) -> Any:
-        return self.rng.sharded_region(self.fqn) if self.rng is not None else contextlib.nullcontext()
+        return (
+            self.rng.sharded_region(self.fqn) if self.rng is not None else contextlib.nullcontext()
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.mode == "production":
@@ -358,7 +439,9 @@ class InnerOutputCheck:
     the layout outright. A mismatch is a ``PlacementMismatchError`` at stage ``inner_out_src``.
     """
 
-    def __init__(self, name: str, fn: Callable[..., Any], inner_out_src: Any, mesh: DeviceMesh) -> None:
+    def __init__(
+        self, name: str, fn: Callable[..., Any], inner_out_src: Any, mesh: DeviceMesh
+    ) -> None:
         self.name = name
         self.fn = fn
         self.mesh = mesh
@@ -375,10 +458,20 @@ class InnerOutputCheck:
             layout = next(iter(self.declared.values()))
             expected = to_placements(layout, self.mesh)
         names = list(self.mesh.mesh_dim_names)
-        if expected is None or not isinstance(first, DTensor) or not all(
-            same_placement(a, e) for a, e in zip(first.placements, expected, strict=True)
+        if (
+            expected is None
+            or not isinstance(first, DTensor)
+            or not all(
+                same_placement(a, e) for a, e in zip(first.placements, expected, strict=True)
+            )
         ):
-            actual = dict(zip(names, first.placements, strict=True)) if isinstance(first, DTensor) else f"a plain {type(first).__name__}"
-            declared = dict(zip(names, expected, strict=True)) if expected is not None else self.declared
+            actual = (
+                dict(zip(names, first.placements, strict=True))
+                if isinstance(first, DTensor)
+                else f"a plain {type(first).__name__}"
+            )
+            declared = (
+                dict(zip(names, expected, strict=True)) if expected is not None else self.declared
+            )
             raise PlacementMismatchError(self.name, declared, actual, "inner_out_src")
         return out

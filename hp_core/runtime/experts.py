@@ -161,7 +161,9 @@ def _plan_axes(plan: ShardingPlan) -> set[str]:
             value = getattr(spec, field)
             if isinstance(value, dict):
                 for named in value.values():
-                    used.update(a for a, p in named.items() if a != "ep" and not isinstance(p, Replicate))
+                    used.update(
+                        a for a, p in named.items() if a != "ep" and not isinstance(p, Replicate)
+                    )
     return used
 
 
@@ -188,7 +190,9 @@ def _spanned_axes(fqn: str, ep: int, mesh: MeshSpec) -> tuple[str, ...]:
     return tuple(spanned)
 
 
-def expert_layout(fqn: str, spec: ModuleShardingSpec, plan: ShardingPlan, mesh: MeshSpec, ranks: tuple[int, ...]) -> ExpertLayout:
+def expert_layout(
+    fqn: str, spec: ModuleShardingSpec, plan: ShardingPlan, mesh: MeshSpec, ranks: tuple[int, ...]
+) -> ExpertLayout:
     """Fold the dense region for ``spec._ep_size``; raise what cannot work (no process group needed)."""
     ep = spec._ep_size
     world = len(ranks)
@@ -239,7 +243,9 @@ def expert_layout(fqn: str, spec: ModuleShardingSpec, plan: ShardingPlan, mesh: 
         buckets.setdefault((i % ep, *(c[k] for k in keep)), []).append(ranks[i])
     replica_groups = tuple(sorted(tuple(g) for g in buckets.values()))
     groups = tuple(tuple(ranks[r * ep : (r + 1) * ep]) for r in range(world // ep))
-    return ExpertLayout(ep=ep, ranks=ranks, groups=groups, replica_groups=replica_groups, spanned=spanned)
+    return ExpertLayout(
+        ep=ep, ranks=ranks, groups=groups, replica_groups=replica_groups, spanned=spanned
+    )
 
 
 def _param(module: nn.Module, rel: str) -> nn.Parameter | None:
@@ -287,12 +293,16 @@ def check_expert_boundary(fqn: str, spec: ModuleShardingSpec, module: nn.Module)
         try:
             holder = module.get_submodule(container)
         except AttributeError:
-            raise ExpertParallelError(f"{fqn}: _ep_stack names {container!r}, which {type(module).__name__} does not have.") from None
+            raise ExpertParallelError(
+                f"{fqn}: _ep_stack names {container!r}, which {type(module).__name__} does not have."
+            ) from None
         listed = {src for sources in stacks.values() for src in sources}
         own = {f"{container}.{n}" for n, _ in holder.named_parameters()}
         missing = sorted(listed - own)
         if missing:
-            raise ExpertParallelError(f"{fqn}: per-expert parameter(s) {missing[:4]} of _ep_stack do not exist in the model.")
+            raise ExpertParallelError(
+                f"{fqn}: per-expert parameter(s) {missing[:4]} of _ep_stack do not exist in the model."
+            )
         rest = sorted(own - listed)
         buffers = [f"{container}.{n}" for n, _ in holder.named_buffers()]
         if rest or buffers:
@@ -304,7 +314,9 @@ def check_expert_boundary(fqn: str, spec: ModuleShardingSpec, module: nn.Module)
         for stacked, sources in stacks.items():
             shapes = {tuple(p.shape) for src in sources if (p := _param(module, src)) is not None}
             if len(shapes) != 1:
-                raise ExpertParallelError(f"{fqn}: the experts' {stacked} have different shapes {sorted(shapes)}; they cannot be stacked.")
+                raise ExpertParallelError(
+                    f"{fqn}: the experts' {stacked} have different shapes {sorted(shapes)}; they cannot be stacked."
+                )
 
 
 # ------------------------------------------------------------------ process groups
@@ -324,7 +336,9 @@ def _cached_groups(device_type: str, layout: ExpertLayout, world_key: int) -> Ex
     return ExpertGroups(layout=layout, mesh=mesh, replica_group=mine)
 
 
-def build_expert_groups(mesh: DeviceMesh, layouts: Mapping[int, ExpertLayout]) -> dict[int, ExpertGroups]:
+def build_expert_groups(
+    mesh: DeviceMesh, layouts: Mapping[int, ExpertLayout]
+) -> dict[int, ExpertGroups]:
     """The expert mesh and replica group of each ep size (collective; cached per process)."""
     world_key = id(dist.distributed_c10d._get_default_group())
     return {ep: _cached_groups(mesh.device_type, layouts[ep], world_key) for ep in sorted(layouts)}
@@ -333,7 +347,9 @@ def build_expert_groups(mesh: DeviceMesh, layouts: Mapping[int, ExpertLayout]) -
 # ------------------------------------------------------------------ parameters
 
 
-def _distribute(t: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], mode: str) -> torch.Tensor:
+def _distribute(
+    t: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], mode: str
+) -> torch.Tensor:
     # A copy first: replicating broadcasts into the source's storage, which is the caller's
     # parameter until the install commits (a rollback must find this rank's own values).
     data = t if t.is_meta else t.detach().clone()
@@ -341,7 +357,9 @@ def _distribute(t: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, 
     return dt if mode == "validate" else dt.to_local()
 
 
-def _expert_boundaries(model: nn.Module, plan: ShardingPlan) -> Iterator[tuple[str, ModuleShardingSpec, nn.Module]]:
+def _expert_boundaries(
+    model: nn.Module, plan: ShardingPlan
+) -> Iterator[tuple[str, ModuleShardingSpec, nn.Module]]:
     for fqn, spec in plan.items():
         if spec._ep_size > 1:
             yield fqn, spec, (model.get_submodule(fqn) if fqn else model)
@@ -386,21 +404,29 @@ def shard_expert_parameters(
             if sources:
                 olds = [_param(module, s) for s in sources]
                 full = torch.stack([p.detach() for p in olds if p is not None])
-                stacked[rel] = nn.Parameter(_distribute(full, emesh, expert_placements(named), mode), requires_grad=olds[0].requires_grad)
+                stacked[rel] = nn.Parameter(
+                    _distribute(full, emesh, expert_placements(named), mode),
+                    requires_grad=olds[0].requires_grad,
+                )
                 continue
             path, _, name = rel.rpartition(".")
             owner = module.get_submodule(path) if path else module
             old = owner._parameters[name]
             if old is None or isinstance(old, DTensor):
                 continue
-            new = nn.Parameter(_distribute(old, emesh, expert_placements(named), mode), requires_grad=old.requires_grad)
+            new = nn.Parameter(
+                _distribute(old, emesh, expert_placements(named), mode),
+                requires_grad=old.requires_grad,
+            )
             out.params.append((owner, name, old, new))
         if stacked:
             out.stacks.append((module, spec, stacked))
     return out
 
 
-def _install_stacked(module: nn.Module, spec: ModuleShardingSpec, stacked: dict[str, nn.Parameter], journal: Journal) -> None:
+def _install_stacked(
+    module: nn.Module, spec: ModuleShardingSpec, stacked: dict[str, nn.Parameter], journal: Journal
+) -> None:
     """Swap each per-expert container for a ``StackedExperts`` holding the stacked parameters."""
     for container, stacks in _stacks_by_container(spec).items():
         new = StackedExperts(num_experts=len(next(iter(stacks.values()))))
@@ -417,10 +443,14 @@ def _install_stacked(module: nn.Module, spec: ModuleShardingSpec, stacked: dict[
         parent = module.get_submodule(parent_path) if parent_path else module
         old = parent._modules[attr]
         parent._modules[attr] = new
-        journal.record(lambda parent=parent, attr=attr, old=old: parent._modules.__setitem__(attr, old))
+        journal.record(
+            lambda parent=parent, attr=attr, old=old: parent._modules.__setitem__(attr, old)
+        )
 
 
-def expert_grad_reductions(plan: ShardingPlan, experts: Mapping[int, ExpertGroups] | None) -> list[GradReduction]:
+def expert_grad_reductions(
+    plan: ShardingPlan, experts: Mapping[int, ExpertGroups] | None
+) -> list[GradReduction]:
     """The sum of expert gradients over each replica group (none where the groups are singletons).
 
     Derived from the expert layout: replicas that differ only on axes along which the

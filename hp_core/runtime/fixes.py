@@ -19,8 +19,13 @@ from hp_core.spec.module_spec import ModuleShardingSpec
 __all__ = ["fix_match", "keep_whole", "keep_whole_yaml"]
 
 
-def _whole(layouts: Mapping[str, Mapping[str, Placement]] | None, axis: str) -> dict[str, dict[str, Placement]]:
-    return {name: {a: (Replicate() if a == axis else p) for a, p in named.items()} for name, named in (layouts or {}).items()}
+def _whole(
+    layouts: Mapping[str, Mapping[str, Placement]] | None, axis: str
+) -> dict[str, dict[str, Placement]]:
+    return {
+        name: {a: (Replicate() if a == axis else p) for a, p in named.items()}
+        for name, named in (layouts or {}).items()
+    }
 
 
 def keep_whole(spec: ModuleShardingSpec, axis: str = "tp") -> ModuleShardingSpec:
@@ -55,10 +60,23 @@ def fix_match(fqn: str, modules: Mapping[str, ModuleShardingSpec]) -> str:
 
 
 def _contract(spec: ModuleShardingSpec) -> tuple[object, ...]:
-    return tuple(repr(getattr(spec, f)) for f in ("params", "in_src", "in_dst", "out_src", "out_dst", "is_boundary", "region_dispatch"))
+    return tuple(
+        repr(getattr(spec, f))
+        for f in (
+            "params",
+            "in_src",
+            "in_dst",
+            "out_src",
+            "out_dst",
+            "is_boundary",
+            "region_dispatch",
+        )
+    )
 
 
-def keep_whole_yaml(fqn: str, spec: ModuleShardingSpec, axis: str = "tp", *, match: str | None = None) -> str:
+def keep_whole_yaml(
+    fqn: str, spec: ModuleShardingSpec, axis: str = "tp", *, match: str | None = None
+) -> str:
     """``keep_whole`` as an overrides YAML document (``load_overrides`` reads it back).
 
     ``match`` (default ``fqn``) is the override key, e.g. a glob from :func:`fix_match`.

@@ -87,12 +87,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _like(ref: torch.Tensor, value: torch.Tensor, placements: Sequence[Any], axis: str) -> torch.Tensor:
+def _like(
+    ref: torch.Tensor, value: torch.Tensor, placements: Sequence[Any], axis: str
+) -> torch.Tensor:
     """``value`` as a gradient of ``ref``'s kind: a DTensor whose placement on ``axis`` is now summed."""
     if not isinstance(ref, DTensor):
         return value
     names = list(ref.device_mesh.mesh_dim_names or ())
-    summed = [Replicate() if isinstance(pl, Partial) and n == axis else pl for n, pl in zip(names, placements, strict=True)]
+    summed = [
+        Replicate() if isinstance(pl, Partial) and n == axis else pl
+        for n, pl in zip(names, placements, strict=True)
+    ]
     return DTensor.from_local(value, ref.device_mesh, summed, run_check=False)
 
 
@@ -137,10 +142,14 @@ class _Bucket:
             g = None if p is None or p.grad is None else _local(p.grad)
             base = self.base.get(i)
             if g is not None and self.whole_already(p):
-                out.append(torch.zeros_like(g))  # same element count on every rank; not written back
+                out.append(
+                    torch.zeros_like(g)
+                )  # same element count on every rank; not written back
             elif g is None:
                 # Every rank must send the same number of elements: a missing gradient is zeros.
-                shape = base.shape if base is not None else (_local(p).shape if p is not None else (0,))
+                shape = (
+                    base.shape if base is not None else (_local(p).shape if p is not None else (0,))
+                )
                 ref = base if base is not None else (_local(p) if p is not None else torch.empty(0))
                 out.append(torch.zeros(shape, dtype=ref.dtype, device=ref.device))
             else:
@@ -183,15 +192,21 @@ class _Bucket:
         return 1
 
     @staticmethod
-    def _write(p: torch.Tensor, reduced: torch.Tensor, base: torch.Tensor | None, axis: str) -> None:
+    def _write(
+        p: torch.Tensor, reduced: torch.Tensor, base: torch.Tensor | None, axis: str
+    ) -> None:
         g = p.grad
         value = reduced.view(_local(g).shape if g is not None else _local(p).shape)
         if base is not None:
             value = value + base
         if g is None:
-            p.grad = _like(p, value.contiguous(), p.placements if isinstance(p, DTensor) else (), axis)
+            p.grad = _like(
+                p, value.contiguous(), p.placements if isinstance(p, DTensor) else (), axis
+            )
         elif isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
-            p.grad = _like(g, value.contiguous(), g.placements, axis)  # summed over axis: whole there
+            p.grad = _like(
+                g, value.contiguous(), g.placements, axis
+            )  # summed over axis: whole there
         else:
             _local(g).copy_(value)  # in place: a DDP bucket view or an FSDP shard stays what it was
 
@@ -199,7 +214,9 @@ class _Bucket:
 class GradReducer:
     """Carries out a list of :class:`GradReduction` on every backward of one model."""
 
-    def __init__(self, buckets: list[_Bucket], mode: str, watched: list[_Entry], every: list[_Entry]) -> None:
+    def __init__(
+        self, buckets: list[_Bucket], mode: str, watched: list[_Entry], every: list[_Entry]
+    ) -> None:
         self.buckets = buckets
         self.mode = mode
         self.watched = watched
@@ -207,7 +224,9 @@ class GradReducer:
         self.every = every
         self.reductions = 0  # buckets reduced so far (tests count them)
         self.early = 0  # of those, started before the end of backward
-        self.by_group: dict[str, int] = {}  # the same, per process group (axis name or expert label)
+        self.by_group: dict[
+            str, int
+        ] = {}  # the same, per process group (axis name or expert label)
         self._armed = False
         self._queued = False
         self._dirty = False
@@ -217,7 +236,9 @@ class GradReducer:
         self._initial: list[torch.Tensor | None] = [e.param() for e in watched]
 
     @classmethod
-    def build(cls, model: nn.Module, reductions: Iterable[GradReduction], mesh: DeviceMesh, mode: str) -> GradReducer:
+    def build(
+        cls, model: nn.Module, reductions: Iterable[GradReduction], mesh: DeviceMesh, mode: str
+    ) -> GradReducer:
         """Group the reductions into buckets by process group (in the given order, identical on every rank)."""
         by_key: dict[str, tuple[Any, list[_Entry]]] = {}
         seen_params: dict[str, int] = {}
@@ -252,7 +273,11 @@ class GradReducer:
         for b in buckets:
             b.early_ok = all(seen_params[e.name] == 1 for e in b.entries)
         watched = list({(id(e.owner), e.attr): e for b in buckets for e in b.entries}.values())
-        every = [_Entry(n, *_owner(model, n)) for n, _ in model.named_parameters()] if mode == "validate" else []
+        every = (
+            [_Entry(n, *_owner(model, n)) for n, _ in model.named_parameters()]
+            if mode == "validate"
+            else []
+        )
         return cls(buckets, mode, watched, every)
 
     # ------------------------------------------------------------------ wiring
@@ -288,7 +313,9 @@ class GradReducer:
         self._dirty = True
         # Queued from inside a callback, the reduction runs after every callback that was
         # queued during backward (FSDP2's, DDP's), whatever order they were queued in.
-        Variable._execution_engine.queue_callback(lambda: Variable._execution_engine.queue_callback(self._finish))
+        Variable._execution_engine.queue_callback(
+            lambda: Variable._execution_engine.queue_callback(self._finish)
+        )
 
     # ------------------------------------------------------------------ one step
     def arm(self) -> None:
@@ -365,7 +392,11 @@ class GradReducer:
             for e in b.entries:
                 p = e.param()
                 g = None if p is None else p.grad
-                if e.source != "propagation" or not isinstance(g, DTensor) or p.device_mesh is not g.device_mesh:
+                if (
+                    e.source != "propagation"
+                    or not isinstance(g, DTensor)
+                    or p.device_mesh is not g.device_mesh
+                ):
                     continue
                 if p is not e.initial:
                     continue  # a wrapper (FSDP2) owns this parameter now and reduces it itself

@@ -78,22 +78,38 @@ def _cpu_groups(mesh: DeviceMesh) -> list[tuple[str, Any]]:
     return out
 
 
-def _first_sequence_split(modules: Mapping[str, ModuleShardingSpec], sizes: Mapping[str, int]) -> tuple[str, str, int] | None:
+def _first_sequence_split(
+    modules: Mapping[str, ModuleShardingSpec], sizes: Mapping[str, int]
+) -> tuple[str, str, int] | None:
     """The first boundary that splits dim 1 of an activation the model received whole.
 
     That is sequence parallelism: along such an axis the model's inputs are whole (the
     embedding's output is) and a later layout shards dim 1. Context parallelism's axes are
     sharded from the start (the user gives each rank its part), so they are not counted.
     """
-    axes = [a for a in sizes if sizes[a] > 1 and not is_data_axis(a) and activations_on(modules, a) == "mixed"]
+    axes = [
+        a
+        for a in sizes
+        if sizes[a] > 1 and not is_data_axis(a) and activations_on(modules, a) == "mixed"
+    ]
     for fqn, spec in modules.items():
         if not spec.is_boundary:
             continue
         for name, named in (spec.in_dst or {}).items():
             src = (spec.in_src or {}).get(name, {})
-            split = [a for a in axes if isinstance(named.get(a), Shard) and named[a].dim == 1 and not isinstance(src.get(a), Shard)]
+            split = [
+                a
+                for a in axes
+                if isinstance(named.get(a), Shard)
+                and named[a].dim == 1
+                and not isinstance(src.get(a), Shard)
+            ]
             if split:
-                return f"{fqn} (input {name!r})", "x".join(f"{a}={sizes[a]}" for a in split), math.prod(sizes[a] for a in split)
+                return (
+                    f"{fqn} (input {name!r})",
+                    "x".join(f"{a}={sizes[a]}" for a in split),
+                    math.prod(sizes[a] for a in split),
+                )
     return None
 
 
@@ -102,7 +118,9 @@ def _code(x: Any) -> int:
     return int.from_bytes(digest, "little") & ((1 << 62) - 1)
 
 
-def _describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
+def _describe(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[tuple[str, tuple[int, ...], str]]:
     out: list[tuple[str, tuple[int, ...], str]] = []
 
     def walk(name: str, v: Any) -> None:
@@ -125,14 +143,26 @@ def _describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, 
 class InputGuard:
     """Root forward pre-hook: compare this call's input shapes over each non-dp mesh axis."""
 
-    def __init__(self, model_name: str, mesh: DeviceMesh, modules: Mapping[str, ModuleShardingSpec], fallback: Any = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        mesh: DeviceMesh,
+        modules: Mapping[str, ModuleShardingSpec],
+        fallback: Any = None,
+    ) -> None:
         self.model_name = model_name
-        self.fallback = fallback  # a SequenceFallback: inference that cannot split its sequence runs whole
+        self.fallback = (
+            fallback  # a SequenceFallback: inference that cannot split its sequence runs whole
+        )
         self.groups = _cpu_groups(mesh)
         # Along an axis where the plan shards activations everywhere (context parallelism),
         # each rank is given its own part of the batch: only shapes must agree there.
-        self.same_values = {axis: activations_on(modules, axis) != "sharded" for axis, _ in self.groups}
-        self.split = _first_sequence_split(modules, dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)))
+        self.same_values = {
+            axis: activations_on(modules, axis) != "sharded" for axis, _ in self.groups
+        }
+        self.split = _first_sequence_split(
+            modules, dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True))
+        )
         self.checks = 0
 
     def attach(self, model: nn.Module, journal: Journal) -> None:

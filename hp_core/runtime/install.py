@@ -51,13 +51,22 @@ def vocab_axis(module: nn.Module, spec: ModuleShardingSpec, mesh: DeviceMesh) ->
         return None
     named = (spec.params or {}).get("weight") or {}
     for axis, placement in named.items():
-        if isinstance(placement, Shard) and placement.dim == 0 and axis in (mesh.mesh_dim_names or ()):
+        if (
+            isinstance(placement, Shard)
+            and placement.dim == 0
+            and axis in (mesh.mesh_dim_names or ())
+        ):
             return str(axis)
     return None
 
 
 def _compute_for(
-    fqn: str, module: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, mode: str, pre: PreflightResult
+    fqn: str,
+    module: nn.Module,
+    plan: ShardingPlan,
+    mesh: DeviceMesh,
+    mode: str,
+    pre: PreflightResult,
 ) -> tuple[Any, bool]:
     """The region's compute and whether validate dispatches DTensors through it."""
     spec = plan[fqn]
@@ -69,7 +78,9 @@ def _compute_for(
         return None, spec.region_dispatch is True  # the inner wrap supplies the compute
     axis = vocab_axis(module, spec, mesh)
     if axis is not None:
-        return VocabParallelLookup(fqn, module, module.forward, mesh, axis, mode), spec.region_dispatch is not False
+        return VocabParallelLookup(
+            fqn, module, module.forward, mesh, axis, mode
+        ), spec.region_dispatch is not False
     return None, spec.region_dispatch is not False
 
 
@@ -96,8 +107,12 @@ def _inner_wrap(
     original = target.forward
     source = f"plan[{fqn!r}].inner_wrapper"
     # The target's FQN, for the wrapper's error messages (it only receives the module).
-    journal.set_attr(target, "_hp_fqn", fqn if inj.inner_target == "self" else f"{fqn}.{inj.inner_target}")
-    replacement = inj.inner_wrapper.bind({"target_module": target, "ctx": pre.context}, source=source)
+    journal.set_attr(
+        target, "_hp_fqn", fqn if inj.inner_target == "self" else f"{fqn}.{inj.inner_target}"
+    )
+    replacement = inj.inner_wrapper.bind(
+        {"target_module": target, "ctx": pre.context}, source=source
+    )
     if replacement is None:  # the wrapper installed it in place
         replacement = target.__dict__.get("forward")
         if replacement is None or replacement is before:
@@ -106,13 +121,23 @@ def _inner_wrap(
                 f"{type(target).__name__}.forward; return the replacement forward instead."
             )
         # Undo the wrapper's own assignment if a later phase fails.
-        journal.record(lambda: target.__dict__.pop("forward", None) if before is None else target.__dict__.__setitem__("forward", before))
+        journal.record(
+            lambda: (
+                target.__dict__.pop("forward", None)
+                if before is None
+                else target.__dict__.__setitem__("forward", before)
+            )
+        )
     check_forward_compatible(replacement, original, source=source)
-    wraps[fqn] = InnerWrap(inj.inner_wrapper.name, fqn if inj.inner_target == "self" else f"{fqn}.{inj.inner_target}")
+    wraps[fqn] = InnerWrap(
+        inj.inner_wrapper.name, fqn if inj.inner_target == "self" else f"{fqn}.{inj.inner_target}"
+    )
     if inj.inner_target == "self":
         return replacement
     if mode == "validate" and spec.region_dispatch is True:
-        replacement = InnerOutputCheck(f"{fqn}.{inj.inner_target}", replacement, spec.inner_out_src, mesh)
+        replacement = InnerOutputCheck(
+            f"{fqn}.{inj.inner_target}", replacement, spec.inner_out_src, mesh
+        )
     set_forward(journal, target, replacement)
     return None
 
@@ -142,7 +167,11 @@ def install(
     # Every collective of the install comes first, before the model is touched: after them
     # the install is local, so a rank failing there cannot leave another waiting in one.
     journal.phase("communication")
-    guard = InputGuard(type(model).__name__, mesh, plan.modules, fallback=fallback) if check_inputs else None
+    guard = (
+        InputGuard(type(model).__name__, mesh, plan.modules, fallback=fallback)
+        if check_inputs
+        else None
+    )
     rng = RngStreams(mesh) if streams else None
     sharded = shard_parameters(model, plan, mesh, mode, experts=pre.experts)
     journal.phase("hooks")
@@ -167,14 +196,30 @@ def install(
         replacement = _inner_wrap(fqn, module, plan, dense, mode, pre, journal, wraps)
         compute, dispatch = _compute_for(fqn, module, plan, dense, mode, pre)
         bf = BoundaryForward(
-            fqn, module, spec, dense, mode, compute=compute or replacement, dispatch=dispatch,
-            strict=strict, rng=rng, fix_match=fix_match(fqn, plan.modules),
+            fqn,
+            module,
+            spec,
+            dense,
+            mode,
+            compute=compute or replacement,
+            dispatch=dispatch,
+            strict=strict,
+            rng=rng,
+            fix_match=fix_match(fqn, plan.modules),
         )
         forward: Any = bf
         if guard is not None and fallback is not None:
             whole = BoundaryForward(
-                fqn, module, fallback.variant[fqn], dense, mode, compute=compute or replacement,
-                dispatch=dispatch, strict=strict, rng=rng, fix_match=bf.fix_match,
+                fqn,
+                module,
+                fallback.variant[fqn],
+                dense,
+                mode,
+                compute=compute or replacement,
+                dispatch=dispatch,
+                strict=strict,
+                rng=rng,
+                fix_match=bf.fix_match,
             )
             forward = SequenceSwitch(bf, whole, fallback)
         set_forward(journal, module, forward)
@@ -188,7 +233,11 @@ def install(
                 journal.set_attr(module, attr, local)
     journal.phase("gradient reductions")
     entries = [*reductions, *expert_grad_reductions(plan, pre.experts)]
-    reducer = GradReducer.build(model, entries, dense, mode) if reduce and (entries or mode == "validate") else None
+    reducer = (
+        GradReducer.build(model, entries, dense, mode)
+        if reduce and (entries or mode == "validate")
+        else None
+    )
     if reducer is not None:
         reducer.attach(model, journal)
     journal.phase("loss")
@@ -196,8 +245,17 @@ def install(
         _install_loss(model, mesh, journal)
     meshes = {ep: groups.mesh for ep, groups in pre.experts.items()}
     state = AppliedModel(
-        plan, mode, mesh, forwards, reducer, meshes, guard=guard, rng=rng,
-        fallback=fallback if guard else None, inner_wraps=wraps, context=pre.context,
+        plan,
+        mode,
+        mesh,
+        forwards,
+        reducer,
+        meshes,
+        guard=guard,
+        rng=rng,
+        fallback=fallback if guard else None,
+        inner_wraps=wraps,
+        context=pre.context,
     )
     journal.set_attr(model, "_hp_applied", state)
     journal.phase("commit")  # after the last mutation

@@ -47,7 +47,10 @@ def to_placements(named: Mapping[str, Placement] | None, mesh: Any) -> tuple[Pla
 def same_placement(actual: Placement, expected: Placement) -> bool:
     """Equality that treats DTensor's masked partial (vocab-parallel lookup) as ``partial``."""
     if isinstance(expected, Partial):
-        return isinstance(actual, Partial) and getattr(actual, "reduce_op", "sum") == expected.reduce_op
+        return (
+            isinstance(actual, Partial)
+            and getattr(actual, "reduce_op", "sum") == expected.reduce_op
+        )
     return actual == expected
 
 
@@ -83,7 +86,11 @@ class Redistribution:
 
     # --------------------------------------------------------------- lowering
     def _lower(self) -> Any:
-        changed = [i for i, (s, d, g) in enumerate(zip(self.src, self.dst, self.grad, strict=True)) if s != d or g != d]
+        changed = [
+            i
+            for i, (s, d, g) in enumerate(zip(self.src, self.dst, self.grad, strict=True))
+            if s != d or g != d
+        ]
         if len(changed) != 1:
             return None
         i = changed[0]

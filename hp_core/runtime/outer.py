@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 
 __all__ = ["OuterWrapperCheck", "WrappedOverModelParallelRanksError"]
 
-_DDP_CODES = frozenset({DistributedDataParallel.forward.__code__, DistributedDataParallel._run_ddp_forward.__code__})
+_DDP_CODES = frozenset(
+    {DistributedDataParallel.forward.__code__, DistributedDataParallel._run_ddp_forward.__code__}
+)
 #: Frames between the DDP forward and this hook: _run_ddp_forward → Module._wrapped_call_impl
 #: → Module._call_impl → the hook; a few more for wrappers in between (accelerate's autocast).
 _DEPTH = 12
@@ -77,7 +79,11 @@ class OuterWrapperCheck:
         for axis, peers in self.peers.items():
             shared = sorted((ranks & peers) - {me})
             if shared:
-                dp = f"mesh[{self.dp_axes[0]!r}].get_group()" if self.dp_axes else "the dp group (a mesh with a dp axis)"
+                dp = (
+                    f"mesh[{self.dp_axes[0]!r}].get_group()"
+                    if self.dp_axes
+                    else "the dp group (a mesh with a dp axis)"
+                )
                 raise WrappedOverModelParallelRanksError(
                     f"{self.model_name} is wrapped in DistributedDataParallel over ranks {sorted(ranks)}, which "
                     f"include rank(s) {shared} of this rank's {axis} group: DDP would broadcast and average "

@@ -27,7 +27,13 @@ from hp_core.runtime.partial import is_expert_param
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParameterPlacementError", "ShardedParameters", "declared_params", "outside_boundaries", "shard_parameters"]
+__all__ = [
+    "ParameterPlacementError",
+    "ShardedParameters",
+    "declared_params",
+    "outside_boundaries",
+    "shard_parameters",
+]
 
 
 def _owner(module: nn.Module, rel: str) -> tuple[nn.Module, str]:
@@ -35,7 +41,9 @@ def _owner(module: nn.Module, rel: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(path) if path else module), name
 
 
-def declared_params(model: nn.Module, plan: ShardingPlan) -> Iterator[tuple[str, str, nn.Module, str, dict]]:
+def declared_params(
+    model: nn.Module, plan: ShardingPlan
+) -> Iterator[tuple[str, str, nn.Module, str, dict]]:
     """``(boundary fqn, relative name, owning module, attribute, named placement)`` in plan order.
 
     Stacked expert parameters (``_ep_stack``) are left out: they have no owner until
@@ -58,7 +66,8 @@ def outside_boundaries(plan: ShardingPlan) -> set[str]:
     """FQNs of non-boundary specs that no boundary encloses (their module runs in model code)."""
     bounds = [f for f, s in plan.items() if s.is_boundary]
     return {
-        f for f, s in plan.items()
+        f
+        for f, s in plan.items()
         if not s.is_boundary and not any(b == "" or f.startswith(b + ".") for b in bounds)
     }
 
@@ -69,7 +78,9 @@ def _distribute(t: torch.Tensor, mesh: DeviceMesh, named: dict, mode: str) -> to
     data = t.detach() if t.is_meta else t.detach().clone()
     # Rank 0's values are the truth, as in DTensor: every rank (dp replicas too) ends up
     # with the same model. Meta tensors carry no values, so they are only chunked.
-    dt = distribute_tensor(data, mesh, to_placements(named, mesh), src_data_rank=None if data.is_meta else 0)
+    dt = distribute_tensor(
+        data, mesh, to_placements(named, mesh), src_data_rank=None if data.is_meta else 0
+    )
     if mode != "validate":
         return dt.to_local()
     dense = dense_mesh(mesh)
@@ -140,6 +151,8 @@ def shard_parameters(
     for owner, name, old, named, how in work:
         new = made.get(id(old))  # a tied parameter is sharded once and stays tied
         if new is None:
-            new = made[id(old)] = nn.Parameter(_distribute(old, mesh, named, how), requires_grad=old.requires_grad)
+            new = made[id(old)] = nn.Parameter(
+                _distribute(old, mesh, named, how), requires_grad=old.requires_grad
+            )
         out.append((owner, name, old, new))
     return ShardedParameters(out, sharded_experts)

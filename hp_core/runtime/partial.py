@@ -43,7 +43,12 @@ class AmbiguousGradientError(HpError, ValueError):
 
 
 def _sharded_axes(layouts: Mapping[str, Mapping[str, Placement]] | None) -> set[str]:
-    return {str(a) for named in (layouts or {}).values() for a, p in named.items() if isinstance(p, Shard)}
+    return {
+        str(a)
+        for named in (layouts or {}).values()
+        for a, p in named.items()
+        if isinstance(p, Shard)
+    }
 
 
 def is_expert_param(spec: ModuleShardingSpec, named: Mapping[str, Placement]) -> bool:
@@ -92,12 +97,18 @@ def contract_partial_axes(
     named = params.get(rel, {})
     others = region_params if region_params is not None else params
     deferred = rel in spec._deferred_bias_params
-    data = _sharded_axes(spec.out_dst if isinstance(spec.out_dst, dict) else None) if deferred else data_axes(spec)
+    data = (
+        _sharded_axes(spec.out_dst if isinstance(spec.out_dst, dict) else None)
+        if deferred
+        else data_axes(spec)
+    )
     out: list[str] = []
     for axis in axes:
         if is_data_axis(axis) or not isinstance(named.get(axis, Replicate()), Replicate):
             continue
-        if not deferred and any(isinstance(o.get(axis), Shard) for r, o in others.items() if r != rel):
+        if not deferred and any(
+            isinstance(o.get(axis), Shard) for r, o in others.items() if r != rel
+        ):
             sharded = sorted(r for r, o in others.items() if isinstance(o.get(axis), Shard))
             raise AmbiguousGradientError(
                 f"{fqn}.{rel}: replicated on {axis!r} in a region that runs on local tensors "

@@ -82,7 +82,7 @@ class PreflightResult:
 
 def _yaml_cp_fix(fqn: str) -> str:
     return (
-        "  - match: \"*.self_attn\"\n    when: cp\n    inner_target: self\n"
+        '  - match: "*.self_attn"\n    when: cp\n    inner_target: self\n'
         "    inner_wrapper: sdpa_hf\n    region_dispatch: false"
     )
 
@@ -95,17 +95,29 @@ def _check_mesh(plan: ShardingPlan, mesh: DeviceMesh) -> None:
             f"(2,), mesh_dim_names=('tp',))), got {type(mesh).__name__}."
         )
     actual = MeshSpec.from_any(mesh)
-    planned = dict(zip(plan.mesh_axis_names, plan.mesh_shape or (None,) * len(plan.mesh_axis_names), strict=True))
+    planned = dict(
+        zip(
+            plan.mesh_axis_names,
+            plan.mesh_shape or (None,) * len(plan.mesh_axis_names),
+            strict=True,
+        )
+    )
     missing = [a for a in planned if a not in actual]
     if missing:
         raise MeshMismatchError(
             f"the plan was made for axes {list(planned)} but the mesh {actual} lacks {missing}. Apply "
             "the plan on the mesh it was made for, or plan again for this mesh."
         )
-    wrong = {a: (planned[a], actual.size(a)) for a in planned if planned[a] is not None and planned[a] != actual.size(a)}
+    wrong = {
+        a: (planned[a], actual.size(a))
+        for a in planned
+        if planned[a] is not None and planned[a] != actual.size(a)
+    }
     if wrong:
         detail = ", ".join(f"{a}: plan {p}, mesh {m}" for a, (p, m) in wrong.items())
-        raise MeshMismatchError(f"mesh sizes differ from the plan's ({detail}). Plan again for this mesh.")
+        raise MeshMismatchError(
+            f"mesh sizes differ from the plan's ({detail}). Plan again for this mesh."
+        )
 
 
 def _check_modules(model: nn.Module, plan: ShardingPlan) -> dict[str, nn.Module]:
@@ -114,7 +126,9 @@ def _check_modules(model: nn.Module, plan: ShardingPlan) -> dict[str, nn.Module]
         if fqn not in modules:
             best = close_matches(fqn, modules, n=3)
             hint = f" Close matches: {best}." if best else ""
-            raise PreflightError(f"plan names module {fqn!r}, which the model does not have.{hint} Plan for this model.")
+            raise PreflightError(
+                f"plan names module {fqn!r}, which the model does not have.{hint} Plan for this model."
+            )
     return modules
 
 
@@ -144,7 +158,11 @@ def _resolve(
     result = InjectionPlan()
     cp_active = ctx.cp_mesh is not None
     if (spec.inner_target is None) != (spec.inner_wrapper is None):
-        have, lack = ("inner_target", "inner_wrapper") if spec.inner_target is not None else ("inner_wrapper", "inner_target")
+        have, lack = (
+            ("inner_target", "inner_wrapper")
+            if spec.inner_target is not None
+            else ("inner_wrapper", "inner_target")
+        )
         raise PreflightError(
             f"{fqn}: {have} is set but {lack} is not; an inner wrap needs both (which submodule, and "
             f"what replaces its forward). Add {lack}, e.g. inner_target: self."
@@ -177,7 +195,9 @@ def _resolve(
                     f"{fqn}: inner_target {target!r} is a child, so inner_out_src must say the layout of "
                     "its output ('first_input', or a placement mapping such as {tp: shard(1)})."
                 )
-        resolved = resolve_injection(spec.inner_wrapper, "inner_wrapper", source=f"{src}.inner_wrapper")
+        resolved = resolve_injection(
+            spec.inner_wrapper, "inner_wrapper", source=f"{src}.inner_wrapper"
+        )
         meta = _registry_meta(spec.inner_wrapper)
         if meta.get("needs_cp") and not cp_active:
             raise PreflightError(
@@ -193,11 +213,20 @@ def _resolve(
             )
         result.inner_wrapper, result.inner_target = resolved, target
     if spec.local_compute_fn is not None:
-        resolved = resolve_injection(spec.local_compute_fn, "local_compute", source=f"{src}.local_compute_fn")
+        resolved = resolve_injection(
+            spec.local_compute_fn, "local_compute", source=f"{src}.local_compute_fn"
+        )
         result.local_compute = resolved
-        if spec._ep_size <= 1:  # an expert-parallel factory is bound after the exchange (it needs ep_mesh)
+        if (
+            spec._ep_size <= 1
+        ):  # an expert-parallel factory is bound after the exchange (it needs ep_mesh)
             result.compute_fn = _bind_compute(fqn, resolved, module, ctx)
-    if spec._needs_cp_attn and cp_active and spec.inner_wrapper is None and spec.local_compute_fn is None:
+    if (
+        spec._needs_cp_attn
+        and cp_active
+        and spec.inner_wrapper is None
+        and spec.local_compute_fn is None
+    ):
         raise PreflightError(
             f"{fqn}: attention under cp={ctx.size('cp')} needs a context-parallel attention "
             "wrapper (each rank holds only part of the sequence, so keys and values must be gathered). "
@@ -213,7 +242,10 @@ def _resolve(
             else f"(no installed plugin registers a factory for {candidates[0]}: install hp-plugin-moe, "
             "or write your own @local_compute factory; hp plugins lists the factories installed.)"
         )
-        entries = override_entries(expert_matches(plan, fqn), f"    local_compute_fn: {name or 'FACTORY'}\n    region_dispatch: false\n")
+        entries = override_entries(
+            expert_matches(plan, fqn),
+            f"    local_compute_fn: {name or 'FACTORY'}\n    region_dispatch: false\n",
+        )
         raise PreflightError(
             f"{fqn}: experts are sharded over ep={spec._ep_size} but no compute is declared; the MoE "
             f"block needs an expert-parallel compute that dispatches tokens with all-to-all. Add:\n{entries}{hint}"
@@ -242,11 +274,22 @@ def _check_attrs(model: nn.Module, plan: ShardingPlan) -> None:
                 )
 
 
-def fingerprint_of(plan: Any, mode: str, report: Any = None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+def fingerprint_of(
+    plan: Any, mode: str, report: Any = None, extra: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """Everything that decides which collectives a rank will issue, by name (compared across ranks)."""
-    out = {"plan": plan.fingerprint() if isinstance(plan, ShardingPlan) else f"<{type(plan).__name__}>", "mode": str(mode)}
-    if report is not None:  # the derived reductions decide the gradient all-reduces: they must agree too
-        out["gradient reductions"] = hashlib.sha256(repr([(r.param, r.axes) for r in report.reductions]).encode()).hexdigest()[:16]
+    out = {
+        "plan": plan.fingerprint()
+        if isinstance(plan, ShardingPlan)
+        else f"<{type(plan).__name__}>",
+        "mode": str(mode),
+    }
+    if (
+        report is not None
+    ):  # the derived reductions decide the gradient all-reduces: they must agree too
+        out["gradient reductions"] = hashlib.sha256(
+            repr([(r.param, r.axes) for r in report.reductions]).encode()
+        ).hexdigest()[:16]
     out.update(extra or {})
     return out
 
@@ -266,7 +309,9 @@ def _exchange(
         if error is not None:
             raise error
         return
-    verdicts = exchange.exchange(phase, Verdict.of(error, phase, fingerprint_of(plan, mode, report, extra)))
+    verdicts = exchange.exchange(
+        phase, Verdict.of(error, phase, fingerprint_of(plan, mode, report, extra))
+    )
     if error is not None:
         raise error
     failed = failures(verdicts)
@@ -296,7 +341,9 @@ def _exchange(
         )
 
 
-def _expert_layouts(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh) -> dict[int, ExpertLayout]:
+def _expert_layouts(
+    model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh
+) -> dict[int, ExpertLayout]:
     """ep size → ``ExpertLayout`` of the plan's expert-parallel boundaries (pure)."""
     layouts: dict[int, ExpertLayout] = {}
     spec_of: dict[int, str] = {}
@@ -326,7 +373,11 @@ def _expert_layouts(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh) -> d
 
 
 def _bind_experts(
-    model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, result: PreflightResult, layouts: dict[int, ExpertLayout]
+    model: nn.Module,
+    plan: ShardingPlan,
+    mesh: DeviceMesh,
+    result: PreflightResult,
+    layouts: dict[int, ExpertLayout],
 ) -> None:
     """Phase 2: create the expert meshes (collective), then bind the expert-parallel factories."""
     assert result.context is not None  # set by check_locally
@@ -341,18 +392,26 @@ def _bind_experts(
         except (PreflightError, InjectionBindingError):
             raise
         except Exception as e:  # the factory refused the module: name the boundary
-            raise PreflightError(f"{fqn}: the @local_compute factory {inj.local_compute.name!r} refused this module: {e}") from e
+            raise PreflightError(
+                f"{fqn}: the @local_compute factory {inj.local_compute.name!r} refused this module: {e}"
+            ) from e
 
 
-def check_locally(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, mode: str) -> PreflightResult:
+def check_locally(
+    model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, mode: str
+) -> PreflightResult:
     """Every check that needs no other rank; raises the first failure. Mutates nothing."""
     result = PreflightResult({})
     if not isinstance(model, nn.Module):
-        raise PreflightError(f"apply(model, ...): model must be a torch.nn.Module, got {type(model).__name__} {model!r:.60}.")
+        raise PreflightError(
+            f"apply(model, ...): model must be a torch.nn.Module, got {type(model).__name__} {model!r:.60}."
+        )
     if mode not in MODES:
         raise PreflightError(f"apply(mode={mode!r}): mode must be one of {MODES}.")
     if not isinstance(plan, ShardingPlan):
-        raise PreflightError(f"apply() expects a ShardingPlan (from hp_core.plan(...)), got {type(plan).__name__}.")
+        raise PreflightError(
+            f"apply() expects a ShardingPlan (from hp_core.plan(...)), got {type(plan).__name__}."
+        )
     if getattr(model, "_hp_applied", None) is not None:
         raise PreflightError(
             f"this {type(model).__name__} was already parallelized by hp; apply a plan to an unsharded model."

@@ -84,8 +84,12 @@ class RngStreams:
         """The tp group's base seed: its first rank's initial seed (one broadcast, at apply)."""
         device = torch.device("cpu")
         if mesh.device_type != "cpu":
-            device = torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
-        seed = torch.tensor([torch.initial_seed() & ((1 << 62) - 1)], dtype=torch.int64, device=device)
+            device = torch.device(
+                mesh.device_type, torch.get_device_module(mesh.device_type).current_device()
+            )
+        seed = torch.tensor(
+            [torch.initial_seed() & ((1 << 62) - 1)], dtype=torch.int64, device=device
+        )
         group = mesh.get_group(axis)
         dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
         return int(seed.item())

@@ -27,11 +27,16 @@ __all__ = ["SequenceFallback", "SequenceSwitch", "whole_sequence_plan"]
 _ACTIVATIONS = ("in_src", "in_dst", "out_src", "out_dst")
 
 
-def _whole(layouts: Mapping[str, Mapping[str, Placement]] | None) -> dict[str, dict[str, Placement]] | None:
+def _whole(
+    layouts: Mapping[str, Mapping[str, Placement]] | None,
+) -> dict[str, dict[str, Placement]] | None:
     if layouts is None:
         return None
     return {
-        name: {a: (Replicate() if a == "tp" and isinstance(p, Shard) and p.dim == 1 else p) for a, p in named.items()}
+        name: {
+            a: (Replicate() if a == "tp" and isinstance(p, Shard) and p.dim == 1 else p)
+            for a, p in named.items()
+        }
         for name, named in layouts.items()
     }
 
@@ -76,7 +81,9 @@ class SequenceFallback:
 class SequenceSwitch:
     """A boundary's forward with both wirings: sequence-parallel, and whole-sequence."""
 
-    def __init__(self, split: Callable[..., Any], whole: Callable[..., Any], fallback: SequenceFallback) -> None:
+    def __init__(
+        self, split: Callable[..., Any], whole: Callable[..., Any], fallback: SequenceFallback
+    ) -> None:
         self.split = split
         self.whole = whole
         self.fallback = fallback

@@ -56,9 +56,13 @@ def resolve_timeout(timeout: float | None) -> float:
         try:
             timeout = float(raw)
         except ValueError:
-            raise RankTimeoutError(f"{_ENV}={raw!r} is not a number of seconds; set it to e.g. 60.") from None
+            raise RankTimeoutError(
+                f"{_ENV}={raw!r} is not a number of seconds; set it to e.g. 60."
+            ) from None
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-        raise RankTimeoutError(f"apply(timeout={timeout!r}): expected a positive number of seconds.")
+        raise RankTimeoutError(
+            f"apply(timeout={timeout!r}): expected a positive number of seconds."
+        )
     return float(timeout)
 
 
@@ -76,7 +80,9 @@ class Verdict:
     where: str | None = None
 
     def dumps(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self) | {"fingerprint": dict(self.fingerprint)}).encode()
+        return json.dumps(
+            dataclasses.asdict(self) | {"fingerprint": dict(self.fingerprint)}
+        ).encode()
 
     @classmethod
     def loads(cls, data: bytes) -> Verdict:
@@ -84,10 +90,17 @@ class Verdict:
         return cls(dict(raw["fingerprint"]), raw["error"], raw["error_type"], raw["where"])
 
     @classmethod
-    def of(cls, error: BaseException | None, where: str | None = None, fingerprint: Mapping[str, str] | None = None) -> Verdict:
+    def of(
+        cls,
+        error: BaseException | None,
+        where: str | None = None,
+        fingerprint: Mapping[str, str] | None = None,
+    ) -> Verdict:
         if error is None:
             return cls(dict(fingerprint or {}))
-        return cls(dict(fingerprint or {}), f"{type(error).__name__}: {error}", type(error).__name__, where)
+        return cls(
+            dict(fingerprint or {}), f"{type(error).__name__}: {error}", type(error).__name__, where
+        )
 
 
 def _store() -> Any:

@@ -25,14 +25,21 @@ from hp_core.errors import HpError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["VocabLookupError", "VocabParallelCausalLMLoss", "VocabParallelLookup", "vocab_parallel_cross_entropy"]
+__all__ = [
+    "VocabLookupError",
+    "VocabParallelCausalLMLoss",
+    "VocabParallelLookup",
+    "vocab_parallel_cross_entropy",
+]
 
 
 class VocabLookupError(HpError, ValueError):
     """A vocab-parallel embedding whose forward hp cannot make vocab-parallel."""
 
 
-def _masked_lookup(ids: torch.Tensor, rows: torch.Tensor, start: int, padding_idx: int | None) -> torch.Tensor:
+def _masked_lookup(
+    ids: torch.Tensor, rows: torch.Tensor, start: int, padding_idx: int | None
+) -> torch.Tensor:
     """This rank's share of ``embedding(ids, full_weight)``: rows ``[start, start + len(rows))``.
 
     Ids outside the shard look up row 0 and are zeroed, so the sum over the vocabulary
@@ -41,7 +48,11 @@ def _masked_lookup(ids: torch.Tensor, rows: torch.Tensor, start: int, padding_id
     n = rows.shape[0]
     outside = (ids < start) | (ids >= start + n)
     local_ids = (ids - start).masked_fill(outside, 0)
-    local_pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + n else None
+    local_pad = (
+        padding_idx - start
+        if padding_idx is not None and start <= padding_idx < start + n
+        else None
+    )
     out = F.embedding(local_ids, rows, local_pad)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
@@ -53,13 +64,21 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 class _Intercept(TorchFunctionMode):
     """Routes ``F.embedding(ids, weight)`` calls on one parameter to a vocab-parallel lookup."""
 
-    def __init__(self, is_target: Callable[[Any], bool], lookup: Callable[..., torch.Tensor]) -> None:
+    def __init__(
+        self, is_target: Callable[[Any], bool], lookup: Callable[..., torch.Tensor]
+    ) -> None:
         super().__init__()
         self.is_target = is_target
         self.lookup = lookup
         self.fired = 0
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if func is F.embedding:
             bound = _EMBEDDING_SIGNATURE.bind(*args, **kwargs)
@@ -82,7 +101,15 @@ class VocabParallelLookup:
     before anything runs. Production works on local tensors; validate on DTensors.
     """
 
-    def __init__(self, fqn: str, module: nn.Embedding, forward: Callable[..., Any], mesh: DeviceMesh, axis: str, mode: str) -> None:
+    def __init__(
+        self,
+        fqn: str,
+        module: nn.Embedding,
+        forward: Callable[..., Any],
+        mesh: DeviceMesh,
+        axis: str,
+        mode: str,
+    ) -> None:
         self.fqn = fqn
         self.module = module
         self.forward = forward
@@ -102,14 +129,30 @@ class VocabParallelLookup:
                 f"    out_src: {{output: {{{self.axis}: replicate}}}}"
             )
 
-    def _local_lookup(self, input: torch.Tensor, weight: torch.Tensor, padding_idx: Any = None, max_norm: Any = None,
-                      norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False) -> torch.Tensor:
+    def _local_lookup(
+        self,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        padding_idx: Any = None,
+        max_norm: Any = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+    ) -> torch.Tensor:
         self._check_options(max_norm, scale_grad_by_freq)
         start = self.mesh.get_local_rank(self.axis) * weight.shape[0]
         return _masked_lookup(input, weight, start, padding_idx)
 
-    def _dtensor_lookup(self, input: Any, weight: DTensor, padding_idx: Any = None, max_norm: Any = None,
-                        norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False) -> DTensor:
+    def _dtensor_lookup(
+        self,
+        input: Any,
+        weight: DTensor,
+        padding_idx: Any = None,
+        max_norm: Any = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+    ) -> DTensor:
         """Validate: the same masked lookup on the local shards, re-wrapped as a partial sum.
 
         The weight's gradient is partial on every axis along which the ids are sharded
@@ -117,7 +160,11 @@ class VocabParallelLookup:
         so the lookup says it.
         """
         self._check_options(max_norm, scale_grad_by_freq)
-        ids_placements = tuple(input.placements) if isinstance(input, DTensor) else (Replicate(),) * weight.device_mesh.ndim
+        ids_placements = (
+            tuple(input.placements)
+            if isinstance(input, DTensor)
+            else (Replicate(),) * weight.device_mesh.ndim
+        )
         ids = input.to_local() if isinstance(input, DTensor) else input
         grad_placements = [
             Partial() if isinstance(i, Shard) and isinstance(w, Replicate) else w
@@ -152,7 +199,9 @@ class VocabParallelLookup:
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, group: Any) -> torch.Tensor:
+    def forward(
+        ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, group: Any
+    ) -> torch.Tensor:
         vocab_local = logits.shape[-1]
         start = dist.get_rank(group) * vocab_local
         logits = logits.float()
@@ -178,12 +227,16 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         exp, sum_exp, local_t, in_shard, valid = ctx.saved_tensors
         grad = exp / sum_exp.unsqueeze(-1)
-        onehot = torch.zeros_like(grad).scatter_(-1, local_t.unsqueeze(-1), 1.0) * in_shard.unsqueeze(-1)
+        onehot = torch.zeros_like(grad).scatter_(
+            -1, local_t.unsqueeze(-1), 1.0
+        ) * in_shard.unsqueeze(-1)
         grad = (grad - onehot) * (g * valid).unsqueeze(-1)
         return grad, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Any, *, ignore_index: int = -100) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, group: Any, *, ignore_index: int = -100
+) -> torch.Tensor:
     """Per-token cross-entropy from this rank's slice of the vocabulary (0 where ignored)."""
     return _VocabParallelCE.apply(logits, target, ignore_index, group)
 
@@ -213,7 +266,10 @@ class VocabParallelCausalLMLoss:
             padded = F.pad(labels, (0, 1), value=ignore_index)
             shift_labels = padded[..., 1:].contiguous()
         per_token = vocab_parallel_cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1).to(logits.device), self.group, ignore_index=ignore_index
+            logits.reshape(-1, logits.shape[-1]),
+            shift_labels.reshape(-1).to(logits.device),
+            self.group,
+            ignore_index=ignore_index,
         )
         if num_items_in_batch is not None:
             if torch.is_tensor(num_items_in_batch):

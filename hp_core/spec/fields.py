@@ -149,11 +149,15 @@ class SpecField:
     def __post_init__(self) -> None:
         row = f"SpecField({self.name!r})"
         if self.group not in GROUPS:
-            raise ValueError(f"{row}: unknown group {self.group!r}; groups are {', '.join(GROUPS)}.")
+            raise ValueError(
+                f"{row}: unknown group {self.group!r}; groups are {', '.join(GROUPS)}."
+            )
         if self.source not in SOURCES or (self.merge is not None and self.merge not in MERGES):
             raise ValueError(f"{row}: unknown source {self.source!r} or merge {self.merge!r}.")
         if self.kind is not None and self.kind not in USER_KINDS:
-            raise ValueError(f"{row}: unknown kind {self.kind!r}; kinds are {', '.join(USER_KINDS)}.")
+            raise ValueError(
+                f"{row}: unknown kind {self.kind!r}; kinds are {', '.join(USER_KINDS)}."
+            )
         classified = (self.key, self.freeze, self.rebuild)
         if self.exempt:
             if classified != (None, None, None) or self.post_init:
@@ -196,12 +200,20 @@ class SpecField:
         return value is not None
 
 
-def _user(name: str, group: str, freeze: str, rebuild: str, kind: str, merge: str, **extra: Any) -> SpecField:
+def _user(
+    name: str, group: str, freeze: str, rebuild: str, kind: str, merge: str, **extra: Any
+) -> SpecField:
     return SpecField(name, name, group, freeze, rebuild, kind=kind, merge=merge, **extra)
 
 
-def _derived(name: str, key: str | None, group: str, freeze: str | None, rebuild: str | None,
-             post_init: bool = False) -> SpecField:
+def _derived(
+    name: str,
+    key: str | None,
+    group: str,
+    freeze: str | None,
+    rebuild: str | None,
+    post_init: bool = False,
+) -> SpecField:
     return SpecField(name, key, group, freeze, rebuild, post_init, source="derived")
 
 
@@ -209,30 +221,86 @@ _PM, _NP, _OV = "placement_map", "named_placements", "contract"
 
 #: SPEC §8, row by row and in this order.
 SPEC_FIELDS: tuple[SpecField, ...] = (
-    _user("params", PARAM_PLAN, _PM, _PM, _PM, _OV, clear="dict",
-          example="{q_proj.weight: {tp: shard(0)}}"),
-    _user("in_src", PARAM_PLAN, _NP, _NP, _PM, _OV, clear="dict",
-          example="{hidden_states: {tp: shard(1)}}"),
-    _user("in_dst", PARAM_PLAN, _NP, _NP, _PM, _OV, clear="dict",
-          example="{hidden_states: {tp: replicate}}"),
+    _user(
+        "params",
+        PARAM_PLAN,
+        _PM,
+        _PM,
+        _PM,
+        _OV,
+        clear="dict",
+        example="{q_proj.weight: {tp: shard(0)}}",
+    ),
+    _user(
+        "in_src",
+        PARAM_PLAN,
+        _NP,
+        _NP,
+        _PM,
+        _OV,
+        clear="dict",
+        example="{hidden_states: {tp: shard(1)}}",
+    ),
+    _user(
+        "in_dst",
+        PARAM_PLAN,
+        _NP,
+        _NP,
+        _PM,
+        _OV,
+        clear="dict",
+        example="{hidden_states: {tp: replicate}}",
+    ),
     _user("out_src", PARAM_PLAN, _NP, _NP, "out_map", _OV, example="{output: {tp: partial}}"),
     _user("out_dst", PARAM_PLAN, _NP, _NP, "out_map", _OV, example="{output: {tp: shard(1)}}"),
     _user("out_names", PARAM_PLAN, "name_list", "name_list", "name_list", _OV),
     _user("tp_divide_attrs", PARAM_PLAN, "attr_list", "attr_list", "name_list", _OV, clear="list"),
     _user("is_boundary", PARAM_PLAN, "scalar", "bool_default_true", "bool", "both"),
     _user("region_dispatch", PARAM_PLAN, "scalar", "opt_scalar", "opt_bool", "win_when_set"),
-    _derived("_deferred_bias_params", "deferred_bias_params", PARAM_PLAN, "name_list",
-             "tuple_empty", post_init=True),
+    _derived(
+        "_deferred_bias_params",
+        "deferred_bias_params",
+        PARAM_PLAN,
+        "name_list",
+        "tuple_empty",
+        post_init=True,
+    ),
     # set by codegen (hp freeze) only, so an override may not set it
-    _user("skip_source_lowering", PARAM_PLAN, "int_truthy", "opt_scalar", "opt_bool",
-          "win_when_set", override=False),
-    _user("inner_wrapper", INJECTIONS, "value_to_dict", "injection_target", "injection",
-          "win_when_set"),
+    _user(
+        "skip_source_lowering",
+        PARAM_PLAN,
+        "int_truthy",
+        "opt_scalar",
+        "opt_bool",
+        "win_when_set",
+        override=False,
+    ),
+    _user(
+        "inner_wrapper",
+        INJECTIONS,
+        "value_to_dict",
+        "injection_target",
+        "injection",
+        "win_when_set",
+    ),
     _user("inner_target", INJECTIONS, "plain", "opt_scalar", "inner_target", "win_when_set"),
-    _user("inner_out_src", INJECTIONS, "value_to_dict", "injection_target", "inner_out",
-          "win_when_set", example="{tp: shard(1)}"),
-    _user("local_compute_fn", INJECTIONS, "value_to_dict", "injection_target", "injection",
-          "win_when_set"),
+    _user(
+        "inner_out_src",
+        INJECTIONS,
+        "value_to_dict",
+        "injection_target",
+        "inner_out",
+        "win_when_set",
+        example="{tp: shard(1)}",
+    ),
+    _user(
+        "local_compute_fn",
+        INJECTIONS,
+        "value_to_dict",
+        "injection_target",
+        "injection",
+        "win_when_set",
+    ),
     _derived("_ep_stack", "ep_stack", INJECTIONS, "dict_copy", "dict_copy"),
     _derived("_ep_size", "ep_size", INJECTIONS, "int_truthy", "int_truthy"),
     _derived("_tp_local_attr_plan", None, EXEMPT, None, None),

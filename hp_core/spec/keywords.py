@@ -68,4 +68,3 @@ def keyword_checked(cls: Any) -> Any:
 
     cls.__init__ = __init__
     return cls
-

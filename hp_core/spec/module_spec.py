@@ -80,9 +80,13 @@ def _norm_named(raw: Any, path: str) -> NamedPlacement:
     out: NamedPlacement = {}
     for axis, p in raw.items():
         if not isinstance(axis, str) or not axis:
-            raise SpecValidationError(f"{path}: mesh axis names must be non-empty strings, got {axis!r}.")
+            raise SpecValidationError(
+                f"{path}: mesh axis names must be non-empty strings, got {axis!r}."
+            )
         try:
-            out[str(axis)] = check_lowerable(parse_placement(p, path=f"{path}.{axis}"), path=f"{path}.{axis}")
+            out[str(axis)] = check_lowerable(
+                parse_placement(p, path=f"{path}.{axis}"), path=f"{path}.{axis}"
+            )
         except UnsupportedPartialError:
             raise
         except PlacementSyntaxError as e:
@@ -115,9 +119,10 @@ def _norm_names(raw: Any, path: str) -> list[str]:
         raise SpecValidationError(f"{path}: expected a list of names, got {raw!r}.")
     for item in raw:
         if not isinstance(item, str) or not item:
-            raise SpecValidationError(f"{path}: every entry must be a non-empty string, got {item!r}.")
+            raise SpecValidationError(
+                f"{path}: every entry must be a non-empty string, got {item!r}."
+            )
     return list(raw)
-
 
 
 def _check_injection(raw: Any, path: str) -> Any:
@@ -175,9 +180,7 @@ def _check_inner_out(value: Any, path: str) -> Any:
     if value == "first_input":
         return value
     if isinstance(value, str):
-        raise SpecValidationError(
-            f"{path}: the only string value is 'first_input', got {value!r}."
-        )
+        raise SpecValidationError(f"{path}: the only string value is 'first_input', got {value!r}.")
     return _norm_out(value, path)
 
 

@@ -39,7 +39,9 @@ __all__ = [
 NamedPlacement = dict[str, Placement]
 
 
-PLACEMENT_GRAMMAR = "replicate | partial | shard(N)  (N a non-negative integer; case and spaces ignored)"
+PLACEMENT_GRAMMAR = (
+    "replicate | partial | shard(N)  (N a non-negative integer; case and spaces ignored)"
+)
 
 # ASCII only: in Unicode mode ``\d`` matches the digits of every script (Arabic-Indic
 # U+0661 in ``shard(...)``) and IGNORECASE folds letters such as U+017F (long s) or the
@@ -69,7 +71,9 @@ _PARTIAL_FIX = (
 )
 
 
-def check_lowerable(p: Placement, *, path: str = "placement", module: str | None = None) -> Placement:
+def check_lowerable(
+    p: Placement, *, path: str = "placement", module: str | None = None
+) -> Placement:
     """``p`` itself, or :class:`UnsupportedPartialError` for a partial hp cannot lower.
 
     DTensor's ``Partial`` carries a reduce op (``Partial("max")``, ``"avg"``, ...), and
@@ -84,7 +88,9 @@ def check_lowerable(p: Placement, *, path: str = "placement", module: str | None
             if type(p) is Partial
             else f"{type(p).__name__} (a Partial subclass, reduce op {getattr(p, 'reduce_op', '?')!r})"
         )
-        raise UnsupportedPartialError(f"{path}{where}: {what} is not supported; only partial(sum) is. {_PARTIAL_FIX}")
+        raise UnsupportedPartialError(
+            f"{path}{where}: {what} is not supported; only partial(sum) is. {_PARTIAL_FIX}"
+        )
     return p
 
 
@@ -119,7 +125,11 @@ def parse_placement(raw: str | Placement, *, path: str = "placement") -> Placeme
         found = _non_ascii_digits(raw)
         if found is not None:
             digits, ascii_text = found
-            fix = f"Write {ascii_text!r}." if ascii_text is not None else "Write the dimension with 0-9."
+            fix = (
+                f"Write {ascii_text!r}."
+                if ascii_text is not None
+                else "Write the dimension with 0-9."
+            )
             raise PlacementSyntaxError(
                 f"{path}: {raw!r} is not a placement: {digits!r} {'is not an ASCII digit' if len(digits) == 1 else 'are not ASCII digits'}, "
                 f"and placements take the digits 0-9 only. {fix} Grammar: {PLACEMENT_GRAMMAR}."
@@ -140,7 +150,9 @@ def parse_placement(raw: str | Placement, *, path: str = "placement") -> Placeme
         return Partial()
     dim = int(m.group(4))
     if dim > 64:  # torch refuses dims past a C int; no tensor has this many dimensions anyway
-        raise PlacementSyntaxError(f"{path}: {raw!r}: dimension {dim} is out of range; a tensor dimension is a small number (0, 1, ...).")
+        raise PlacementSyntaxError(
+            f"{path}: {raw!r}: dimension {dim} is out of range; a tensor dimension is a small number (0, 1, ...)."
+        )
     return Shard(dim)
 
 
@@ -183,7 +195,9 @@ def format_named_placement(named: Mapping[str, Placement]) -> dict[str, str]:
     return {str(axis): format_placement(p) for axis, p in named.items()}
 
 
-def resolve_placements(named: Mapping[str, Placement], mesh_dim_names: Sequence[str]) -> list[Placement]:
+def resolve_placements(
+    named: Mapping[str, Placement], mesh_dim_names: Sequence[str]
+) -> list[Placement]:
     """Turn a named layout into torch's positional list: mesh order, missing axes replicated."""
     dims = [str(d) for d in mesh_dim_names]
     for axis in named:
@@ -194,7 +208,6 @@ def resolve_placements(named: Mapping[str, Placement], mesh_dim_names: Sequence[
             )
     by_name = {str(k): v for k, v in named.items()}
     return [by_name.get(d, Replicate()) for d in dims]
-
 
 
 # ------------------------------------------------------------------------ errors
@@ -222,7 +235,9 @@ class PlacementMismatchError(HpError, ValueError):
     def __init__(self, module_name: str, expected: Any, actual: Any, stage: str) -> None:
         base = stage.split("[", 1)[0]
         if base not in self.STAGES:
-            raise ValueError(f"unknown PlacementMismatchError stage {stage!r}; expected one of {self.STAGES}")
+            raise ValueError(
+                f"unknown PlacementMismatchError stage {stage!r}; expected one of {self.STAGES}"
+            )
         self.module_name = module_name
         self.expected = expected
         self.actual = actual

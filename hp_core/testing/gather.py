@@ -21,7 +21,13 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from hp_core.mesh import is_data_axis
 
-__all__ = ["DEFAULT_EXPERT_PARAMS", "REPLICA_TOL", "GradientCheckError", "gather_full_grads", "is_data_axis"]
+__all__ = [
+    "DEFAULT_EXPERT_PARAMS",
+    "REPLICA_TOL",
+    "GradientCheckError",
+    "gather_full_grads",
+    "is_data_axis",
+]
 
 #: Replica check tolerance of :func:`gather_full_grads`: copies of one replicated gradient
 #: on different ranks may differ by at most ``REPLICA_TOL * (1 + |g|)`` element-wise.
@@ -226,7 +232,9 @@ def _unshard_data_parallel(p: torch.Tensor) -> torch.Tensor:
     left is the tensor hp placed (a plain local shard, in production mode). Collective over
     the data-parallel group; every rank reaches it for the same parameters in order.
     """
-    if not isinstance(p, DTensor) or not all(is_data_axis(a) for a in (p.device_mesh.mesh_dim_names or ("?",))):
+    if not isinstance(p, DTensor) or not all(
+        is_data_axis(a) for a in (p.device_mesh.mesh_dim_names or ("?",))
+    ):
         return p
     q = nn.Parameter(p.full_tensor().detach(), requires_grad=p.requires_grad)
     grad = p.grad
@@ -295,7 +303,9 @@ def gather_full_grads(
     )
     full_shapes = _reference_shapes(reference)
 
-    params = {n: _unshard_data_parallel(p) for n, p in model.named_parameters() if p.grad is not None}
+    params = {
+        n: _unshard_data_parallel(p) for n, p in model.named_parameters() if p.grad is not None
+    }
     metas = _mesh_all_gather_object(
         (dist.get_rank(), {n: _local_meta(n, p) for n, p in params.items()}), mesh
     )
@@ -334,7 +344,9 @@ def gather_full_grads(
                 continue
             grad = params[name].grad
             if not isinstance(grad, DTensor):
-                problems.append(f"{name}: a DTensor parameter whose gradient is {type(grad).__name__}")
+                problems.append(
+                    f"{name}: a DTensor parameter whose gradient is {type(grad).__name__}"
+                )
                 continue
             full = grad.full_tensor()
             if grad.device_mesh == mesh:  # full_tensor() gathered its Shard axes: equal there

@@ -46,8 +46,18 @@ class CollectiveCounter(TorchDispatchMode):
             name = _NAMES.get(func._opname.strip("_"))
             # The in-place c10d ops take (output, input, ...); the functional ones (input, ...).
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            nested = [t for a in args if isinstance(a, list | tuple) for t in a if isinstance(t, torch.Tensor)]
-            src = tensors[1] if ns == "c10d" and len(tensors) > 1 else (tensors or nested or [None])[0]
+            nested = [
+                t
+                for a in args
+                if isinstance(a, list | tuple)
+                for t in a
+                if isinstance(t, torch.Tensor)
+            ]
+            src = (
+                tensors[1]
+                if ns == "c10d" and len(tensors) > 1
+                else (tensors or nested or [None])[0]
+            )
             if name is not None and not (src is not None and src.is_meta):
                 self.calls[name] = self.calls.get(name, 0) + 1
                 if src is not None:

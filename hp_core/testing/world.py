@@ -24,7 +24,14 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["World", "WorldError", "WorldTaskError", "WorldTimeoutError", "get_world", "shutdown_worlds"]
+__all__ = [
+    "World",
+    "WorldError",
+    "WorldTaskError",
+    "WorldTimeoutError",
+    "get_world",
+    "shutdown_worlds",
+]
 
 DEFAULT_TIMEOUT = float(os.environ.get("HP_WORLD_TIMEOUT", "120"))
 
@@ -36,7 +43,9 @@ class WorldError(RuntimeError):
 class WorldTaskError(WorldError):
     """A task raised on one or more ranks; the message holds each failing rank's traceback."""
 
-    def __init__(self, fn_name: str, failures: dict[int, str], exceptions: dict[int, BaseException | None]):
+    def __init__(
+        self, fn_name: str, failures: dict[int, str], exceptions: dict[int, BaseException | None]
+    ):
         self.failures = failures
         self.exceptions = exceptions
         parts = [f"task {fn_name} failed on rank(s) {sorted(failures)}:"]
@@ -55,7 +64,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, world_size: int, port: int, sys_path: list[str], tasks: Any, results: Any) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, sys_path: list[str], tasks: Any, results: Any
+) -> None:
     sys.path[:] = sys_path
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -86,7 +97,9 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], tasks: A
             try:
                 pickle.dumps(value)
             except Exception as e:
-                raise TypeError(f"task result of type {type(value).__name__} cannot be sent back (not picklable): {e}") from None
+                raise TypeError(
+                    f"task result of type {type(value).__name__} cannot be sent back (not picklable): {e}"
+                ) from None
             results.put((rank, task_id, True, value, None))
         except BaseException as e:  # report everything, including assertion failures
             exc: BaseException | None = e
@@ -149,10 +162,17 @@ class World:
                 if dead:
                     codes = {r: self._procs[r].exitcode for r in dead}
                     self.close()
-                    raise WorldError(f"world of {self.world_size}: rank(s) {dead} died (exit codes {codes}) during {what}.") from None
+                    raise WorldError(
+                        f"world of {self.world_size}: rank(s) {dead} died (exit codes {codes}) during {what}."
+                    ) from None
 
     def run(
-        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, failure_grace: float = 10.0, **kwargs: Any
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float | None = None,
+        failure_grace: float = 10.0,
+        **kwargs: Any,
     ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
 

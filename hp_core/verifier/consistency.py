@@ -23,7 +23,9 @@ from hp_core.verifier.probes import BoundaryRecord
 __all__ = ["arrival_check", "check_input_gradients", "check_layouts", "check_modes_agree"]
 
 
-def check_modes_agree(val: Mapping[str, BoundaryRecord], prod: Mapping[str, BoundaryRecord]) -> None:
+def check_modes_agree(
+    val: Mapping[str, BoundaryRecord], prod: Mapping[str, BoundaryRecord]
+) -> None:
     """Every boundary produces the same local shapes in production as in validate mode."""
     for fqn, rec in val.items():
         other = prod.get(fqn)
@@ -35,7 +37,9 @@ def check_modes_agree(val: Mapping[str, BoundaryRecord], prod: Mapping[str, Boun
             )
 
 
-def _local_shape(shape: tuple[int, ...], layout: Mapping[str, Any], sizes: Mapping[str, int]) -> tuple[int, ...] | None:
+def _local_shape(
+    shape: tuple[int, ...], layout: Mapping[str, Any], sizes: Mapping[str, int]
+) -> tuple[int, ...] | None:
     """The local shape of a tensor of global ``shape`` in ``layout`` (None if a split does not divide)."""
     out = list(shape)
     for axis, p in layout.items():
@@ -47,7 +51,9 @@ def _local_shape(shape: tuple[int, ...], layout: Mapping[str, Any], sizes: Mappi
     return tuple(out)
 
 
-def arrival_check(plain: Mapping[str, BoundaryRecord], plan: ShardingPlan, sizes: Mapping[str, int]) -> Callable[[str, int, dict[str, tuple[int, ...]]], None]:
+def arrival_check(
+    plain: Mapping[str, BoundaryRecord], plan: ShardingPlan, sizes: Mapping[str, int]
+) -> Callable[[str, int, dict[str, tuple[int, ...]]], None]:
     """A check, run as each boundary is entered, that its inputs arrive in their declared layout.
 
     Run during the validate pass, it names the first boundary whose contract disagrees with
@@ -74,7 +80,12 @@ def arrival_check(plain: Mapping[str, BoundaryRecord], plan: ShardingPlan, sizes
     return check
 
 
-def check_layouts(plain: Mapping[str, BoundaryRecord], prod: Mapping[str, BoundaryRecord], plan: ShardingPlan, sizes: Mapping[str, int]) -> None:
+def check_layouts(
+    plain: Mapping[str, BoundaryRecord],
+    prod: Mapping[str, BoundaryRecord],
+    plan: ShardingPlan,
+    sizes: Mapping[str, int],
+) -> None:
     """What arrives at and leaves each boundary has the local shape its declared layouts give
     the unsharded model's tensors: a boundary that declares a layout its producer does not
     give (an input said to be sharded that arrives whole, or the reverse) is refused."""
@@ -88,7 +99,9 @@ def check_layouts(plain: Mapping[str, BoundaryRecord], prod: Mapping[str, Bounda
             arrives(fqn, call, loc_in)
             outs = spec.output_names() or list(spec.out_dst or {})
             if outs and ref.shapes[call] and rec.shapes[call]:
-                layout = (spec.out_dst or {}).get(outs[0]) or (spec.out_src or {}).get(outs[0]) or {}
+                layout = (
+                    (spec.out_dst or {}).get(outs[0]) or (spec.out_src or {}).get(outs[0]) or {}
+                )
                 want, got = _local_shape(ref.shapes[call][0], layout, sizes), rec.shapes[call][0]
                 if want != got:
                     raise LayoutMismatchError(
@@ -101,7 +114,9 @@ def _fmt(layout: Mapping[str, Any]) -> str:
     return "{" + ", ".join(f"{a}: {p}" for a, p in layout.items()) + "}"
 
 
-def check_input_gradients(records: Mapping[str, BoundaryRecord], plan: ShardingPlan, names: list[str]) -> None:
+def check_input_gradients(
+    records: Mapping[str, BoundaryRecord], plan: ShardingPlan, names: list[str]
+) -> None:
     """Production's entry transitions assume an input gradient partial exactly where the
     boundary shards parameters; DTensor's backward must agree, or the two modes differ."""
     for fqn, rec in records.items():

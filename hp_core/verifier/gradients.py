@@ -45,7 +45,9 @@ def enclosing_boundary(plan: ShardingPlan, fqn: str) -> str | None:
     return None
 
 
-def _outside(plan: ShardingPlan, fqn: str, name: str, named: Mapping[str, Any], names: list[str]) -> tuple[str, ...]:
+def _outside(
+    plan: ShardingPlan, fqn: str, name: str, named: Mapping[str, Any], names: list[str]
+) -> tuple[str, ...]:
     """Partial axes of a parameter whose module runs outside every boundary."""
     axes = []
     for axis in names:
@@ -99,28 +101,44 @@ def derive(
                 continue  # experts: their replicas are summed by the expert layout
             name = f"{fqn}.{rel}" if fqn else rel
             if covered is None:
-                found.setdefault(name, []).append((_outside(plan, fqn, name, named, names), "contract"))
+                found.setdefault(name, []).append(
+                    (_outside(plan, fqn, name, named, names), "contract")
+                )
                 continue
             rec = records.get(map_to_rep(covered, repeats))
             grads = None if rec is None else rec.grads.get(map_to_rep(name, repeats))
             deferred = spec.is_boundary and rel in spec._deferred_bias_params
             if rec is not None and rec.dispatching and grads and not deferred:
                 for placements in grads:
-                    found.setdefault(name, []).append((_partial_axes(placements, names), "propagation"))
+                    found.setdefault(name, []).append(
+                        (_partial_axes(placements, names), "propagation")
+                    )
                 continue
             if rec is not None and not rec.dispatching:
-                opaque.setdefault(covered, rec.skipped or "its compute runs on local tensors (region_dispatch=False or injected)")
+                opaque.setdefault(
+                    covered,
+                    rec.skipped
+                    or "its compute runs on local tensors (region_dispatch=False or injected)",
+                )
             region = plan[covered]
             rel_in_region = name[len(covered) + 1 :] if covered else name
-            if fqn != covered:  # a non-boundary spec inside the region: judge it by the region's contract
-                region = dataclasses.replace(region, params={**(region.params or {}), rel_in_region: named})
+            if (
+                fqn != covered
+            ):  # a non-boundary spec inside the region: judge it by the region's contract
+                region = dataclasses.replace(
+                    region, params={**(region.params or {}), rel_in_region: named}
+                )
                 region._deferred_bias_params = plan[covered]._deferred_bias_params
-            axes = contract_partial_axes(covered, region, rel_in_region, names, region_params=layouts.get(covered, {}))
+            axes = contract_partial_axes(
+                covered, region, rel_in_region, names, region_params=layouts.get(covered, {})
+            )
             found.setdefault(name, []).append((axes, "contract"))
     return _per_parameter(model, found), opaque
 
 
-def _per_parameter(model: nn.Module, found: Mapping[str, list[tuple[tuple[str, ...], str]]]) -> tuple[GradReduction, ...]:
+def _per_parameter(
+    model: nn.Module, found: Mapping[str, list[tuple[tuple[str, ...], str]]]
+) -> tuple[GradReduction, ...]:
     """One reduction per parameter object; tied names (and every use) must agree."""
     by_object: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):

@@ -26,7 +26,9 @@ __all__ = ["default_inputs", "to_meta_inputs", "verification_mesh", "whole_input
 
 
 @contextlib.contextmanager
-def verification_mesh(plan: ShardingPlan, mesh: DeviceMesh | MeshLike | None) -> Iterator[DeviceMesh]:
+def verification_mesh(
+    plan: ShardingPlan, mesh: DeviceMesh | MeshLike | None
+) -> Iterator[DeviceMesh]:
     """A DeviceMesh to verify on: the given one, or one over a fake process group."""
     if mesh is not None and hasattr(mesh, "get_group"):
         yield mesh
@@ -61,7 +63,9 @@ def _sequence_length(mesh: DeviceMesh) -> tuple[int, int]:
 
 def default_inputs(model: nn.Module, mesh: DeviceMesh) -> tuple[tuple[Any, ...], dict[str, Any]]:
     total, cp = _sequence_length(mesh)
-    ids = torch.empty((2, total // cp), dtype=torch.long, device="meta")  # this rank's share of the sequence
+    ids = torch.empty(
+        (2, total // cp), dtype=torch.long, device="meta"
+    )  # this rank's share of the sequence
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):  # pragma: no cover - nn.Module forwards are introspectable
@@ -93,18 +97,29 @@ def to_meta_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
     if isinstance(inputs, dict):
         return (), conv(inputs)
-    if isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[1], dict) and isinstance(inputs[0], tuple | list):
+    if (
+        isinstance(inputs, tuple)
+        and len(inputs) == 2
+        and isinstance(inputs[1], dict)
+        and isinstance(inputs[0], tuple | list)
+    ):
         return tuple(conv(inputs[0])), conv(inputs[1])
     if isinstance(inputs, tuple | list):
         return tuple(conv(inputs)), {}
     return (conv(inputs),), {}
 
 
-def whole_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], plan: ShardingPlan, mesh: DeviceMesh) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def whole_inputs(
+    args: tuple[Any, ...], kwargs: dict[str, Any], plan: ShardingPlan, mesh: DeviceMesh
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The unsharded model's inputs: a rank's inputs are its chunk of the sequence (dim 1)
     along every axis that shards activations everywhere (context parallelism)."""
     sizes = dict(zip(mesh.mesh_dim_names, (int(n) for n in mesh.shape), strict=True))
-    k = math.prod(n for a, n in sizes.items() if n > 1 and not is_data_axis(a) and activations_on(plan.modules, a) == "sharded")
+    k = math.prod(
+        n
+        for a, n in sizes.items()
+        if n > 1 and not is_data_axis(a) and activations_on(plan.modules, a) == "sharded"
+    )
     if k == 1:
         return args, kwargs
 

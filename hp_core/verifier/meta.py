@@ -39,7 +39,13 @@ class MetaValues(TorchDispatchMode):
         # id → weak reference: an id can be reused once its tensor is freed
         self._truthy: dict[int, weakref.ref[torch.Tensor]] = {}
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if func is aten._local_scalar_dense.default and _meta_local(args[0]):
             t = args[0]
@@ -53,7 +59,11 @@ class MetaValues(TorchDispatchMode):
         if func is aten.equal.default and _meta_local(args[0]):
             return True
         out = func(*args, **kwargs)
-        if func in (aten.all.default, aten.all.dim, aten.all.dims) and isinstance(out, torch.Tensor) and out.is_meta:
+        if (
+            func in (aten.all.default, aten.all.dim, aten.all.dims)
+            and isinstance(out, torch.Tensor)
+            and out.is_meta
+        ):
             self._truthy[id(out)] = weakref.ref(out)
         return out
 
@@ -80,7 +90,9 @@ def meta_clone(model: nn.Module, shared: Mapping[str, str] | None = None) -> nn.
     def add(module: nn.Module) -> None:
         if id(module) in skip:
             return
-        plain = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]  # unregistered tensors
+        plain = [
+            v for v in vars(module).values() if isinstance(v, torch.Tensor)
+        ]  # unregistered tensors
         for t in (*module._parameters.values(), *module._buffers.values(), *plain):
             if t is not None and id(t) not in memo:
                 memo[id(t)] = to_meta(t)
@@ -109,5 +121,9 @@ def adapt_for_meta(model: nn.Module) -> None:
     """
     for module in model.modules():
         config = getattr(module, "config", None)
-        if config is not None and getattr(config, "_experts_implementation", "eager") not in (None, "eager", "batched_mm"):
+        if config is not None and getattr(config, "_experts_implementation", "eager") not in (
+            None,
+            "eager",
+            "batched_mm",
+        ):
             config._experts_implementation = "batched_mm"

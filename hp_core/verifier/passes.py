@@ -71,7 +71,7 @@ def under(fqn: str, roots: Mapping[str, Any]) -> str | None:
 
 def map_to_rep(fqn: str, repeats: Mapping[str, str]) -> str:
     root = under(fqn, repeats)
-    return fqn if root is None else repeats[root] + fqn[len(root):]
+    return fqn if root is None else repeats[root] + fqn[len(root) :]
 
 
 def reduced_plan(plan: ShardingPlan, repeats: Mapping[str, str]) -> ShardingPlan:
@@ -94,11 +94,19 @@ def _run(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], backwa
 
 def _region_params(model: nn.Module, plan: ShardingPlan, fqn: str) -> dict[str, Any]:
     """Parameters a boundary's region computes with: its own and those of non-boundary specs inside it."""
-    boundaries = [f for f, s in plan.items() if s.is_boundary and f != fqn and (not fqn or f.startswith(fqn + "."))]
+    boundaries = [
+        f
+        for f, s in plan.items()
+        if s.is_boundary and f != fqn and (not fqn or f.startswith(fqn + "."))
+    ]
     out: dict[str, Any] = {}
     for f, spec in plan.items():
         inside = f == fqn or not fqn or f.startswith(fqn + ".")
-        if not inside or (f != fqn and spec.is_boundary) or any(f == b or f.startswith(b + ".") for b in boundaries):
+        if (
+            not inside
+            or (f != fqn and spec.is_boundary)
+            or any(f == b or f.startswith(b + ".") for b in boundaries)
+        ):
             continue
         for rel, named in (spec.params or {}).items():
             if is_expert_param(spec, named):
@@ -112,12 +120,21 @@ def _region_params(model: nn.Module, plan: ShardingPlan, fqn: str) -> dict[str, 
     return out
 
 
-def _install_copy(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, mode: str, pre: PreflightResult, repeats: Mapping[str, str]) -> tuple[nn.Module, ShardingPlan, Any]:
+def _install_copy(
+    model: nn.Module,
+    plan: ShardingPlan,
+    mesh: DeviceMesh,
+    mode: str,
+    pre: PreflightResult,
+    repeats: Mapping[str, str],
+) -> tuple[nn.Module, ShardingPlan, Any]:
     clone = meta_clone(model, repeats)
     adapt_for_meta(clone)
     clone.train()  # dropouts active: a random op on a partial sum must be seen
     reduced = reduced_plan(plan, repeats)
-    state = install(clone, reduced, mesh, mode, pre, Journal(), reduce=False, check_inputs=False, streams=False)
+    state = install(
+        clone, reduced, mesh, mode, pre, Journal(), reduce=False, check_inputs=False, streams=False
+    )
     return clone, reduced, state
 
 
@@ -127,7 +144,13 @@ def _wrap_repeaters(clone: nn.Module, repeats: Mapping[str, str]) -> None:
         module.__dict__["forward"] = Repeater(module.forward)
 
 
-def plain_pass(model: nn.Module, plan: ShardingPlan, repeats: Mapping[str, str], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, BoundaryRecord]:
+def plain_pass(
+    model: nn.Module,
+    plan: ShardingPlan,
+    repeats: Mapping[str, str],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> dict[str, BoundaryRecord]:
     """The unsharded model on meta: the global shape of every boundary's inputs and outputs."""
     clone = meta_clone(model, repeats)
     adapt_for_meta(clone)
@@ -144,7 +167,9 @@ def plain_pass(model: nn.Module, plan: ShardingPlan, repeats: Mapping[str, str],
     return records
 
 
-def validate_pass(model, plan, mesh, pre, repeats, args, kwargs, on_arrival=None) -> tuple[dict[str, BoundaryRecord], ShardingPlan]:
+def validate_pass(
+    model, plan, mesh, pre, repeats, args, kwargs, on_arrival=None
+) -> tuple[dict[str, BoundaryRecord], ShardingPlan]:
     clone, reduced, state = _install_copy(model, plan, mesh, "validate", pre, repeats)
     records: dict[str, BoundaryRecord] = {}
     for fqn, bf in state.forwards.items():
@@ -158,7 +183,9 @@ def validate_pass(model, plan, mesh, pre, repeats, args, kwargs, on_arrival=None
     return records, reduced
 
 
-def production_pass(model, plan, mesh, pre, repeats, args, kwargs, val_records) -> dict[str, BoundaryRecord]:
+def production_pass(
+    model, plan, mesh, pre, repeats, args, kwargs, val_records
+) -> dict[str, BoundaryRecord]:
     clone, _, state = _install_copy(model, plan, mesh, "production", pre, repeats)
     records: dict[str, BoundaryRecord] = {}
     for fqn, bf in state.forwards.items():

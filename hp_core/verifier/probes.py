@@ -79,7 +79,9 @@ def _leaves(x: Any) -> Any:
 
 
 def _local_shapes(out: Any) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple((t._local_tensor if isinstance(t, DTensor) else t).shape) for t in tensors_in(out))
+    return tuple(
+        tuple((t._local_tensor if isinstance(t, DTensor) else t).shape) for t in tensors_in(out)
+    )
 
 
 @dataclasses.dataclass
@@ -132,7 +134,13 @@ class _RandomOnPartial(TorchDispatchMode):
         self.fqn = fqn
         self.module_type = module_type
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded in func.tags:
             for t in tensors_in((args, kwargs)):
@@ -183,12 +191,18 @@ class ValidateProbe:
             if x is None and name in pos and pos[name] < len(args):
                 x = args[pos[name]]
             if isinstance(x, DTensor) and x.requires_grad:
-                x.register_hook(lambda g, name=name: self._input_grads.setdefault(name, []).append(_named(g)))
+                x.register_hook(
+                    lambda g, name=name: self._input_grads.setdefault(name, []).append(_named(g))
+                )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = call_key(args, kwargs)
         if self.on_arrival is not None and key not in self.seen:
-            self.on_arrival(self.bf.fqn, len(self.record.shapes), declared_shapes(self.bf.spec, self.bf._pos, args, kwargs))
+            self.on_arrival(
+                self.bf.fqn,
+                len(self.record.shapes),
+                declared_shapes(self.bf.spec, self.bf._pos, args, kwargs),
+            )
         if self.bf.dispatch and key not in self.seen:
             # The region's own backward, in isolation: its inputs become leaves, so that the
             # gradient of a parameter also used elsewhere (a tied weight) holds only this use.
@@ -204,7 +218,8 @@ class ValidateProbe:
                 f"{self.bf.fqn} ({self.module_type}): DTensor propagation fails inside the region with the plan's "
                 f"layouts: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\nThe module's code does "
                 "not fit the declared layouts (production would crash or compute something else on local "
-                "shards). Keep the boundary whole on tp:\n" + keep_whole_yaml(self.bf.fqn, self.bf.spec, match=self.bf.fix_match)
+                "shards). Keep the boundary whole on tp:\n"
+                + keep_whole_yaml(self.bf.fqn, self.bf.spec, match=self.bf.fix_match)
             ) from e
         if key in self.seen:
             return out
@@ -287,11 +302,15 @@ class ShapeRecorder:
             self.record.inputs.append(declared_shapes(self.spec, self.positions, args, kwargs))
         try:
             out = self.forward(*args, **kwargs)
-        except Exception as e:  # code that cannot run on meta (flex attention): shaped like its input
+        except (
+            Exception
+        ) as e:  # code that cannot run on meta (flex attention): shaped like its input
             x = next((t for t in tensors_in((args, kwargs)) if t.is_floating_point()), None)
             if x is None:
                 raise
-            self.record.skipped = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            self.record.skipped = (
+                f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            )
             n_out = max(1, len(self.spec.output_names()))
             out = x if n_out == 1 else (x, *([None] * (n_out - 1)))
         if new:
@@ -300,7 +319,9 @@ class ShapeRecorder:
         return out
 
 
-def declared_shapes(spec: Any, pos: dict[str, int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+def declared_shapes(
+    spec: Any, pos: dict[str, int], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, tuple[int, ...]]:
     """Shapes of the tensors a boundary's contract names as inputs, in this call."""
     out = {}
     for name in dict.fromkeys([*(spec.in_src or {}), *(spec.in_dst or {})]):
@@ -331,6 +352,11 @@ class Repeater:
             return first
         out = self.forward(*args, **kwargs)
         if key not in self.passthrough:
-            same = isinstance(out, torch.Tensor) and first is not None and out.shape == first.shape and out.dtype == first.dtype
+            same = (
+                isinstance(out, torch.Tensor)
+                and first is not None
+                and out.shape == first.shape
+                and out.dtype == first.dtype
+            )
             self.passthrough[key] = bool(same)
         return out

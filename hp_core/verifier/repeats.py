@@ -44,7 +44,9 @@ def _value_key(value: Any) -> Any:
 
 def spec_signature(spec: ModuleShardingSpec) -> tuple[Any, ...]:
     """Every field of a spec (user and internal) as a hashable, address-free value."""
-    return tuple(sorted((k, _value_key(v)) for k, v in vars(spec).items() if not k.startswith("_resolved")))
+    return tuple(
+        sorted((k, _value_key(v)) for k, v in vars(spec).items() if not k.startswith("_resolved"))
+    )
 
 
 def _attrs(element: nn.Module) -> dict[tuple[str, str], Any]:
@@ -57,15 +59,38 @@ def _attrs(element: nn.Module) -> dict[tuple[str, str], Any]:
 
 
 def _element_signature(
-    element: nn.Module, fqn: str, plan: Mapping[str, ModuleShardingSpec], attrs: Mapping[tuple[str, str], Any], index_like: set[tuple[str, str]]
+    element: nn.Module,
+    fqn: str,
+    plan: Mapping[str, ModuleShardingSpec],
+    attrs: Mapping[tuple[str, str], Any],
+    index_like: set[tuple[str, str]],
 ) -> tuple[Any, ...]:
-    parts: list[Any] = [tuple(sorted((f"{r}.{k}", repr(v)) for (r, k), v in attrs.items() if (r, k) not in index_like))]
+    parts: list[Any] = [
+        tuple(
+            sorted((f"{r}.{k}", repr(v)) for (r, k), v in attrs.items() if (r, k) not in index_like)
+        )
+    ]
     for rel, mod in element.named_modules(remove_duplicate=False):
-        params = tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in mod._parameters.items() if p is not None)
-        buffers = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in mod._buffers.items() if b is not None)
+        params = tuple(
+            (n, tuple(p.shape), str(p.dtype), p.requires_grad)
+            for n, p in mod._parameters.items()
+            if p is not None
+        )
+        buffers = tuple(
+            (n, tuple(b.shape), str(b.dtype)) for n, b in mod._buffers.items() if b is not None
+        )
         full = f"{fqn}.{rel}" if rel else fqn
         spec = plan.get(full)
-        parts.append((rel, type(mod).__qualname__, type(mod).__module__, params, buffers, spec_signature(spec) if spec else None))
+        parts.append(
+            (
+                rel,
+                type(mod).__qualname__,
+                type(mod).__module__,
+                params,
+                buffers,
+                spec_signature(spec) if spec else None,
+            )
+        )
     return tuple(parts)
 
 
@@ -77,11 +102,17 @@ def find_repeats(model: nn.Module, plan: Mapping[str, ModuleShardingSpec]) -> di
             continue
         if any(fqn.startswith(f + ".") or fqn == f for f in out):
             continue  # inside an element already shared
-        elements = [(int(n), e) for n, e in module._modules.items() if e is not None and n.isdigit()]
+        elements = [
+            (int(n), e) for n, e in module._modules.items() if e is not None and n.isdigit()
+        ]
         attrs = {i: _attrs(e) for i, e in elements}
         # An integer attribute equal to its element's index in every element is a position.
         keys = set.intersection(*(set(a) for a in attrs.values())) if attrs else set()
-        index_like = {k for k in keys if all(type(attrs[i][k]) is int and attrs[i][k] == i for i, _ in elements)}
+        index_like = {
+            k
+            for k in keys
+            if all(type(attrs[i][k]) is int and attrs[i][k] == i for i, _ in elements)
+        }
         first: dict[tuple[Any, ...], str] = {}
         for i, element in elements:
             path = f"{fqn}.{i}" if fqn else str(i)

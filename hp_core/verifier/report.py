@@ -64,7 +64,9 @@ class VerifyReport:
             "version": _VERSION,
             "fingerprint": self.fingerprint,
             "mesh": [list(m) for m in self.mesh],
-            "reductions": [[r.param, list(r.axes), r.source] for r in self.reductions if r.group is None],
+            "reductions": [
+                [r.param, list(r.axes), r.source] for r in self.reductions if r.group is None
+            ],
             "checked": list(self.checked),
             "opaque": dict(self.opaque),
             "repeated": dict(self.repeated),
@@ -81,31 +83,46 @@ class VerifyReport:
         (an ``InputLimitError`` that is also a :class:`ReportFormatError`).
         """
         if not isinstance(text, str | bytes):
-            raise ReportFormatError(f"{source}: expected the report's text (from VerifyReport.dumps()), got {type(text).__name__}.")
+            raise ReportFormatError(
+                f"{source}: expected the report's text (from VerifyReport.dumps()), got {type(text).__name__}."
+            )
         try:
             body = loads_json(text, source=source, error=ReportFormatInputLimitError)
         except InputLimitError:
             raise
         except ValueError as e:
-            raise ReportFormatError(f"{source}: not a verifier report (invalid JSON: {e}).") from None
+            raise ReportFormatError(
+                f"{source}: not a verifier report (invalid JSON: {e})."
+            ) from None
         if not isinstance(body, dict) or body.get("format") != _FORMAT:
-            raise ReportFormatError(f"{source}: not a verifier report (write one with VerifyReport.dumps()).")
+            raise ReportFormatError(
+                f"{source}: not a verifier report (write one with VerifyReport.dumps())."
+            )
         if body.get("version") != _VERSION:
-            raise ReportFormatError(f"{source}: report version {body.get('version')!r}; this hp reads {_VERSION}. Verify again.")
+            raise ReportFormatError(
+                f"{source}: report version {body.get('version')!r}; this hp reads {_VERSION}. Verify again."
+            )
         signature = body.pop("signature", None)
         if signature != "sha256:" + hashlib.sha256(_canonical(body)).hexdigest():
-            raise ReportFormatError(f"{source}: the report's signature does not match its content (edited or corrupt). Verify again.")
+            raise ReportFormatError(
+                f"{source}: the report's signature does not match its content (edited or corrupt). Verify again."
+            )
         try:
             return cls(
                 fingerprint=str(body["fingerprint"]),
                 mesh=tuple((str(a), int(n)) for a, n in body["mesh"]),
-                reductions=tuple(GradReduction(str(p), tuple(str(a) for a in axes), str(src)) for p, axes, src in body["reductions"]),
+                reductions=tuple(
+                    GradReduction(str(p), tuple(str(a) for a in axes), str(src))
+                    for p, axes, src in body["reductions"]
+                ),
                 checked=tuple(str(c) for c in body["checked"]),
                 opaque={str(k): str(v) for k, v in body["opaque"].items()},
                 repeated={str(k): str(v) for k, v in body["repeated"].items()},
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ReportFormatError(f"{source}: the report's fields do not validate ({type(e).__name__}: {e}).") from None
+            raise ReportFormatError(
+                f"{source}: the report's fields do not validate ({type(e).__name__}: {e})."
+            ) from None
 
     def partial(self) -> dict[str, tuple[str, ...]]:
         """``{parameter FQN: axes}`` of every partial gradient."""
@@ -120,7 +137,9 @@ class VerifyReport:
         for r in self.reductions:
             by_axes.setdefault(r.axes, []).append(r.param)
         for axes, names in by_axes.items():
-            lines.append(f"  partial gradients summed over {'+'.join(axes)}: {len(names)} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+            lines.append(
+                f"  partial gradients summed over {'+'.join(axes)}: {len(names)} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+            )
         for fqn, why in list(self.opaque.items())[:8]:
             lines.append(f"  not looked into: {fqn} ({why})")
         return "\n".join(lines)

@@ -88,12 +88,22 @@ def verify(
             with MetaValues(), torch.enable_grad():
                 plain: dict[str, BoundaryRecord] | None
                 try:
-                    plain = plain_pass(model, plan, repeats, *whole_inputs(args, kwargs, plan, dmesh))
-                except Exception:  # the unsharded model's own code does not run on meta: no layout check
+                    plain = plain_pass(
+                        model, plan, repeats, *whole_inputs(args, kwargs, plan, dmesh)
+                    )
+                except (
+                    Exception
+                ):  # the unsharded model's own code does not run on meta: no layout check
                     plain = None
                 sizes = dict(zip(names, (int(n) for n in dmesh.shape), strict=True))
-                arrival = arrival_check(plain, _reduced(plan, repeats), sizes) if plain is not None else None
-                val, reduced = validate_pass(model, plan, dmesh, vpre, repeats, args, kwargs, arrival)
+                arrival = (
+                    arrival_check(plain, _reduced(plan, repeats), sizes)
+                    if plain is not None
+                    else None
+                )
+                val, reduced = validate_pass(
+                    model, plan, dmesh, vpre, repeats, args, kwargs, arrival
+                )
                 prod = production_pass(model, plan, dmesh, vpre, repeats, args, kwargs, val)
         except HpError:
             raise  # a finding (VerificationError, AmbiguousGradientError, PlacementMismatchError, ...)

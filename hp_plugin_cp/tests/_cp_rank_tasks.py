@@ -78,7 +78,9 @@ class _Stepped:
         self.opt.zero_grad(set_to_none=set_to_none)
 
 
-def doc_training(mesh_shape: tuple[int, ...], mesh_names: tuple[str, ...], steps: int = 3) -> dict[str, Any]:
+def doc_training(
+    mesh_shape: tuple[int, ...], mesh_names: tuple[str, ...], steps: int = 3
+) -> dict[str, Any]:
     """The training loop of docs/cp.md, run as written, against a single-device AdamW run.
 
     ``not_stepped``: per model, the parameters with a gradient that an optimizer step did
@@ -143,7 +145,12 @@ def _compare(ref: tuple, got: tuple, key: str, worst: dict[str, float]) -> None:
         worst[f"{key}:{what}"] = value
 
 
-def hf_equivalence(family: str, mesh_shape: tuple[int, ...], mesh_names: tuple[str, ...], cases: list[tuple[bool, bool]]) -> dict[str, Any]:
+def hf_equivalence(
+    family: str,
+    mesh_shape: tuple[int, ...],
+    mesh_names: tuple[str, ...],
+    cases: list[tuple[bool, bool]],
+) -> dict[str, Any]:
     """``cases``: (pad, load_balanced) pairs. Returns the worst excess per case and quantity."""
     mesh = _mesh(mesh_shape, mesh_names)
     cp_mesh = mesh["cp"]
@@ -173,7 +180,13 @@ def hf_equivalence(family: str, mesh_shape: tuple[int, ...], mesh_names: tuple[s
         _compare(results["validate"], results["production"], f"{tag}:prod-val", worst)
         worst[f"{tag}:n_grads"] = len(expected[2])
     wraps = applied(models["production"]).inner_wraps
-    worst["applied"] = sorted({wraps[f].wrapper if f in wraps else "-" for f, s in applied(models["production"]).plan.items() if s._needs_cp_attn})
+    worst["applied"] = sorted(
+        {
+            wraps[f].wrapper if f in wraps else "-"
+            for f, s in applied(models["production"]).plan.items()
+            if s._needs_cp_attn
+        }
+    )
     return worst
 
 
@@ -183,28 +196,48 @@ def hf_equivalence(family: str, mesh_shape: tuple[int, ...], mesh_names: tuple[s
 class SDPACore(nn.Module):
     """The attention core: ``(q, k, v)`` in the SDPA layout, GQA by ``enable_gqa``."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = True) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = True,
+    ) -> torch.Tensor:
         if attn_mask is not None:
             causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
             attn_mask, is_causal = attn_mask & causal, False
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=True
+        )
 
 
 class FlexCore(nn.Module):
     """A flex-attention core: causal by a block mask built for its whole input."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Any = None, block_mask: Any = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        score_mod: Any = None,
+        block_mask: Any = None,
+    ) -> torch.Tensor:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         if block_mask is None:
-            block_mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, q.shape[-2], k.shape[-2])
+            block_mask = create_block_mask(
+                lambda b, h, qi, ki: ki <= qi, None, None, q.shape[-2], k.shape[-2]
+            )
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
 
 
 class CoreAttention(nn.Module):
     """Projections around a child ``core`` called as ``core(q, k, v[, attn_mask])``."""
 
-    def __init__(self, core: nn.Module, hidden: int = 32, heads: int = 4, kv_heads: int = 2) -> None:
+    def __init__(
+        self, core: nn.Module, hidden: int = 32, heads: int = 4, kv_heads: int = 2
+    ) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
         self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
@@ -213,7 +246,9 @@ class CoreAttention(nn.Module):
         self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
         self.core = core
 
-    def forward(self, hidden_states: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         b, s, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(hidden_states).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -240,21 +275,36 @@ class ToyLM(nn.Module):
         self.layers = nn.ModuleList([Block(core(), hidden) for _ in range(layers)])
         self.lm_head = nn.Linear(hidden, VOCAB, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             h = layer(h, key_mask)
         return self.lm_head(h)
 
 
-def _toy_loss(logits: torch.Tensor, shift_labels: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, VOCAB), shift_labels.reshape(-1), reduction="sum") / count
+def _toy_loss(
+    logits: torch.Tensor, shift_labels: torch.Tensor, count: torch.Tensor
+) -> torch.Tensor:
+    return (
+        F.cross_entropy(logits.reshape(-1, VOCAB), shift_labels.reshape(-1), reduction="sum")
+        / count
+    )
 
 
 def qkv_override(wrapper: str, **config: Any) -> list[dict[str, Any]]:
     target = {"_target_": wrapper, **config} if config else wrapper
-    return [{"match": "layers.*.self_attn", "when": "cp", "inner_target": "core", "inner_wrapper": target,
-             "inner_out_src": "first_input", "region_dispatch": False}]
+    return [
+        {
+            "match": "layers.*.self_attn",
+            "when": "cp",
+            "inner_target": "core",
+            "inner_wrapper": target,
+            "inner_out_src": "first_input",
+            "region_dispatch": False,
+        }
+    ]
 
 
 def qkv_equivalence(cases: list[tuple[bool, bool]]) -> dict[str, Any]:
@@ -277,12 +327,21 @@ def qkv_equivalence(cases: list[tuple[bool, bool]]) -> dict[str, Any]:
         results = {}
         for mode in ("production", "validate"):
             m = copy.deepcopy(base)
-            apply(m, plan(m, mesh, overrides=qkv_override("sdpa_qkv", load_balanced=lb)), mesh, mode=mode)
+            apply(
+                m,
+                plan(m, mesh, overrides=qkv_override("sdpa_qkv", load_balanced=lb)),
+                mesh,
+                mode=mode,
+            )
             out = m(sharded["input_ids"], key_mask)  # the mask is global: the wrapper narrows it
             share = _toy_loss(out, sharded["shift_labels"], sharded["num_items_in_batch"])
             total = reduce_loss_over_cp(share, cp_mesh)
             total.backward()
-            results[mode] = (total.detach(), gather_sequence(out, cp_mesh, load_balanced=lb), gather_full_grads(m, ref, mesh))
+            results[mode] = (
+                total.detach(),
+                gather_sequence(out, cp_mesh, load_balanced=lb),
+                gather_full_grads(m, ref, mesh),
+            )
             _compare(expected, results[mode], f"{tag}:{mode}-ref", worst)
             worst[f"{tag}:{mode}:resolved"] = applied(m).inner_wraps["layers.0.self_attn"].target
         _compare(results["validate"], results["production"], f"{tag}:prod-val", worst)
@@ -307,7 +366,12 @@ def flex_checks() -> dict[str, Any]:
         models = {}
         for mode in ("production", "validate"):
             models[mode] = family_model("llama", attn_implementation="flex_attention")
-            apply(models[mode], plan(models[mode], mesh, overrides=doc_yaml("flex_hf")), mesh, mode=mode)
+            apply(
+                models[mode],
+                plan(models[mode], mesh, overrides=doc_yaml("flex_hf")),
+                mesh,
+                mode=mode,
+            )
         # One case, the hardest (padding + load balancing): each new shape or mask costs a
         # dynamo compile of HF's own model-level flex mask (~5 s on CPU).
         full = full_batch(30, pad=True)
@@ -317,8 +381,12 @@ def flex_checks() -> dict[str, Any]:
         for mode, m in models.items():
             with torch.no_grad():
                 out = m(**sharded, use_cache=False)
-            res[f"hf-pad-lb:{mode}"] = allclose_excess(gather_sequence(out.logits, cp_mesh, load_balanced=True), expected)
-        res["hf-backward"] = _try(lambda: models["production"](**sharded, use_cache=False).loss.backward())
+            res[f"hf-pad-lb:{mode}"] = allclose_excess(
+                gather_sequence(out.logits, cp_mesh, load_balanced=True), expected
+            )
+        res["hf-backward"] = _try(
+            lambda: models["production"](**sharded, use_cache=False).loss.backward()
+        )
         torch.manual_seed(0)
         toy = perturb_(ToyLM(FlexCore), seed=0)
         full = full_batch(31, pad=False)
@@ -327,14 +395,19 @@ def flex_checks() -> dict[str, Any]:
         sharded = shard_batch_for_cp(full, cp_mesh)
         apply(toy, plan(toy, mesh, overrides=qkv_override("flex_qkv")), mesh, mode="production")
         with torch.no_grad():
-            res["qkv:production"] = allclose_excess(gather_sequence(toy(sharded["input_ids"]), cp_mesh), expected)
+            res["qkv:production"] = allclose_excess(
+                gather_sequence(toy(sharded["input_ids"]), cp_mesh), expected
+            )
         res["qkv-backward"] = _try(lambda: toy(sharded["input_ids"]).sum().backward())
     return res
 
 
 # ------------------------------------------------------------ collectives
 
-def count_collectives(mesh_shape: tuple[int, ...], mesh_names: tuple[str, ...], mode: str, layers: int) -> dict[str, Any]:
+
+def count_collectives(
+    mesh_shape: tuple[int, ...], mesh_names: tuple[str, ...], mode: str, layers: int
+) -> dict[str, Any]:
     """Collectives of one forward and one backward of a Llama with ``layers`` layers."""
 
     mesh = _mesh(mesh_shape, mesh_names)
@@ -372,7 +445,12 @@ def preflight_errors() -> dict[str, str]:
 
     cp = _mesh((2,), ("cp",))
     tp = _mesh((2,), ("tp",))
-    attn = {"match": "*.self_attn", "inner_target": "self", "inner_wrapper": "sdpa_hf", "region_dispatch": False}
+    attn = {
+        "match": "*.self_attn",
+        "inner_target": "self",
+        "inner_wrapper": "sdpa_hf",
+        "region_dispatch": False,
+    }
 
     def llama_apply(mesh: Any, overrides: Any) -> Any:
         m = build_model("llama", seed=0)
@@ -383,17 +461,25 @@ def preflight_errors() -> dict[str, str]:
         "no_cp_axis": _try(llama_apply(tp, [attn])),
         "no_cp_axis_direct_callable": _try(llama_apply(tp, [{**attn, "inner_wrapper": sdpa_hf}])),
         "region_dispatch_true": _try(llama_apply(cp, [{**attn, "region_dispatch": True}])),
-        "target_without_wrapper": _try(llama_apply(cp, [{k: v for k, v in attn.items() if k != "inner_wrapper"}])),
-        "wrapper_without_target": _try(llama_apply(cp, [{k: v for k, v in attn.items() if k != "inner_target"}])),
+        "target_without_wrapper": _try(
+            llama_apply(cp, [{k: v for k, v in attn.items() if k != "inner_wrapper"}])
+        ),
+        "wrapper_without_target": _try(
+            llama_apply(cp, [{k: v for k, v in attn.items() if k != "inner_target"}])
+        ),
         "unknown_name": _try(llama_apply(cp, [{**attn, "inner_wrapper": "sdpa_hff"}])),
         "when_cp_skipped_on_tp": _try(llama_apply(tp, doc_yaml())),
     }
     toy = ToyLM(SDPACore)
     child = [{k: v for k, v in qkv_override("sdpa_qkv")[0].items() if k != "inner_out_src"}]
-    out["child_without_inner_out_src"] = _try(lambda: apply(toy, plan(toy, cp, overrides=child), cp))
+    out["child_without_inner_out_src"] = _try(
+        lambda: apply(toy, plan(toy, cp, overrides=child), cp)
+    )
     eager = build_model("llama", seed=0, attn_implementation="eager")
     apply(eager, plan(eager, cp, overrides=doc_yaml()), cp)
-    out["misfire_eager"] = _try(lambda: eager(**shard_batch_for_cp(full_batch(0, pad=False), cp["cp"]), use_cache=False))
+    out["misfire_eager"] = _try(
+        lambda: eager(**shard_batch_for_cp(full_batch(0, pad=False), cp["cp"]), use_cache=False)
+    )
     fresh = build_model("llama", seed=0)
     before = {n: p.clone() for n, p in fresh.state_dict().items()}
     old = os.environ.get("HP_PLUGINS")
@@ -408,7 +494,8 @@ def preflight_errors() -> dict[str, str]:
             os.environ["HP_PLUGINS"] = old
         reset_plugins()
     out["plugin_absent_model_untouched"] = str(
-        getattr(fresh, "_hp_applied", None) is None and all(torch.equal(before[n], p) for n, p in fresh.state_dict().items())
+        getattr(fresh, "_hp_applied", None) is None
+        and all(torch.equal(before[n], p) for n, p in fresh.state_dict().items())
     )
     return out
 
@@ -425,10 +512,20 @@ def wrapper_errors() -> dict[str, str]:
     good = shard_batch_for_cp(full, cp_mesh)
     rank = cp_mesh.get_local_rank()
     out = {
-        "local_mask_without_layout": _try(lambda: m(input_ids=good["input_ids"], attention_mask=torch.ones(2, 8, dtype=torch.long).tril(), use_cache=False)),
-        "wrong_rank_layout": _try(lambda: m(**{**good, "hp_cp": CPLayout(2, 1 - rank, 16)}, use_cache=False)),
+        "local_mask_without_layout": _try(
+            lambda: m(
+                input_ids=good["input_ids"],
+                attention_mask=torch.ones(2, 8, dtype=torch.long).tril(),
+                use_cache=False,
+            )
+        ),
+        "wrong_rank_layout": _try(
+            lambda: m(**{**good, "hp_cp": CPLayout(2, 1 - rank, 16)}, use_cache=False)
+        ),
         "not_a_layout": _try(lambda: m(**{**good, "hp_cp": "lb"}, use_cache=False)),
-        "length_mismatch": _try(lambda: m(**{**good, "hp_cp": CPLayout(2, rank, 32)}, use_cache=False)),
+        "length_mismatch": _try(
+            lambda: m(**{**good, "hp_cp": CPLayout(2, rank, 32)}, use_cache=False)
+        ),
     }
 
     def with_filled_cache() -> None:
@@ -437,12 +534,22 @@ def wrapper_errors() -> dict[str, str]:
 
     out["kv_cache"] = _try(with_filled_cache)
     lb = build_model("llama", seed=0)
-    lb_override = [{"match": "*.self_attn", "inner_target": "self", "region_dispatch": False,
-                    "inner_wrapper": {"_target_": "sdpa_hf", "load_balanced": True}}]
+    lb_override = [
+        {
+            "match": "*.self_attn",
+            "inner_target": "self",
+            "region_dispatch": False,
+            "inner_wrapper": {"_target_": "sdpa_hf", "load_balanced": True},
+        }
+    ]
     apply(lb, plan(lb, mesh, overrides=lb_override), mesh)
     out["config_layout_mismatch"] = _try(lambda: lb(**good, use_cache=False))
-    odd = shard_batch_for_cp(full_batch(0, pad=False, seq=10), cp_mesh)  # 10 tokens: not 4 load-balanced chunks
-    out["lb_odd_local_without_layout"] = _try(lambda: lb(input_ids=odd["input_ids"], position_ids=odd["position_ids"], use_cache=False))
+    odd = shard_batch_for_cp(
+        full_batch(0, pad=False, seq=10), cp_mesh
+    )  # 10 tokens: not 4 load-balanced chunks
+    out["lb_odd_local_without_layout"] = _try(
+        lambda: lb(input_ids=odd["input_ids"], position_ids=odd["position_ids"], use_cache=False)
+    )
     no_shift = {k: v for k, v in good.items() if k not in ("shift_labels", "num_items_in_batch")}
     enable_cp_loss(m, cp_mesh)
     enable_cp_loss(m, cp_mesh)  # idempotent
@@ -451,7 +558,9 @@ def wrapper_errors() -> dict[str, str]:
     counted = {k: v for k, v in good.items() if k != "num_items_in_batch"}
     ref = family_model("llama")
     with torch.no_grad():
-        gap = allclose_excess(m(**counted, use_cache=False).loss, ref(**full, use_cache=False).loss, rtol=0.0)
+        gap = allclose_excess(
+            m(**counted, use_cache=False).loss, ref(**full, use_cache=False).loss, rtol=0.0
+        )
     out["loss_counts_itself"] = str(gap < 1e-5)  # NaN-safe: a NaN loss is an infinite gap
     return out
 
@@ -502,7 +611,14 @@ class TwoArgCore(nn.Module):
 
 
 class ExtraArgCore(nn.Module):
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, temperature: float = 1.0, tag: Any = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        temperature: float = 1.0,
+        tag: Any = None,
+    ) -> torch.Tensor:
         return q
 
 
@@ -526,36 +642,71 @@ def direct_wrapper_checks() -> dict[str, Any]:
     with torch.no_grad():
         expected, _ = attn(x, (cos, sin), None, is_causal=False)
         fwd = sdpa_hf(target_module=attn, **ctx)
-        got, _ = fwd(x[:, here], (cos[:, here], sin[:, here]), None, hp_cp=CPLayout(2, rank, 16), is_causal=False)
+        got, _ = fwd(
+            x[:, here],
+            (cos[:, here], sin[:, here]),
+            None,
+            hp_cp=CPLayout(2, rank, 16),
+            is_causal=False,
+        )
     res["hf_noncausal"] = allclose_excess(gather_sequence(got, cp_mesh), expected)
-    res["hf_unbound_name"] = _try(lambda: fwd(x[:, here], (cos[:, here], sin[:, here]), torch.ones(2, 1, 8, 8, dtype=torch.bool)))
+    res["hf_unbound_name"] = _try(
+        lambda: fwd(
+            x[:, here], (cos[:, here], sin[:, here]), torch.ones(2, 1, 8, 8, dtype=torch.bool)
+        )
+    )
 
     # no is_causal attribute: the call's is_causal decides
     heads = torch.randn(2, 4, 16, 8)
     with torch.no_grad():
         got = sdpa_hf(target_module=NoFlagAttention(), **ctx)(heads[:, :, here])
-    res["hf_call_flag"] = allclose_excess(gather_sequence(got, cp_mesh, seq_dim=2), F.scaled_dot_product_attention(heads, heads, heads, is_causal=True))
-    res["hf_inner_mask"] = _try(lambda: sdpa_hf(target_module=MaskingAttention(), **ctx)(heads[:, :, here]))
+    res["hf_call_flag"] = allclose_excess(
+        gather_sequence(got, cp_mesh, seq_dim=2),
+        F.scaled_dot_product_attention(heads, heads, heads, is_causal=True),
+    )
+    res["hf_inner_mask"] = _try(
+        lambda: sdpa_hf(target_module=MaskingAttention(), **ctx)(heads[:, :, here])
+    )
     res["hf_sliding_window"] = _try(lambda: sdpa_hf(target_module=SlidingAttention(), **ctx))
-    res["hf_flex_block_mask"] = _try(lambda: flex_hf(target_module=FlexMaskAttention(), **ctx)(heads[:, :, here]))
+    res["hf_flex_block_mask"] = _try(
+        lambda: flex_hf(target_module=FlexMaskAttention(), **ctx)(heads[:, :, here])
+    )
 
     # qkv: config causal=False overrides the core's default; bad cores and arguments
     core = SDPACore()
     with torch.no_grad():
-        got = sdpa_qkv(target_module=core, causal=False, **ctx)(heads[:, :, here], heads[:, :2, here], heads[:, :2, here])
-    res["qkv_noncausal"] = allclose_excess(gather_sequence(got, cp_mesh, seq_dim=2), F.scaled_dot_product_attention(heads, heads[:, :2], heads[:, :2], enable_gqa=True))
-    additive = torch.zeros(1, 1, 16, 16, dtype=torch.float64).masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf"))
+        got = sdpa_qkv(target_module=core, causal=False, **ctx)(
+            heads[:, :, here], heads[:, :2, here], heads[:, :2, here]
+        )
+    res["qkv_noncausal"] = allclose_excess(
+        gather_sequence(got, cp_mesh, seq_dim=2),
+        F.scaled_dot_product_attention(heads, heads[:, :2], heads[:, :2], enable_gqa=True),
+    )
+    additive = torch.zeros(1, 1, 16, 16, dtype=torch.float64).masked_fill(
+        ~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf")
+    )
     with torch.no_grad():  # a float64 additive global mask for float32 queries: narrowed and cast
-        got = sdpa_qkv(target_module=core, causal=False, **ctx)(heads[:, :, here], heads[:, :, here], heads[:, :, here], attn_mask=additive)
-    res["qkv_additive_mask"] = allclose_excess(gather_sequence(got, cp_mesh, seq_dim=2), F.scaled_dot_product_attention(heads, heads, heads, is_causal=True))
+        got = sdpa_qkv(target_module=core, causal=False, **ctx)(
+            heads[:, :, here], heads[:, :, here], heads[:, :, here], attn_mask=additive
+        )
+    res["qkv_additive_mask"] = allclose_excess(
+        gather_sequence(got, cp_mesh, seq_dim=2),
+        F.scaled_dot_product_attention(heads, heads, heads, is_causal=True),
+    )
     res["qkv_two_args"] = _try(lambda: sdpa_qkv(target_module=TwoArgCore(), **ctx))
     extra = sdpa_qkv(target_module=ExtraArgCore(), **ctx)
     local = heads[:, :, here]
-    res["qkv_default_extra_ok"] = _try(lambda: extra(local, local, local, temperature=1.0, tag=None))
+    res["qkv_default_extra_ok"] = _try(
+        lambda: extra(local, local, local, temperature=1.0, tag=None)
+    )
     res["qkv_extra_arg"] = _try(lambda: extra(local, local, local, temperature=2.0))
     res["qkv_extra_tensor_arg"] = _try(lambda: extra(local, local, local, tag=torch.ones(1)))
     res["qkv_extra_incomparable_arg"] = _try(lambda: extra(local, local, local, tag=Incomparable()))
-    res["flex_qkv_block_mask"] = _try(lambda: flex_qkv(target_module=FlexCore(), **ctx)(local, local, local, block_mask=torch.ones(1)))
+    res["flex_qkv_block_mask"] = _try(
+        lambda: flex_qkv(target_module=FlexCore(), **ctx)(
+            local, local, local, block_mask=torch.ones(1)
+        )
+    )
     return res
 
 
@@ -575,9 +726,13 @@ def loss_parallel_check() -> dict[str, float]:
     expected.loss.backward()
     out = m(**shard_batch_for_cp(full, mesh["cp"], load_balanced=True), use_cache=False)
     out.loss.backward()
-    logits = gather_sequence(full_tensor(out.logits, {"tp": Shard(2)}, mesh), mesh["cp"], load_balanced=True)
+    logits = gather_sequence(
+        full_tensor(out.logits, {"tp": Shard(2)}, mesh), mesh["cp"], load_balanced=True
+    )
     got = (out.loss.detach(), logits, gather_full_grads(m, ref, mesh))
     return {
-        **run_excess(got, (expected.loss.detach(), expected.logits.detach(), _ref_grads(ref)), rtol=RTOL),
+        **run_excess(
+            got, (expected.loss.detach(), expected.logits.detach(), _ref_grads(ref)), rtol=RTOL
+        ),
         "vocab_parallel": float(type(m.loss_function.base).__name__ == "VocabParallelCausalLMLoss"),
     }

@@ -30,7 +30,11 @@ def _cp_rank() -> SimpleNamespace:
 
 def _qkv(q_len: int = 4, k_len: int = 4, dims: int = 4) -> tuple[torch.Tensor, ...]:
     shape = (1, 2, q_len, 8)[4 - dims :]
-    return torch.zeros(shape), torch.zeros((1, 2, k_len, 8)[4 - dims :]), torch.zeros((1, 2, k_len, 8)[4 - dims :])
+    return (
+        torch.zeros(shape),
+        torch.zeros((1, 2, k_len, 8)[4 - dims :]),
+        torch.zeros((1, 2, k_len, 8)[4 - dims :]),
+    )
 
 
 @pytest.mark.parametrize(
@@ -49,7 +53,11 @@ def test_cp_sdpa_checks_before_gathering(qkv, layout, error, words):
 
 def test_score_mod_sees_global_positions():
     seen = []
-    mod = _global_score_mod(lambda s, b, h, q, k: seen.append((int(q), int(k))) or s, torch.tensor([6, 7]), torch.tensor([0, 1, 6, 7]))
+    mod = _global_score_mod(
+        lambda s, b, h, q, k: seen.append((int(q), int(k))) or s,
+        torch.tensor([6, 7]),
+        torch.tensor([0, 1, 6, 7]),
+    )
     assert mod(1.0, 0, 0, torch.tensor(1), torch.tensor(2)) == 1.0
     assert seen == [(7, 6)]
 
@@ -74,4 +82,6 @@ def test_reduce_cp_gradients_without_gradients_is_a_no_op():
 def test_flex_hf_without_transformers_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers.integrations.flex_attention", None)
     with pytest.raises(CPConfigError, match="Install transformers, or use flex_qkv"):
-        flex_hf(target_module=nn.Linear(2, 2), ctx=ParallelContext(("cp",), (2,), cp_mesh=_cp_rank()))
+        flex_hf(
+            target_module=nn.Linear(2, 2), ctx=ParallelContext(("cp",), (2,), cp_mesh=_cp_rank())
+        )

@@ -25,7 +25,12 @@ def _batch(seq: int = 8) -> dict:
     ids = torch.arange(2 * seq).view(2, seq)
     mask = torch.ones(2, seq, dtype=torch.long)
     mask[1, -3:] = 0
-    return {"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100), "attention_mask": mask, "use_cache": False}
+    return {
+        "input_ids": ids,
+        "labels": ids.masked_fill(mask == 0, -100),
+        "attention_mask": mask,
+        "use_cache": False,
+    }
 
 
 def test_contiguous_shards_and_global_positions():
@@ -43,7 +48,9 @@ def test_labels_are_shifted_before_sharding_so_no_chunk_edge_loses_its_label():
     joined = torch.cat([p["shift_labels"] for p in parts], dim=1)
     expected = torch.cat([batch["labels"][:, 1:], torch.full((2, 1), -100)], dim=1)
     assert torch.equal(joined, expected)
-    assert parts[0]["shift_labels"][0, -1] == batch["labels"][0, 4]  # the edge token's label survived
+    assert (
+        parts[0]["shift_labels"][0, -1] == batch["labels"][0, 4]
+    )  # the edge token's label survived
     assert torch.equal(parts[0]["labels"], batch["labels"][:, :4])
     assert int(parts[0]["num_items_in_batch"]) == int((expected != -100).sum()) == 11
 
@@ -60,7 +67,11 @@ def test_load_balanced_shards_and_layout():
 
 
 def test_given_position_ids_and_counts_are_kept():
-    batch = {**_batch(), "position_ids": torch.arange(8).flip(0)[None], "num_items_in_batch": torch.tensor(99)}
+    batch = {
+        **_batch(),
+        "position_ids": torch.arange(8).flip(0)[None],
+        "num_items_in_batch": torch.tensor(99),
+    }
     part = shard_batch_for_cp(batch, CPRank(1, 2))
     assert part["position_ids"].tolist() == [[3, 2, 1, 0]]
     assert int(part["num_items_in_batch"]) == 99
@@ -78,8 +89,14 @@ def test_inputs_embeds_and_seq_dim():
     [
         ({"input_ids": torch.zeros(2, 7, dtype=torch.long)}, "length 7 is not divisible by 2"),
         ({"labels": torch.zeros(2, 8)}, "needs input_ids or inputs_embeds"),
-        ({"input_ids": torch.zeros(2, 8), "labels": torch.zeros(2, 6)}, r"batch\['labels'\] has shape \(2, 6\)"),
-        ({"input_ids": torch.zeros(2, 8), "attention_mask": torch.ones(2, 4)}, "over the whole sequence"),
+        (
+            {"input_ids": torch.zeros(2, 8), "labels": torch.zeros(2, 6)},
+            r"batch\['labels'\] has shape \(2, 6\)",
+        ),
+        (
+            {"input_ids": torch.zeros(2, 8), "attention_mask": torch.ones(2, 4)},
+            "over the whole sequence",
+        ),
         ({"input_ids": torch.zeros(2, 8), CP_LAYOUT_KEY: None}, "sharded already"),
     ],
     ids=["indivisible", "no-ids", "labels-shape", "local-mask", "twice"],

@@ -111,18 +111,25 @@ def test_attention_without_wrapper_under_cp_gets_pasteable_yaml(refusals):
 
 
 def test_cp_wrapper_without_cp_axis(refusals):
-    assert refusals["no_cp_axis"].startswith("PreflightError: model.layers.0.self_attn: inner wrapper 'sdpa_hf'")
+    assert refusals["no_cp_axis"].startswith(
+        "PreflightError: model.layers.0.self_attn: inner wrapper 'sdpa_hf'"
+    )
     assert "no active cp axis" in refusals["no_cp_axis"] and "when: cp" in refusals["no_cp_axis"]
     # A callable, not a registry name: caught when the install binds it, so every rank rolls
     # back and raises ApplyFailedError naming the wrapper's own error.
     direct = refusals["no_cp_axis_direct_callable"]
-    assert direct.startswith("ApplyFailedError: apply() failed on rank 0 in phase 'boundaries at model.layers.0.self_attn'"), direct
+    assert direct.startswith(
+        "ApplyFailedError: apply() failed on rank 0 in phase 'boundaries at model.layers.0.self_attn'"
+    ), direct
     assert "CPConfigError: sdpa_hf on 'model.layers.0.self_attn' (LlamaAttention)" in direct, direct
     assert refusals["when_cp_skipped_on_tp"] == "no error"
 
 
 def test_region_dispatch_must_be_false(refusals):
-    assert "requires region_dispatch: false (it communicates); the plan has True" in refusals["region_dispatch_true"]
+    assert (
+        "requires region_dispatch: false (it communicates); the plan has True"
+        in refusals["region_dispatch_true"]
+    )
 
 
 def test_inner_target_and_wrapper_come_in_pairs(refusals):
@@ -163,11 +170,23 @@ def runtime_errors() -> dict:
     ("case", "start", "words"),
     [
         ("local_mask_without_layout", "CPMaskError", "computed from the local chunk"),
-        ("wrong_rank_layout", "CPBatchError", "sharded for cp rank 1 of 2, but this rank is 0 of 2"),
+        (
+            "wrong_rank_layout",
+            "CPBatchError",
+            "sharded for cp rank 1 of 2, but this rank is 0 of 2",
+        ),
         ("not_a_layout", "CPBatchError", "must be a CPLayout"),
-        ("length_mismatch", "CPBatchError", "sees 8 local positions but the batch was sharded into chunks of 16"),
+        (
+            "length_mismatch",
+            "CPBatchError",
+            "sees 8 local positions but the batch was sharded into chunks of 16",
+        ),
         ("kv_cache", "CPUnsupportedError", "use_cache=False"),
-        ("config_layout_mismatch", "CPBatchError", "load_balanced: true but the batch was sharded with load_balanced=False"),
+        (
+            "config_layout_mismatch",
+            "CPBatchError",
+            "load_balanced: true but the batch was sharded with load_balanced=False",
+        ),
         ("lb_odd_local_without_layout", "CPBatchError", "length 10 is not divisible by 4"),
         ("loss_without_shift_labels", "CPBatchError", "token at every chunk edge loses its label"),
     ],
@@ -200,14 +219,38 @@ def test_directly_bound_wrappers_compute_non_causal_and_flag_driven_attention(di
 @pytest.mark.parametrize(
     ("case", "start", "words"),
     [
-        ("hf_unbound_name", "CPMaskError: sdpa_hf on LlamaAttention (layer_idx=0)", "model-level attention_mask"),
-        ("hf_inner_mask", "CPMaskError: sdpa_hf on MaskingAttention", "mask of shape (8, 8) computed from the local chunk"),
-        ("hf_sliding_window", "CPUnsupportedError: sdpa_hf on SlidingAttention", "sliding_window=4"),
-        ("hf_flex_block_mask", "CPMaskError: flex_hf on FlexMaskAttention", "computed from the local chunk"),
-        ("qkv_two_args", "CPConfigError: sdpa_qkv on TwoArgCore", "must be called as (q, k, v, ...)"),
+        (
+            "hf_unbound_name",
+            "CPMaskError: sdpa_hf on LlamaAttention (layer_idx=0)",
+            "model-level attention_mask",
+        ),
+        (
+            "hf_inner_mask",
+            "CPMaskError: sdpa_hf on MaskingAttention",
+            "mask of shape (8, 8) computed from the local chunk",
+        ),
+        (
+            "hf_sliding_window",
+            "CPUnsupportedError: sdpa_hf on SlidingAttention",
+            "sliding_window=4",
+        ),
+        (
+            "hf_flex_block_mask",
+            "CPMaskError: flex_hf on FlexMaskAttention",
+            "computed from the local chunk",
+        ),
+        (
+            "qkv_two_args",
+            "CPConfigError: sdpa_qkv on TwoArgCore",
+            "must be called as (q, k, v, ...)",
+        ),
         ("qkv_extra_arg", "CPUnsupportedError: sdpa_qkv on ExtraArgCore", "argument 'temperature'"),
         ("qkv_extra_tensor_arg", "CPUnsupportedError: sdpa_qkv on ExtraArgCore", "argument 'tag'"),
-        ("qkv_extra_incomparable_arg", "CPUnsupportedError: sdpa_qkv on ExtraArgCore", "argument 'tag'"),
+        (
+            "qkv_extra_incomparable_arg",
+            "CPUnsupportedError: sdpa_qkv on ExtraArgCore",
+            "argument 'tag'",
+        ),
         ("flex_qkv_block_mask", "CPUnsupportedError: flex_qkv on FlexCore", "pass block_mask=None"),
     ],
 )

@@ -20,7 +20,10 @@ def test_sdpa_intercept_routes_only_sdpa_and_pops_on_error():
     seen = []
     q = torch.randn(1, 2, 4, 8)
     before = _modes()
-    with pytest.raises(RuntimeError, match="boom"), _SDPAIntercept(lambda *a, **k: seen.append(k) or q):
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        _SDPAIntercept(lambda *a, **k: seen.append(k) or q),
+    ):
         assert torch.equal(torch.ones(2) + 1, torch.full((2,), 2.0))  # other ops run normally
         assert F.scaled_dot_product_attention(q, q, q, is_causal=True) is q
         raise RuntimeError("boom")

@@ -33,8 +33,12 @@ def test_load_balanced_positions_pair_a_head_and_a_tail_chunk():
 
 def test_load_balanced_evens_out_causal_work():
     """The point of the layout: every rank sees the same number of (query, key) pairs."""
+
     def work(lb: bool) -> list[int]:
-        return [int((chunk_positions(r, 4, 8, load_balanced=lb)[:, None] >= torch.arange(32)).sum()) for r in range(4)]
+        return [
+            int((chunk_positions(r, 4, 8, load_balanced=lb)[:, None] >= torch.arange(32)).sum())
+            for r in range(4)
+        ]
 
     assert len(set(work(True))) == 1
     assert work(False) == sorted(work(False)) and work(False)[0] < work(False)[-1]
@@ -50,7 +54,10 @@ def test_shard_then_unshard_is_the_identity(lb):
 
 @pytest.mark.parametrize(("seq", "lb", "chunks"), [(15, False, 2), (10, True, 4)])
 def test_indivisible_sequence_names_the_multiple_to_pad_to(seq, lb, chunks):
-    with pytest.raises(CPBatchError, match=rf"length {seq} is not divisible by {chunks}.*pad_to_multiple_of={chunks}"):
+    with pytest.raises(
+        CPBatchError,
+        match=rf"length {seq} is not divisible by {chunks}.*pad_to_multiple_of={chunks}",
+    ):
         shard_sequence(torch.zeros(1, seq), 1, 0, 2, load_balanced=lb)
 
 
@@ -113,7 +120,9 @@ def test_narrow_4d_masks_rows_and_keys():
 @pytest.mark.parametrize("shape", [(2, 4), (1, 1, 4, 2), (1, 4), (4,)])
 def test_masks_of_the_local_chunk_are_refused(shape):
     with pytest.raises(CPMaskError, match=r"global keys|whole sequence"):
-        narrow_mask(torch.ones(shape, dtype=torch.bool), torch.tensor([0, 1]), torch.arange(8), 8, where="w")
+        narrow_mask(
+            torch.ones(shape, dtype=torch.bool), torch.tensor([0, 1]), torch.arange(8), 8, where="w"
+        )
 
 
 def test_expand_kv_heads_matches_hf_repeat_kv():

@@ -39,7 +39,12 @@ def test_discovered_and_loaded_with_provenance():
     import hp_plugin_cp.plugin
 
     (row,) = [r for r in plugin_report() if r.name == "cp"]
-    assert (row.distribution, row.version, row.status, row.error) == ("hp-plugin-cp", "0.1.0", "loaded", None)
+    assert (row.distribution, row.version, row.status, row.error) == (
+        "hp-plugin-cp",
+        "0.1.0",
+        "loaded",
+        None,
+    )
     assert Path(hp_plugin_cp.plugin.__file__) == HERE / "src" / "hp_plugin_cp" / "plugin.py"
     mine = [item for item in registered_items() if item.provider == "cp"]
     assert row.items == len(mine)

@@ -22,7 +22,12 @@ from hp_core.presets import build_model
 from hp_plugin_cp import flex_hf, flex_qkv, sdpa_hf, sdpa_qkv
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "cp.md"
-NAMES = {"sdpa_qkv": (sdpa_qkv, "qkv"), "sdpa_hf": (sdpa_hf, "hf"), "flex_qkv": (flex_qkv, "qkv"), "flex_hf": (flex_hf, "hf")}
+NAMES = {
+    "sdpa_qkv": (sdpa_qkv, "qkv"),
+    "sdpa_hf": (sdpa_hf, "hf"),
+    "flex_qkv": (flex_qkv, "qkv"),
+    "flex_hf": (flex_hf, "hf"),
+}
 
 
 def doc_yaml() -> str:
@@ -36,7 +41,11 @@ def test_wrappers_registered_with_requirements_and_provenance(plugins_env):
         item = lookup("inner_wrapper", name)
         assert item.value is fn
         assert (item.provider, item.distribution) == ("cp", "hp-plugin-cp")
-        assert dict(item.meta) == {"needs_cp": True, "region_dispatch": False, "forward_style": style}
+        assert dict(item.meta) == {
+            "needs_cp": True,
+            "region_dispatch": False,
+            "forward_style": style,
+        }
         meta = require_injection_meta(fn, "inner_wrapper", source=name)
         assert meta.context == ("target_module", "ctx")
     (row,) = [r for r in plugin_report() if r.name == "cp"]
@@ -48,10 +57,14 @@ def test_hp_plugins_lists_the_wrappers(plugins_env, capsys):
     out = capsys.readouterr().out
     for name, (_fn, style) in NAMES.items():
         line = next(line for line in out.splitlines() if f" {name} " in line)
-        assert "hp-plugin-cp" in line and f"forward_style={style}" in line and "needs_cp=True" in line
+        assert (
+            "hp-plugin-cp" in line and f"forward_style={style}" in line and "needs_cp=True" in line
+        )
 
 
-def test_without_the_plugin_the_wrappers_are_gone_and_the_error_says_what_to_install(plugins_env, capsys):
+def test_without_the_plugin_the_wrappers_are_gone_and_the_error_says_what_to_install(
+    plugins_env, capsys
+):
     plugins_env.setenv("HP_PLUGINS", "moe")  # as if only hp-plugin-moe were installed
     reset_plugins()
     assert not set(NAMES) & set(INNER_WRAPPER_REGISTRY)
@@ -85,7 +98,13 @@ def test_uninstalled_plugin_disappears_from_hp_plugins(plugins_env, capsys):
 
 def test_doc_yaml_block_is_the_override_from_the_issue():
     (entry,) = yaml.safe_load(doc_yaml())
-    assert entry == {"match": "*.self_attn", "when": "cp", "inner_target": "self", "inner_wrapper": "sdpa_hf", "region_dispatch": False}
+    assert entry == {
+        "match": "*.self_attn",
+        "when": "cp",
+        "inner_target": "self",
+        "inner_wrapper": "sdpa_hf",
+        "region_dispatch": False,
+    }
 
 
 @pytest.mark.parametrize("mesh", ["cp=2", "cp=2,tp=2"])
@@ -95,7 +114,11 @@ def test_doc_yaml_puts_sdpa_hf_on_every_attention(plugins_env, mesh):
     attn = {fqn: s for fqn, s in p.items() if s._needs_cp_attn}
     assert sorted(attn) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     for spec in attn.values():
-        assert (spec.inner_target, spec.inner_wrapper, spec.region_dispatch) == ("self", "sdpa_hf", False)
+        assert (spec.inner_target, spec.inner_wrapper, spec.region_dispatch) == (
+            "self",
+            "sdpa_hf",
+            False,
+        )
         assert spec.in_dst["hidden_states"]["cp"].dim == 1  # the sequence stays sharded on cp
     assert all(not isinstance(s.inner_wrapper, str) for fqn, s in p.items() if fqn not in attn)
 

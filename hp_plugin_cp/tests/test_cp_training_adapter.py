@@ -40,13 +40,18 @@ def test_selected_only_with_an_active_cp_axis(plugins_env):
 
 def test_delegates_to_the_cp_helpers(plugins_env):
     calls = []
-    plugins_env.setattr(plugin, "enable_cp_loss", lambda m, mesh: calls.append(("loss", mesh)) or "wrapped")
     plugins_env.setattr(
-        plugin, "shard_batch_for_cp", lambda b, mesh, load_balanced: calls.append(("shard", mesh, load_balanced)) or {"s": 1}
+        plugin, "enable_cp_loss", lambda m, mesh: calls.append(("loss", mesh)) or "wrapped"
+    )
+    plugins_env.setattr(
+        plugin,
+        "shard_batch_for_cp",
+        lambda b, mesh, load_balanced: calls.append(("shard", mesh, load_balanced)) or {"s": 1},
     )
     p = ShardingPlan(modules={}, mesh_axis_names=("cp",), mesh_shape=(2,))
     adapters = TrainingAdapters(
-        {"cp": CPTrainingAdapter(load_balanced=True)}, TrainingAdapters.for_plan(p, FakeMesh()).context
+        {"cp": CPTrainingAdapter(load_balanced=True)},
+        TrainingAdapters.for_plan(p, FakeMesh()).context,
     )
     assert adapters.prepare_model("model") == "wrapped"
     assert adapters.shard_batch({"input_ids": 0}) == {"s": 1}

@@ -30,8 +30,8 @@ import hp_plugin_moe
 from hp_core.apply import apply
 from hp_core.context import ParallelContext
 from hp_core.injection import Target, local_compute
-from hp_core.plans.prediction import input_check_axes, step_collectives
 from hp_core.planner.plan import plan as make_plan
+from hp_core.plans.prediction import input_check_axes, step_collectives
 from hp_core.presets import build_model
 from hp_core.testing.compare import (
     DEFAULT_EXPERT_PARAMS,
@@ -46,7 +46,12 @@ from hp_core.testing.probe import by_phase, count_step
 
 RTOL = 1e-5
 MOE = "model.layers.*.mlp"
-FACTORY = {"qwen2moe": "qwen2moe", "mixtral": "mixtral", "deepseekv3": "deepseekv3", "toy": "routed_only"}
+FACTORY = {
+    "qwen2moe": "qwen2moe",
+    "mixtral": "mixtral",
+    "deepseekv3": "deepseekv3",
+    "toy": "routed_only",
+}
 #: The ``hp_core.testing.families`` name of each HF family here (``build_family``).
 FAMILY_NAME = {"qwen2moe": "qwen2_moe", "mixtral": "mixtral"}
 #: A per-expert ModuleList parameter (``<prefix>.experts.<e>.<rest>``), stacked by hp into
@@ -58,7 +63,12 @@ SPIES: list[Any] = []
 
 
 @local_compute
-def spy(module: nn.Module, ctx: ParallelContext, archetype: str = "qwen2moe", capacity_factor: float | None = None) -> Any:
+def spy(
+    module: nn.Module,
+    ctx: ParallelContext,
+    archetype: str = "qwen2moe",
+    capacity_factor: float | None = None,
+) -> Any:
     """A registered archetype whose compute this process keeps, to read its routing statistics."""
     factory = getattr(hp_plugin_moe, archetype)
     compute = factory(module=module, ctx=ctx, capacity_factor=capacity_factor)
@@ -136,7 +146,14 @@ def _forward(model: nn.Module, ids: torch.Tensor, family: str) -> tuple[torch.Te
 
 
 def ep_overrides(family: str, factory: Any = None) -> list[dict[str, Any]]:
-    return [{"match": MOE, "when": "ep", "local_compute_fn": factory or FACTORY[family], "region_dispatch": False}]
+    return [
+        {
+            "match": MOE,
+            "when": "ep",
+            "local_compute_fn": factory or FACTORY[family],
+            "region_dispatch": False,
+        }
+    ]
 
 
 def _expected(refs: list[nn.Module], mine: int, group_slices: list[int]) -> dict[str, torch.Tensor]:
@@ -156,7 +173,9 @@ def _expected(refs: list[nn.Module], mine: int, group_slices: list[int]) -> dict
                 out[name] = p.grad
             continue
         grads = [named[s][name].grad for s in group_slices]
-        summed = sum((g if g is not None else torch.zeros_like(p) for g in grads), torch.zeros_like(p))
+        summed = sum(
+            (g if g is not None else torch.zeros_like(p) for g in grads), torch.zeros_like(p)
+        )
         found = PER_EXPERT.match(name)
         if found is None:
             out[name] = summed
@@ -198,7 +217,13 @@ def train_compare(
     prod, val = copy.deepcopy(base), copy.deepcopy(base)
     SPIES.clear()
     for m, mode in ((prod, "production"), (val, "validate")):
-        p = make_plan(m, mesh, sequence_parallel=sp, ep_size=ep, overrides=overrides if overrides is not None else ep_overrides(family, factory))
+        p = make_plan(
+            m,
+            mesh,
+            sequence_parallel=sp,
+            ep_size=ep,
+            overrides=overrides if overrides is not None else ep_overrides(family, factory),
+        )
         apply(m, p, mesh, mode=mode)
     group = prod._hp_applied.expert_meshes[ep]["ep"].mesh.flatten().tolist()
     per_slice = dist.get_world_size() // slices
@@ -206,8 +231,15 @@ def train_compare(
     if slices > 1:
         steps = 1  # the slices' optimizer steps would differ without a dp gradient reduction
     models = {"prod": prod, "val": val}
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6, foreach=False) for k, m in {**models, **{f"ref{s}": r for s, r in enumerate(refs)}}.items()}
-    worst = {f"{a}-{b}:{w}": 0.0 for a, b in (("prod", "ref"), ("val", "ref"), ("prod", "val")) for w in ("loss", "logits", "grad")}
+    opts = {
+        k: torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6, foreach=False)
+        for k, m in {**models, **{f"ref{s}": r for s, r in enumerate(refs)}}.items()
+    }
+    worst = {
+        f"{a}-{b}:{w}": 0.0
+        for a, b in (("prod", "ref"), ("val", "ref"), ("prod", "val"))
+        for w in ("loss", "logits", "grad")
+    }
     losses: list[float] = []
     stepped = {**models, **{f"ref{s}": r for s, r in enumerate(refs)}}
     not_stepped: dict[str, set[str]] = {k: set() for k in stepped}
@@ -225,7 +257,11 @@ def train_compare(
             loss, logits = _forward(m, _batch(step, mine), family)
             loss.backward()
             groups = m._hp_applied.expert_meshes  # the expert groups, handed to the gatherer
-            res[k] = (loss.detach(), logits.detach(), gather_full_grads(m, expected, mesh, expert_groups=groups))
+            res[k] = (
+                loss.detach(),
+                logits.detach(),
+                gather_full_grads(m, expected, mesh, expert_groups=groups),
+            )
         losses.append(float(res["ref"][0]))
         for a, b in (("prod", "ref"), ("val", "ref"), ("prod", "val")):
             for what, value in run_excess(res[a], res[b], rtol=RTOL).items():
@@ -248,7 +284,13 @@ def train_compare(
         "received": [list(s.dispatcher.last_received) for s in SPIES],
         "params": sorted(n for n, _ in prod.named_parameters() if ".layers.0.mlp." in n),
         "local_expert_shape": tuple(_first_expert(prod).shape),
-        "expert_syncs": sum(1 for g in (prod._hp_applied.grad_reducer.groups() if prod._hp_applied.grad_reducer else []) if g.startswith("experts(")),
+        "expert_syncs": sum(
+            1
+            for g in (
+                prod._hp_applied.grad_reducer.groups() if prod._hp_applied.grad_reducer else []
+            )
+            if g.startswith("experts(")
+        ),
     }
 
 
@@ -256,12 +298,26 @@ def _first_expert(model: nn.Module) -> torch.Tensor:
     return next(p for n, p in model.named_parameters() if ".experts." in n)
 
 
-def count_collectives(family: str, mode: str, mesh_shape: Sequence[int], mesh_names: Sequence[str], *, ep: int, layers: int, sp: bool = True, **config: Any) -> dict[str, Any]:
+def count_collectives(
+    family: str,
+    mode: str,
+    mesh_shape: Sequence[int],
+    mesh_names: Sequence[str],
+    *,
+    ep: int,
+    layers: int,
+    sp: bool = True,
+    **config: Any,
+) -> dict[str, Any]:
     """Measured collectives of one forward and one backward, and the dense plan's prediction."""
 
     from hp_core.runtime.applied import finalize_grads
 
-    model = build(family, num_hidden_layers=layers, **config) if family != "toy" else build(family, layers=layers, **config)
+    model = (
+        build(family, num_hidden_layers=layers, **config)
+        if family != "toy"
+        else build(family, layers=layers, **config)
+    )
     mesh = _mesh(mesh_shape, mesh_names)
     p = make_plan(model, mesh, sequence_parallel=sp, ep_size=ep, overrides=ep_overrides(family))
     apply(model, p, mesh, mode=mode)
@@ -279,7 +335,11 @@ def count_collectives(family: str, mode: str, mesh_shape: Sequence[int], mesh_na
         "pred_forward": pred["forward"],
         "pred_backward": pred["backward"],
         "sp_sync": state.grad_reducer.by_group.get("tp", 0) if state.grad_reducer else 0,
-        "expert_sync": sum(n for g, n in (state.grad_reducer.by_group.items() if state.grad_reducer else []) if g.startswith("experts(")),
+        "expert_sync": sum(
+            n
+            for g, n in (state.grad_reducer.by_group.items() if state.grad_reducer else [])
+            if g.startswith("experts(")
+        ),
     }
 
 
@@ -291,12 +351,16 @@ def _snapshot(model: nn.Module) -> list[tuple[str, int, torch.Tensor]]:
 
 
 def _same(a: list[Any], b: list[Any]) -> bool:
-    return [(n, i) for n, i, _ in a] == [(n, i) for n, i, _ in b] and all(torch.equal(x, y) for (_, _, x), (_, _, y) in zip(a, b, strict=True))
+    return [(n, i) for n, i, _ in a] == [(n, i) for n, i, _ in b] and all(
+        torch.equal(x, y) for (_, _, x), (_, _, y) in zip(a, b, strict=True)
+    )
 
 
 @local_compute
 def wrong_signature(module: nn.Module, ctx: ParallelContext) -> Any:
-    def compute(module: nn.Module, x: torch.Tensor) -> torch.Tensor:  # the block's forward takes hidden_states
+    def compute(
+        module: nn.Module, x: torch.Tensor
+    ) -> torch.Tensor:  # the block's forward takes hidden_states
         return x
 
     return compute
@@ -341,13 +405,22 @@ def apply_error(case: str) -> dict[str, Any]:
         sp = False
     elif case == "rollback":
         family, names = "toy", ("dp",)
-        extra = [{"match": "model.layers.0.post_attention_layernorm", "inner_target": "self", "inner_wrapper": inner_wrapper(fails_in_apply), "region_dispatch": False}]
+        extra = [
+            {
+                "match": "model.layers.0.post_attention_layernorm",
+                "inner_target": "self",
+                "inner_wrapper": inner_wrapper(fails_in_apply),
+                "region_dispatch": False,
+            }
+        ]
     else:
         raise ValueError(case)
     model = build(family, **config)
     mesh = _mesh(mesh_shape, names)
     overrides = [] if factory is False else ep_overrides(family, factory)
-    p = make_plan(plan_model or model, mesh, sequence_parallel=sp, ep_size=ep, overrides=overrides + extra)
+    p = make_plan(
+        plan_model or model, mesh, sequence_parallel=sp, ep_size=ep, overrides=overrides + extra
+    )
     before = _snapshot(model)
     modules_before = [(n, type(m).__name__) for n, m in model.named_modules()]
     try:
@@ -358,17 +431,22 @@ def apply_error(case: str) -> dict[str, Any]:
             "mro": [c.__name__ for c in type(e).__mro__],
             "message": str(e),
             "cause": type(e.__cause__).__name__ if e.__cause__ else None,
-            "unchanged": _same(before, _snapshot(model)) and modules_before == [(n, type(m).__name__) for n, m in model.named_modules()],
+            "unchanged": _same(before, _snapshot(model))
+            and modules_before == [(n, type(m).__name__) for n, m in model.named_modules()],
             "applied": getattr(model, "_hp_applied", None) is not None,
         }
     return {"type": None}
 
 
-def yaml_compare(family: str, text: str, mesh_shape: Sequence[int], mesh_names: Sequence[str], *, ep: int) -> dict[str, Any]:
+def yaml_compare(
+    family: str, text: str, mesh_shape: Sequence[int], mesh_names: Sequence[str], *, ep: int
+) -> dict[str, Any]:
     """The overrides of a YAML document (e.g. the one in docs/ep.md) against single device."""
     from hp_core import load_overrides
 
-    return train_compare(family, mesh_shape, mesh_names, ep=ep, steps=1, overrides=load_overrides(text))
+    return train_compare(
+        family, mesh_shape, mesh_names, ep=ep, steps=1, overrides=load_overrides(text)
+    )
 
 
 def capacity_run(capacity_factor: float) -> dict[str, Any]:
@@ -382,11 +460,28 @@ def capacity_run(capacity_factor: float) -> dict[str, Any]:
     SPIES.clear()
     for mode in ("production", "validate"):
         m = copy.deepcopy(base)
-        target = Target.from_dict({"_target_": "moe_tasks.spy", "archetype": "qwen2moe", "capacity_factor": capacity_factor})
-        apply(m, make_plan(m, mesh, ep_size=2, overrides=ep_overrides("qwen2moe", target)), mesh, mode=mode)
+        target = Target.from_dict(
+            {
+                "_target_": "moe_tasks.spy",
+                "archetype": "qwen2moe",
+                "capacity_factor": capacity_factor,
+            }
+        )
+        apply(
+            m,
+            make_plan(m, mesh, ep_size=2, overrides=ep_overrides("qwen2moe", target)),
+            mesh,
+            mode=mode,
+        )
         loss, logits = _forward(m, _batch(0, 0), "qwen2moe")
         loss.backward()
-        outs.append((loss.detach(), logits.detach(), gather_full_grads(m, base, mesh, expert_groups=m._hp_applied.expert_meshes)))
+        outs.append(
+            (
+                loss.detach(),
+                logits.detach(),
+                gather_full_grads(m, base, mesh, expert_groups=m._hp_applied.expert_meshes),
+            )
+        )
     return {
         **run_excess(outs[0], outs[1], rtol=RTOL),
         "finite": bool(torch.isfinite(outs[0][1]).all()),
@@ -404,4 +499,8 @@ def meta_apply(mode: str) -> dict[str, Any]:
     apply(model, make_plan(model, mesh, ep_size=2, overrides=ep_overrides("toy")), mesh, mode=mode)
     w = model.model.layers[0].mlp.experts.gate_proj.weight
     local = w.to_local() if hasattr(w, "to_local") else w
-    return {"meta": bool(local.is_meta), "local_shape": tuple(local.shape), "type": type(w).__name__}
+    return {
+        "meta": bool(local.is_meta),
+        "local_shape": tuple(local.shape),
+        "type": type(w).__name__,
+    }

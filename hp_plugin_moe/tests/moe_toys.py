@@ -30,7 +30,14 @@ class Expert(nn.Module):
 class PerExpertMoE(nn.Module):
     """Top-k softmax router (a plain Linear ``gate``), renormalized, per-expert ModuleList."""
 
-    def __init__(self, hidden: int = HIDDEN, inter: int = 32, experts: int = 4, top_k: int = 2, bias: bool = False) -> None:
+    def __init__(
+        self,
+        hidden: int = HIDDEN,
+        inter: int = 32,
+        experts: int = 4,
+        top_k: int = 2,
+        bias: bool = False,
+    ) -> None:
         super().__init__()
         self.top_k = top_k
         self.norm_topk_prob = True
@@ -78,7 +85,9 @@ class ToyMoELM(nn.Module):
 
     def __init__(self, layers: int = 2, experts: int = 4, bias: bool = False) -> None:
         super().__init__()
-        self.model = Backbone([Layer(PerExpertMoE(experts=experts, bias=bias)) for _ in range(layers)])
+        self.model = Backbone(
+            [Layer(PerExpertMoE(experts=experts, bias=bias)) for _ in range(layers)]
+        )
         self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -27,14 +27,27 @@ def _plus(a: dict, **b: int) -> dict:
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_tp2_ep2_per_moe_layer(mode):
     w = get_world(2)
-    one, two = (w.run(tasks.count_collectives, "qwen2moe", mode, (2,), ("tp",), ep=2, layers=n)[0] for n in (1, 2))
+    one, two = (
+        w.run(tasks.count_collectives, "qwen2moe", mode, (2,), ("tp",), ep=2, layers=n)[0]
+        for n in (1, 2)
+    )
     # per decoder layer: the dense SP collectives of attention, plus the MoE block's all-to-alls
-    assert _delta(two["forward"], one["forward"]) == {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 3}
-    assert _delta(two["backward"], one["backward"]) == {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 2}
+    assert _delta(two["forward"], one["forward"]) == {
+        "all_gather": 1,
+        "reduce_scatter": 1,
+        "all_to_all": 3,
+    }
+    assert _delta(two["backward"], one["backward"]) == {
+        "all_gather": 1,
+        "reduce_scatter": 1,
+        "all_to_all": 2,
+    }
     for n, r in ((1, one), (2, two)):
         assert r["forward"] == _plus(r["pred_forward"], all_to_all=3 * n)
         assert r["backward"] == _plus(r["pred_backward"], all_to_all=2 * n)
-        assert r["sp_sync"] == 1 and r["expert_sync"] == 0  # router + shared expert: one bucketed tp sum
+        assert (
+            r["sp_sync"] == 1 and r["expert_sync"] == 0
+        )  # router + shared expert: one bucketed tp sum
 
 
 def test_ep_over_data_parallel_ranks_is_all_to_all_only():
@@ -46,7 +59,16 @@ def test_ep_over_data_parallel_ranks_is_all_to_all_only():
 
 
 def test_expert_replicas_inside_the_region_add_one_all_reduce():
-    r = get_world(4).run(tasks.count_collectives, "mixtral", "production", (4,), ("tp",), ep=2, layers=2, num_key_value_heads=4)[0]
+    r = get_world(4).run(
+        tasks.count_collectives,
+        "mixtral",
+        "production",
+        (4,),
+        ("tp",),
+        ep=2,
+        layers=2,
+        num_key_value_heads=4,
+    )[0]
     assert r["forward"] == _plus(r["pred_forward"], all_to_all=6)
     assert r["backward"] == _plus(r["pred_backward"], all_to_all=4, all_reduce=1)
     assert r["sp_sync"] == 1 and r["expert_sync"] == 1

@@ -27,7 +27,9 @@ def _check(result: dict, *, experts: int, ep: int) -> None:
     assert result["local_expert_shape"][0] == experts // ep  # this rank really holds E / ep experts
     # The optimizer really stepped: each step moved every weight with a gradient (all models).
     stuck = {k: v for k, v in result["not_stepped"].items() if v}
-    assert not stuck, f"the optimizer step did not move (or made non-finite) these parameters: {stuck}"
+    assert not stuck, (
+        f"the optimizer step did not move (or made non-finite) these parameters: {stuck}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -80,10 +82,14 @@ def test_stacked_parameters_replace_the_per_expert_modules():
     assert r["local_expert_shape"] == (2, 32, 64)
 
 
-@pytest.mark.parametrize("blocked", [(3,), (2, 3)], ids=["expert3-gets-nothing", "rank1-gets-nothing"])
+@pytest.mark.parametrize(
+    "blocked", [(3,), (2, 3)], ids=["expert3-gets-nothing", "rank1-gets-nothing"]
+)
 def test_routing_that_leaves_experts_without_tokens(blocked):
     """Crafted router weights: the blocked experts (all on ep rank 1) receive no token."""
-    results = get_world(2).run(tasks.train_compare, "qwen2moe", (2,), ("tp",), ep=2, factory=tasks.spy, blocked=blocked)
+    results = get_world(2).run(
+        tasks.train_compare, "qwen2moe", (2,), ("tp",), ep=2, factory=tasks.spy, blocked=blocked
+    )
     for r in results:
         _check(r, experts=4, ep=2)
     # one record per MoE layer and mode: tokens received per local expert
@@ -105,7 +111,15 @@ def test_without_sequence_parallel_the_suggested_override_works():
     assert err["type"] == "ExpertParallelError" and err["unchanged"]
     snippet = err["message"].split("with an override:\n", 1)[1]
     fix = yaml.safe_load(snippet)
-    results = w.run(tasks.train_compare, "qwen2moe", (2,), ("tp",), ep=2, sp=False, overrides=tasks.ep_overrides("qwen2moe") + fix)
+    results = w.run(
+        tasks.train_compare,
+        "qwen2moe",
+        (2,),
+        ("tp",),
+        ep=2,
+        sp=False,
+        overrides=tasks.ep_overrides("qwen2moe") + fix,
+    )
     for r in results:
         _check(r, experts=4, ep=2)
 

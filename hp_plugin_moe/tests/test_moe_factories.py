@@ -44,7 +44,10 @@ def _block(family: str, **config) -> torch.nn.Module:
     if family in ("qwen3moe", "olmoe"):
         import transformers
 
-        cls = {"qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}[family]
+        cls = {
+            "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+            "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+        }[family]
         cfg = getattr(transformers, cls[0])(
             vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1,
             num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
@@ -87,14 +90,23 @@ def _abs_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
         ("qwen3moe", moe.routed_only, {}),
         ("olmoe", moe.routed_only, {}),
     ],
-    ids=["qwen2moe", "mixtral", "deepseekv3", "deepseekv3-sigmoid-group-router", "qwen3moe-routed-only", "olmoe-routed-only"],
+    ids=[
+        "qwen2moe",
+        "mixtral",
+        "deepseekv3",
+        "deepseekv3-sigmoid-group-router",
+        "qwen3moe-routed-only",
+        "olmoe-routed-only",
+    ],
 )
 def test_factory_equals_the_hf_block(family, factory, config):
     block = _block(family)
     compute = factory(module=block, **CTX, **config)
     out, grads = _compare(block, compute)
     assert out <= 1e-6 and grads <= 1e-5
-    assert str(inspect.signature(compute)) == "(module, " + str(inspect.signature(block.forward))[1:]
+    assert (
+        str(inspect.signature(compute)) == "(module, " + str(inspect.signature(block.forward))[1:]
+    )
     assert list(inspect.signature(compute).parameters) == ["module", "hidden_states"]
 
 
@@ -126,7 +138,10 @@ def test_capacity_factor_drops_the_pairs_beyond_each_experts_capacity():
     assert compute.dispatcher.last_dropped == int((~keep).sum()) > 0
     assert torch.allclose(out, expected, atol=1e-6)
     generous = moe.mixtral(module=block, **CTX, capacity_factor=8.0)
-    assert torch.allclose(generous(block, x[None]), block(x[None]), atol=1e-6) and generous.dispatcher.last_dropped == 0
+    assert (
+        torch.allclose(generous(block, x[None]), block(x[None]), atol=1e-6)
+        and generous.dispatcher.last_dropped == 0
+    )
 
 
 def test_mixtral_jitter_noise_applies_in_training_only():
@@ -147,9 +162,21 @@ def test_mixtral_jitter_noise_applies_in_training_only():
 @pytest.mark.parametrize(
     "family,factory,problem",
     [
-        ("qwen2moe", moe.mixtral, "it has shared experts (shared_expert, shared_expert_gate), which mixtral"),
-        ("qwen2moe", moe.routed_only, "which routed_only (routed experts only) would silently drop"),
-        ("deepseekv3", moe.qwen2moe, "it lacks 'shared_expert', 'shared_expert_gate', which the qwen2moe archetype"),
+        (
+            "qwen2moe",
+            moe.mixtral,
+            "it has shared experts (shared_expert, shared_expert_gate), which mixtral",
+        ),
+        (
+            "qwen2moe",
+            moe.routed_only,
+            "which routed_only (routed experts only) would silently drop",
+        ),
+        (
+            "deepseekv3",
+            moe.qwen2moe,
+            "it lacks 'shared_expert', 'shared_expert_gate', which the qwen2moe archetype",
+        ),
         ("mixtral", moe.deepseekv3, "it lacks 'shared_experts', which the deepseekv3 archetype"),
     ],
 )
@@ -159,7 +186,11 @@ def test_wrong_archetype_lists_the_blocks_children_and_shapes(family, factory, p
         factory(module=block, **CTX)
     msg = str(exc.value)
     assert problem in msg
-    assert f"{type(block).__name__} has\n  children: " in msg and "  parameters: " in msg and "gate.weight (" in msg
+    assert (
+        f"{type(block).__name__} has\n  children: " in msg
+        and "  parameters: " in msg
+        and "gate.weight (" in msg
+    )
     assert "\nFix: use " in msg
 
 
@@ -172,13 +203,20 @@ def test_interface_errors_name_what_is_missing():
         def forward(self, hidden_states):
             return hidden_states
 
-    with pytest.raises(MoEInterfaceError, match="NoRouter: it has no router child named 'gate' or 'router'"):
+    with pytest.raises(
+        MoEInterfaceError, match="NoRouter: it has no router child named 'gate' or 'router'"
+    ):
         moe.routed_only(module=NoRouter(), **CTX)
     block = NoRouter()
     block.gate = torch.nn.Linear(4, 1)
-    with pytest.raises(MoEInterfaceError, match=r"its experts are a ModuleList of Linear, which lacks SwiGLU Linears named gate_proj/up_proj/down_proj or w1/w3/w2") as exc:
+    with pytest.raises(
+        MoEInterfaceError,
+        match=r"its experts are a ModuleList of Linear, which lacks SwiGLU Linears named gate_proj/up_proj/down_proj or w1/w3/w2",
+    ) as exc:
         moe.routed_only(module=block, **CTX)
-    assert "parameters: experts.0.weight (4, 4), experts.0.bias (4,), gate.weight (1, 4)" in str(exc.value)
+    assert "parameters: experts.0.weight (4, 4), experts.0.bias (4,), gate.weight (1, 4)" in str(
+        exc.value
+    )
     block.experts = torch.nn.ModuleList()
     with pytest.raises(MoEInterfaceError, match="its 'experts' ModuleList is empty"):
         moe.routed_only(module=block, **CTX)
@@ -195,7 +233,9 @@ def test_interface_errors_name_what_is_missing():
 def test_batched_experts_with_extra_parameters_are_refused():
     block = _block("mixtral")
     block.experts.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(4, 64))
-    with pytest.raises(MoEInterfaceError, match=r"its batched experts also hold \['gate_up_proj_bias'\]"):
+    with pytest.raises(
+        MoEInterfaceError, match=r"its batched experts also hold \['gate_up_proj_bias'\]"
+    ):
         moe.mixtral(module=block, **CTX)
 
 
@@ -204,7 +244,10 @@ def test_forward_with_other_required_inputs_is_refused():
         def forward(self, hidden_states, padding_mask):  # type: ignore[override]
             return super().forward(hidden_states)
 
-    with pytest.raises(MoEInterfaceError, match=r"takes required input\(s\) \['padding_mask'\] besides 'hidden_states'"):
+    with pytest.raises(
+        MoEInterfaceError,
+        match=r"takes required input\(s\) \['padding_mask'\] besides 'hidden_states'",
+    ):
         moe.routed_only(module=TwoInputs(), **CTX)
 
     class Optional(PerExpertMoE):
@@ -215,7 +258,10 @@ def test_forward_with_other_required_inputs_is_refused():
     compute = moe.routed_only(module=block, **CTX)
     x = torch.randn(3, 64)
     assert torch.allclose(compute(block, x, scale=None), block(x), atol=1e-6)
-    with pytest.raises(MoERuntimeError, match="was called with scale=2; the MoE compute routes 'hidden_states' only"):
+    with pytest.raises(
+        MoERuntimeError,
+        match="was called with scale=2; the MoE compute routes 'hidden_states' only",
+    ):
         compute(block, x, scale=2)
 
 
@@ -234,17 +280,24 @@ def test_config_values_are_checked(config, error):
 
 
 def test_router_options_that_would_do_nothing_are_refused():
-    with pytest.raises(MoEConfigError, match=r"config key\(s\) \['top_k'\] do nothing with router 'hf_topk'"):
+    with pytest.raises(
+        MoEConfigError, match=r"config key\(s\) \['top_k'\] do nothing with router 'hf_topk'"
+    ):
         moe.routed_only(module=_block("mixtral"), **CTX, top_k=2)
     block = PerExpertMoE()
     del block.top_k
-    with pytest.raises(MoEConfigError, match=r"has no integer top_k attribute .* Set the config key top_k: N"):
+    with pytest.raises(
+        MoEConfigError, match=r"has no integer top_k attribute .* Set the config key top_k: N"
+    ):
         moe.routed_only(module=block, **CTX)
     assert moe.routed_only(module=block, **CTX, top_k=1).options.top_k == 1
 
 
 def test_router_adapters_are_a_registry():
-    with pytest.raises(UnknownRegistryItemError, match=r"unknown router adapter 'softmax_top'.*Did you mean 'softmax_topk'"):
+    with pytest.raises(
+        UnknownRegistryItemError,
+        match=r"unknown router adapter 'softmax_top'.*Did you mean 'softmax_topk'",
+    ):
         moe.routed_only(module=PerExpertMoE(), **CTX, router="softmax_top")
     calls = []
 
@@ -266,7 +319,9 @@ def test_router_adapters_are_a_registry():
 
 def test_hf_topk_on_a_router_that_returns_logits_says_which_adapter_to_use():
     block = PerExpertMoE()
-    with pytest.raises(MoEInterfaceError, match="returned Tensor, not \\(logits, weights, experts\\)") as exc:
+    with pytest.raises(
+        MoEInterfaceError, match="returned Tensor, not \\(logits, weights, experts\\)"
+    ) as exc:
         moe.routed_only(module=block, **CTX, router="hf_topk")(block, torch.randn(2, 64))
     assert "use router: softmax_topk" in str(exc.value)
 
@@ -282,7 +337,11 @@ def test_sigmoid_group_router_on_a_plain_gate_is_picked_automatically():
     hf = _block("deepseekv3")
     block = PerExpertMoE(experts=8)
     block.e_score_correction_bias = hf.gate.e_score_correction_bias.clone()
-    block.n_group, block.topk_group, block.routed_scaling_factor = 2, 1, hf.gate.routed_scaling_factor
+    block.n_group, block.topk_group, block.routed_scaling_factor = (
+        2,
+        1,
+        hf.gate.routed_scaling_factor,
+    )
     with torch.no_grad():
         block.gate.weight.copy_(hf.gate.weight)
     compute = moe.routed_only(module=block, **CTX)
@@ -298,12 +357,17 @@ def test_experts_resharded_after_binding_are_detected():
     compute = moe.qwen2moe(module=block, **CTX)
     block.experts.gate_up_proj = torch.nn.Parameter(block.experts.gate_up_proj[:2].detach())
     block.experts.down_proj = torch.nn.Parameter(block.experts.down_proj[:2].detach())
-    with pytest.raises(MoERuntimeError, match="holds 2 experts on this rank, but the compute was bound for 4"):
+    with pytest.raises(
+        MoERuntimeError, match="holds 2 experts on this rank, but the compute was bound for 4"
+    ):
         compute(block, torch.randn(3, 64))
     per_expert = PerExpertMoE()
     compute = moe.routed_only(module=per_expert, **CTX)
     per_expert.experts = torch.nn.Module()
-    with pytest.raises(MoERuntimeError, match="neither the per-expert ModuleList the factory was bound to nor its stacked form"):
+    with pytest.raises(
+        MoERuntimeError,
+        match="neither the per-expert ModuleList the factory was bound to nor its stacked form",
+    ):
         compute(per_expert, torch.randn(3, 64))
 
 
@@ -321,7 +385,13 @@ def test_plugin_registers_factories_routers_and_the_suggestion_table():
     assert items[("compute_factory", "qwen2moe")].value is moe.qwen2moe
     assert {
         arch: suggest_compute_factory(arch)
-        for arch in ("Qwen2MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM")
+        for arch in (
+            "Qwen2MoeForCausalLM",
+            "MixtralForCausalLM",
+            "DeepseekV3ForCausalLM",
+            "Qwen3MoeForCausalLM",
+            "LlamaForCausalLM",
+        )
     } == {
         "Qwen2MoeForCausalLM": "qwen2moe",
         "MixtralForCausalLM": "mixtral",
@@ -332,7 +402,10 @@ def test_plugin_registers_factories_routers_and_the_suggestion_table():
 
 
 def test_config_keys_of_each_factory():
-    keys = {name: getattr(moe, name)._injection_meta.config_keys for name in ("qwen2moe", "mixtral", "routed_only", "deepseekv3")}
+    keys = {
+        name: getattr(moe, name)._injection_meta.config_keys
+        for name in ("qwen2moe", "mixtral", "routed_only", "deepseekv3")
+    }
     assert keys == {
         "qwen2moe": ("capacity_factor", "router"),
         "mixtral": ("capacity_factor", "router", "jitter_noise"),
@@ -343,9 +416,14 @@ def test_config_keys_of_each_factory():
 
 def test_describe_module_truncates_long_parameter_lists():
     text = moe.describe_module(PerExpertMoE(experts=8))
-    assert text.startswith("  children: gate (Linear), experts (ModuleList)\n  parameters: gate.weight (8, 64), experts.0.gate_proj.weight (32, 64)")
+    assert text.startswith(
+        "  children: gate (Linear), experts (ModuleList)\n  parameters: gate.weight (8, 64), experts.0.gate_proj.weight (32, 64)"
+    )
     assert text.endswith(", ... and 13 more")
-    assert repr(moe.routed_only(module=PerExpertMoE(), **CTX)) == "ExpertParallelMoE(routed_only, experts=4 per_expert, ep=1, router=softmax_topk)"
+    assert (
+        repr(moe.routed_only(module=PerExpertMoE(), **CTX))
+        == "ExpertParallelMoE(routed_only, experts=4 per_expert, ep=1, router=softmax_topk)"
+    )
 
 
 def test_expert_count_must_divide_over_the_expert_group():
@@ -381,7 +459,10 @@ def test_forward_without_a_positional_input_is_refused():
         def forward(self, *, hidden_states):  # type: ignore[override]
             return super().forward(hidden_states)
 
-    with pytest.raises(MoEInterfaceError, match=r"does not take the hidden states as its first positional parameter"):
+    with pytest.raises(
+        MoEInterfaceError,
+        match=r"does not take the hidden states as its first positional parameter",
+    ):
         moe.routed_only(module=KeywordOnly(), **CTX)
 
 

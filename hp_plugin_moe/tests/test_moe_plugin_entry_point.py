@@ -40,13 +40,22 @@ def test_discovered_and_loaded_with_provenance(monkeypatch):
 
     monkeypatch.setenv("HP_PLUGINS", "moe")
     (row,) = [r for r in plugin_report() if r.name == "moe"]
-    assert (row.distribution, row.version, row.status, row.error) == ("hp-plugin-moe", "0.1.0", "loaded", None)
+    assert (row.distribution, row.version, row.status, row.error) == (
+        "hp-plugin-moe",
+        "0.1.0",
+        "loaded",
+        None,
+    )
     assert Path(hp_plugin_moe.plugin.__file__) == HERE / "src" / "hp_plugin_moe" / "plugin.py"
     mine = [item for item in registered_items() if item.provider == "moe"]
     assert row.items == len(mine) == 7
     assert {item.kind.value for item in mine} == {"compute_factory", "router_adapter"}
     assert all(item.distribution == "hp-plugin-moe" for item in mine)
-    factories = {item.name: item.meta["architectures"] for item in mine if item.kind.value == "compute_factory"}
+    factories = {
+        item.name: item.meta["architectures"]
+        for item in mine
+        if item.kind.value == "compute_factory"
+    }
     assert factories == {
         "qwen2moe": ("Qwen2MoeForCausalLM",),
         "mixtral": ("MixtralForCausalLM",),

@@ -65,8 +65,12 @@ class RoleRule:
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
-            raise TemplateDefinitionError(f"RoleRule {self.name!r}: role must be a hp_core.Role, got {self.role!r}")
-        if isinstance(self.architectures, str) or not all(isinstance(a, str) for a in self.architectures):
+            raise TemplateDefinitionError(
+                f"RoleRule {self.name!r}: role must be a hp_core.Role, got {self.role!r}"
+            )
+        if isinstance(self.architectures, str) or not all(
+            isinstance(a, str) for a in self.architectures
+        ):
             raise TemplateDefinitionError(
                 f"RoleRule {self.name!r}: architectures must be a tuple of class names, got {self.architectures!r}"
             )
@@ -74,7 +78,9 @@ class RoleRule:
         try:
             re.compile(self.pattern)
         except re.error as e:
-            raise TemplateDefinitionError(f"RoleRule {self.name!r}: pattern {self.pattern!r} is not a regular expression: {e}") from None
+            raise TemplateDefinitionError(
+                f"RoleRule {self.name!r}: pattern {self.pattern!r} is not a regular expression: {e}"
+            ) from None
 
     def matches(self, fqn: str, architectures: Sequence[str] = ()) -> bool:
         if self.architectures and not set(self.architectures) & set(architectures):
@@ -89,15 +95,29 @@ def _r(name: str, pattern: str, role: Role) -> RoleRule:
 #: The core's default rules, in precedence order (first match wins).
 DEFAULT_ROLE_RULES: tuple[RoleRule, ...] = (
     _r("moe_expert", r"\.experts\.", Role.MOE_EXPERT),
-    _r("moe_router", r"(^|\.)(mlp|block_sparse_moe|moe)\.(gate|router)\.(weight|bias|e_score_correction_bias)$", Role.MOE_ROUTER),
+    _r(
+        "moe_router",
+        r"(^|\.)(mlp|block_sparse_moe|moe)\.(gate|router)\.(weight|bias|e_score_correction_bias)$",
+        Role.MOE_ROUTER,
+    ),
     _r("shared_expert_gate", r"(^|\.)shared_expert_gate\.weight$", Role.SHARED_EXPERT_GATE),
     _r("embed", r"(^|\.)(embed_tokens|wte|word_embeddings)\.weight$", Role.EMBED),
     _r("lm_head", r"(^|\.)lm_head\.weight$", Role.LM_HEAD),
     _r("norm", r"(norm|layernorm|ln_f|ln_[0-9])\.(weight|bias)$", Role.NORM),
-    _r("fused_qkv", r"(^|\.)(qkv_proj|query_key_value|c_attn|Wqkv)\.(weight|bias)$", Role.FUSED_QKV),
+    _r(
+        "fused_qkv", r"(^|\.)(qkv_proj|query_key_value|c_attn|Wqkv)\.(weight|bias)$", Role.FUSED_QKV
+    ),
     _r("fused_gate_up", r"(^|\.)gate_up_proj\.(weight|bias)$", Role.FUSED_GATE_UP),
-    _r("colwise", r"(^|\.)(q_proj|k_proj|v_proj|gate_proj|up_proj|w1|w3|fc1|c_fc)\.(weight|bias)$", Role.COLWISE),
-    _r("rowwise", r"(^|\.)(o_proj|down_proj|w2|fc2|dense|c_proj|out_proj)\.(weight|bias)$", Role.ROWWISE),
+    _r(
+        "colwise",
+        r"(^|\.)(q_proj|k_proj|v_proj|gate_proj|up_proj|w1|w3|fc1|c_fc)\.(weight|bias)$",
+        Role.COLWISE,
+    ),
+    _r(
+        "rowwise",
+        r"(^|\.)(o_proj|down_proj|w2|fc2|dense|c_proj|out_proj)\.(weight|bias)$",
+        Role.ROWWISE,
+    ),
 )
 
 
@@ -137,8 +157,12 @@ class BoundaryTemplate:
                 f"BoundaryTemplate {self.name!r}: kind must be one of {BOUNDARY_KINDS}, got {self.kind!r}"
             )
         if not callable(self.build):
-            raise TemplateDefinitionError(f"BoundaryTemplate {self.name!r}: build must be callable, got {self.build!r}")
-        if isinstance(self.architectures, str) or not all(isinstance(a, str) for a in self.architectures):
+            raise TemplateDefinitionError(
+                f"BoundaryTemplate {self.name!r}: build must be callable, got {self.build!r}"
+            )
+        if isinstance(self.architectures, str) or not all(
+            isinstance(a, str) for a in self.architectures
+        ):
             raise TemplateDefinitionError(
                 f"BoundaryTemplate {self.name!r}: architectures must be a tuple of class names, got {self.architectures!r}"
             )

@@ -27,7 +27,9 @@ def expand_kv_heads(x: torch.Tensor, q_heads: int, *, where: str) -> torch.Tenso
     if kv_heads == q_heads:
         return x
     if q_heads % kv_heads:
-        raise CPBatchError(f"{where}: {q_heads} query heads are not a multiple of {kv_heads} key/value heads.")
+        raise CPBatchError(
+            f"{where}: {q_heads} query heads are not a multiple of {kv_heads} key/value heads."
+        )
     rep = q_heads // kv_heads
     b, _, s, d = x.shape
     return x[:, :, None].expand(b, kv_heads, rep, s, d).reshape(b, q_heads, s, d)
@@ -53,7 +55,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout, 
         )
 
 
-def _gather(k: torch.Tensor, v: torch.Tensor, group: Any, layout: CPLayout, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(
+    k: torch.Tensor, v: torch.Tensor, group: Any, layout: CPLayout, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     k, v = all_gather_kv(k, v, group, seq_dim=-2)
     visible = layout.visible_keys(causal)
     if visible < layout.seq_len:  # later ranks' chunks are entirely in this rank's future
@@ -86,17 +90,23 @@ def cp_sdpa(
         mask = mask.to(query.dtype)  # an additive mask must match the queries' dtype
     key = expand_kv_heads(key, query.shape[-3], where=where)
     value = expand_kv_heads(value, query.shape[-3], where=where)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale
+    )
 
 
-def _global_score_mod(score_mod: Callable[..., Any], q_pos: torch.Tensor, k_pos: torch.Tensor) -> Callable[..., Any]:
+def _global_score_mod(
+    score_mod: Callable[..., Any], q_pos: torch.Tensor, k_pos: torch.Tensor
+) -> Callable[..., Any]:
     def mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return score_mod(score, b, h, q_pos[q_idx], k_pos[kv_idx])
 
     return mod
 
 
-def _block_mask(layout: CPLayout, causal: bool, query: torch.Tensor, visible: int, where: str) -> Any:
+def _block_mask(
+    layout: CPLayout, causal: bool, query: torch.Tensor, visible: int, where: str
+) -> Any:
     """A flex ``BlockMask`` equal to :meth:`CPLayout.mask` (None when nothing is hidden)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -121,7 +131,10 @@ def _block_mask(layout: CPLayout, causal: bool, query: torch.Tensor, visible: in
 
     batch = pad.shape[0] if pad is not None else None
     key = ("block_mask", causal, str(device), batch)
-    return layout._cached(key, lambda: create_block_mask(mask_mod, batch, None, query.shape[-2], visible, device=device))
+    return layout._cached(
+        key,
+        lambda: create_block_mask(mask_mod, batch, None, query.shape[-2], visible, device=device),
+    )
 
 
 def cp_flex_attention(
@@ -153,11 +166,21 @@ def cp_flex_attention(
     key = expand_kv_heads(key, query.shape[-3], where=where)
     value = expand_kv_heads(value, query.shape[-3], where=where)
     if score_mod is not None:
-        score_mod = _global_score_mod(score_mod, layout.query_positions(query.device), layout.key_positions(query.device)[:visible])
+        score_mod = _global_score_mod(
+            score_mod,
+            layout.query_positions(query.device),
+            layout.key_positions(query.device)[:visible],
+        )
     try:
         return flex_attention(
-            query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
-            kernel_options=kernel_options, **(returns or {}),
+            query,
+            key,
+            value,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=scale,
+            kernel_options=kernel_options,
+            **(returns or {}),
         )
     except NotImplementedError as e:
         raise CPUnsupportedError(

@@ -38,7 +38,14 @@ if TYPE_CHECKING:
 __all__ = ["SEQUENCE_KEYS", "gather_sequence", "shard_batch_for_cp"]
 
 #: Batch keys sharded along the sequence dim (``position_ids`` along its last dim).
-SEQUENCE_KEYS = ("input_ids", "inputs_embeds", "labels", "shift_labels", "position_ids", "token_type_ids")
+SEQUENCE_KEYS = (
+    "input_ids",
+    "inputs_embeds",
+    "labels",
+    "shift_labels",
+    "position_ids",
+    "token_type_ids",
+)
 
 
 def _shift(labels: torch.Tensor, dim: int, ignore_index: int) -> torch.Tensor:
@@ -64,16 +71,29 @@ def shard_batch_for_cp(
     anything with ``size()`` and ``get_local_rank()``).
     """
     if not isinstance(batch, Mapping):
-        raise CPBatchError(f"shard_batch_for_cp: batch must be a mapping of model inputs, got {type(batch).__name__}.")
+        raise CPBatchError(
+            f"shard_batch_for_cp: batch must be a mapping of model inputs, got {type(batch).__name__}."
+        )
     if CP_LAYOUT_KEY in batch:
-        raise CPBatchError(f"shard_batch_for_cp: batch already has {CP_LAYOUT_KEY!r}: it is sharded already; shard the unsharded batch once.")
+        raise CPBatchError(
+            f"shard_batch_for_cp: batch already has {CP_LAYOUT_KEY!r}: it is sharded already; shard the unsharded batch once."
+        )
     cp_size, rank = int(cp_mesh.size()), int(cp_mesh.get_local_rank())
-    source = next((k for k in ("input_ids", "inputs_embeds") if isinstance(batch.get(k), torch.Tensor)), None)
+    source = next(
+        (k for k in ("input_ids", "inputs_embeds") if isinstance(batch.get(k), torch.Tensor)), None
+    )
     if source is None:
-        raise CPBatchError("shard_batch_for_cp: the batch needs input_ids or inputs_embeds (a tensor) to know the sequence length.")
+        raise CPBatchError(
+            "shard_batch_for_cp: the batch needs input_ids or inputs_embeds (a tensor) to know the sequence length."
+        )
     ref = batch[source]
     seq_len = ref.shape[seq_dim]
-    local_length(seq_len, cp_size, load_balanced=load_balanced, what=f"sequence (batch[{source!r}] dim {seq_dim})")
+    local_length(
+        seq_len,
+        cp_size,
+        load_balanced=load_balanced,
+        what=f"sequence (batch[{source!r}] dim {seq_dim})",
+    )
     out: dict[str, Any] = {k: v for k, v in batch.items() if k != "attention_mask"}
     labels = batch.get("labels")
     if isinstance(labels, torch.Tensor) and "shift_labels" not in batch:
@@ -95,7 +115,11 @@ def shard_batch_for_cp(
         out[key] = shard_sequence(value, dim, rank, cp_size, load_balanced=load_balanced)
     mask = batch.get("attention_mask")
     if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.dim() not in (2, 4) or mask.shape[-1] != seq_len:
+        if (
+            not isinstance(mask, torch.Tensor)
+            or mask.dim() not in (2, 4)
+            or mask.shape[-1] != seq_len
+        ):
             shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
             raise CPBatchError(
                 f"shard_batch_for_cp: attention_mask must be a padding mask [batch, {seq_len}] or a 4-D mask "
@@ -105,7 +129,9 @@ def shard_batch_for_cp(
     return out
 
 
-def gather_sequence(x: torch.Tensor, cp_mesh: DeviceMesh, *, load_balanced: bool = False, seq_dim: int = 1) -> torch.Tensor:
+def gather_sequence(
+    x: torch.Tensor, cp_mesh: DeviceMesh, *, load_balanced: bool = False, seq_dim: int = 1
+) -> torch.Tensor:
     """Every rank's chunk of ``x`` put back into the whole sequence, in natural order.
 
     For inspection and evaluation (e.g. logits): the result is detached, not differentiable.

@@ -44,7 +44,11 @@ def local_length(seq_len: int, cp_size: int, *, load_balanced: bool, what: str =
     """``seq_len / cp_size``, or a :class:`CPBatchError` that says how to pad."""
     chunks = 2 * cp_size if load_balanced else cp_size
     if seq_len <= 0 or seq_len % chunks:
-        scheme = f"load-balanced sharding cuts it into 2 * cp = {chunks} chunks" if load_balanced else f"cp = {cp_size} ranks each hold one chunk"
+        scheme = (
+            f"load-balanced sharding cuts it into 2 * cp = {chunks} chunks"
+            if load_balanced
+            else f"cp = {cp_size} ranks each hold one chunk"
+        )
         fix = -(-max(seq_len, 1) // chunks) * chunks
         raise CPBatchError(
             f"{what} length {seq_len} is not divisible by {chunks} ({scheme}). Pad the batch to a "
@@ -55,7 +59,12 @@ def local_length(seq_len: int, cp_size: int, *, load_balanced: bool, what: str =
 
 
 def chunk_positions(
-    rank: int, cp_size: int, local_len: int, *, load_balanced: bool, device: torch.device | str | None = None
+    rank: int,
+    cp_size: int,
+    local_len: int,
+    *,
+    load_balanced: bool,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Global positions of the ``local_len`` tokens rank ``rank`` holds, in local order."""
     if not load_balanced:
@@ -68,7 +77,10 @@ def chunk_positions(
     half = local_len // 2
     tail = 2 * cp_size - 1 - rank
     return torch.cat(
-        [torch.arange(rank * half, (rank + 1) * half, device=device), torch.arange(tail * half, (tail + 1) * half, device=device)]
+        [
+            torch.arange(rank * half, (rank + 1) * half, device=device),
+            torch.arange(tail * half, (tail + 1) * half, device=device),
+        ]
     )
 
 
@@ -76,10 +88,17 @@ def gathered_positions(
     cp_size: int, local_len: int, *, load_balanced: bool, device: torch.device | str | None = None
 ) -> torch.Tensor:
     """Global positions of the keys after the all-gather (the ranks' chunks in rank order)."""
-    return torch.cat([chunk_positions(r, cp_size, local_len, load_balanced=load_balanced, device=device) for r in range(cp_size)])
+    return torch.cat(
+        [
+            chunk_positions(r, cp_size, local_len, load_balanced=load_balanced, device=device)
+            for r in range(cp_size)
+        ]
+    )
 
 
-def shard_sequence(x: torch.Tensor, dim: int, rank: int, cp_size: int, *, load_balanced: bool) -> torch.Tensor:
+def shard_sequence(
+    x: torch.Tensor, dim: int, rank: int, cp_size: int, *, load_balanced: bool
+) -> torch.Tensor:
     """The part of ``x`` (whole sequence along ``dim``) that rank ``rank`` holds."""
     seq_len = x.shape[dim]
     local = local_length(seq_len, cp_size, load_balanced=load_balanced)
@@ -89,16 +108,22 @@ def shard_sequence(x: torch.Tensor, dim: int, rank: int, cp_size: int, *, load_b
     return x.index_select(dim, index)
 
 
-def unshard_sequence(gathered: torch.Tensor, dim: int, cp_size: int, *, load_balanced: bool) -> torch.Tensor:
+def unshard_sequence(
+    gathered: torch.Tensor, dim: int, cp_size: int, *, load_balanced: bool
+) -> torch.Tensor:
     """Undo the layout: ranks' chunks concatenated in rank order → natural sequence order."""
     if not load_balanced:
         return gathered
     local = gathered.shape[dim] // cp_size
-    order = torch.argsort(gathered_positions(cp_size, local, load_balanced=True, device=gathered.device))
+    order = torch.argsort(
+        gathered_positions(cp_size, local, load_balanced=True, device=gathered.device)
+    )
     return gathered.index_select(dim, order)
 
 
-def narrow_mask(mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: int, *, where: str) -> torch.Tensor:
+def narrow_mask(
+    mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: int, *, where: str
+) -> torch.Tensor:
     """A global mask → this rank's rows (queries at ``q_pos``) against the gathered keys ``k_pos``.
 
     Accepted: a 2-D padding mask ``[B, S]`` (nonzero = a real token) → ``[B, 1, 1, S']``;
@@ -114,7 +139,11 @@ def narrow_mask(mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, se
                 f"{tuple(mask.shape)}. Pass the unsharded attention_mask to shard_batch_for_cp."
             )
         return (mask != 0).index_select(-1, k_pos.to(mask.device))[:, None, None, :]
-    if mask.dim() != 4 or mask.shape[-1] != seq_len or mask.shape[-2] not in (1, local_len, seq_len):
+    if (
+        mask.dim() != 4
+        or mask.shape[-1] != seq_len
+        or mask.shape[-2] not in (1, local_len, seq_len)
+    ):
         raise CPMaskError(
             f"{where}: expected a padding mask [batch, {seq_len}] or a 4-D mask [batch, heads, {seq_len} "
             f"(or {local_len} local rows), {seq_len}] over the global keys, got shape {tuple(mask.shape)}. "
@@ -164,15 +193,25 @@ class CPLayout:
 
     def query_positions(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Global positions of this rank's tokens (its local query rows)."""
-        return self._cached(("q", str(device)), lambda: chunk_positions(
-            self.cp_rank, self.cp_size, self.local_len, load_balanced=self.load_balanced, device=device
-        ))
+        return self._cached(
+            ("q", str(device)),
+            lambda: chunk_positions(
+                self.cp_rank,
+                self.cp_size,
+                self.local_len,
+                load_balanced=self.load_balanced,
+                device=device,
+            ),
+        )
 
     def key_positions(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Global positions of the gathered keys, in gather (rank) order."""
-        return self._cached(("k", str(device)), lambda: gathered_positions(
-            self.cp_size, self.local_len, load_balanced=self.load_balanced, device=device
-        ))
+        return self._cached(
+            ("k", str(device)),
+            lambda: gathered_positions(
+                self.cp_size, self.local_len, load_balanced=self.load_balanced, device=device
+            ),
+        )
 
     def visible_keys(self, causal: bool) -> int:
         """How many gathered keys any local query can see: a causal contiguous layout drops
@@ -181,7 +220,14 @@ class CPLayout:
             return (self.cp_rank + 1) * self.local_len
         return self.seq_len
 
-    def mask(self, causal: bool, device: torch.device, user_mask: torch.Tensor | None = None, *, where: str) -> torch.Tensor | None:
+    def mask(
+        self,
+        causal: bool,
+        device: torch.device,
+        user_mask: torch.Tensor | None = None,
+        *,
+        where: str,
+    ) -> torch.Tensor | None:
         """The local ``[B|1, H|1, L, K]`` mask: causal by global position AND the user mask.
 
         ``K = visible_keys(causal)``. ``user_mask`` defaults to the layout's own
@@ -195,7 +241,11 @@ class CPLayout:
             q_pos = self.query_positions(device)
             k_pos = self.key_positions(device)[:visible]
             causal_mask = (k_pos[None, :] <= q_pos[:, None])[None, None] if causal else None
-            narrowed = narrow_mask(user.to(device), q_pos, k_pos, self.seq_len, where=where) if user is not None else None
+            narrowed = (
+                narrow_mask(user.to(device), q_pos, k_pos, self.seq_len, where=where)
+                if user is not None
+                else None
+            )
             return combine_masks(narrowed, causal_mask)
 
         if not cacheable:

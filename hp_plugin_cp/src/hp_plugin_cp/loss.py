@@ -62,11 +62,25 @@ class CPCausalLMLoss:
                 "at every chunk edge loses its label. Build the batch with shard_batch_for_cp(batch, cp_mesh)."
             )
         if num_items_in_batch is not None:
-            share = self.base(logits, labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch,
-                              ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+            share = self.base(
+                logits,
+                labels,
+                vocab_size=vocab_size,
+                num_items_in_batch=num_items_in_batch,
+                ignore_index=ignore_index,
+                shift_labels=shift_labels,
+                **kwargs,
+            )
             return all_reduce(share, self.group)
-        total = self.base(logits, labels, vocab_size=vocab_size, num_items_in_batch=1,
-                          ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+        total = self.base(
+            logits,
+            labels,
+            vocab_size=vocab_size,
+            num_items_in_batch=1,
+            ignore_index=ignore_index,
+            shift_labels=shift_labels,
+            **kwargs,
+        )
         count = (shift_labels != ignore_index).sum().to(total.dtype)
         both = all_reduce(torch.stack([total, count]), self.group)
         return both[0] / both[1]

@@ -35,7 +35,11 @@ def hp_register_inner_wrappers(register: Callable[..., None]) -> None:
     """Register ``sdpa_qkv``, ``sdpa_hf``, ``flex_qkv`` and ``flex_hf``."""
     for name, (fn, style) in WRAPPERS.items():
         register(
-            name, fn, needs_cp=True, region_dispatch=False, forward_style=style,
+            name,
+            fn,
+            needs_cp=True,
+            region_dispatch=False,
+            forward_style=style,
             collectives=cp_attention_collectives,
         )
 

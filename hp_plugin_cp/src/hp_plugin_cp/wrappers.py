@@ -58,7 +58,13 @@ def module_name(module: nn.Module) -> str:
 class _Binding:
     """What a wrapper learned at apply time: its module, the cp group and its config."""
 
-    def __init__(self, wrapper: str, module: nn.Module, cp_mesh: DeviceMesh | None, load_balanced: bool | None) -> None:
+    def __init__(
+        self,
+        wrapper: str,
+        module: nn.Module,
+        cp_mesh: DeviceMesh | None,
+        load_balanced: bool | None,
+    ) -> None:
         self.wrapper = wrapper
         self.module = module
         self.where = f"{wrapper} on {module_name(module)}"
@@ -77,10 +83,19 @@ class _Binding:
         """The batch's layout (checked against this mesh and config) or one derived from it."""
         if given is None:
             if local_len not in self._auto:
-                self._auto = {local_len: CPLayout(self.cp_size, self.cp_rank, local_len * self.cp_size, bool(self.load_balanced))}
+                self._auto = {
+                    local_len: CPLayout(
+                        self.cp_size,
+                        self.cp_rank,
+                        local_len * self.cp_size,
+                        bool(self.load_balanced),
+                    )
+                }
             return self._auto[local_len]
         if not isinstance(given, CPLayout):
-            raise CPBatchError(f"{self.where}: keyword {CP_LAYOUT_KEY!r} must be a CPLayout (from shard_batch_for_cp), got {type(given).__name__}.")
+            raise CPBatchError(
+                f"{self.where}: keyword {CP_LAYOUT_KEY!r} must be a CPLayout (from shard_batch_for_cp), got {type(given).__name__}."
+            )
         if (given.cp_size, given.cp_rank) != (self.cp_size, self.cp_rank):
             raise CPBatchError(
                 f"{self.where}: the batch was sharded for cp rank {given.cp_rank} of {given.cp_size}, but this "
@@ -98,12 +113,24 @@ class _Binding:
 # --------------------------------------------------------------------- _qkv
 
 _SDPA_ARGS = {
-    "attn_mask": "mask", "attention_mask": "mask", "mask": "mask", "is_causal": "is_causal",
-    "scale": "scale", "scaling": "scale", "dropout_p": "dropout", "dropout": "dropout", "enable_gqa": "gqa",
+    "attn_mask": "mask",
+    "attention_mask": "mask",
+    "mask": "mask",
+    "is_causal": "is_causal",
+    "scale": "scale",
+    "scaling": "scale",
+    "dropout_p": "dropout",
+    "dropout": "dropout",
+    "enable_gqa": "gqa",
 }
 _FLEX_ARGS = {
-    "score_mod": "score_mod", "block_mask": "block_mask", "scale": "scale", "enable_gqa": "gqa",
-    "kernel_options": "kernel_options", "return_lse": "return_lse", "return_aux": "return_aux",
+    "score_mod": "score_mod",
+    "block_mask": "block_mask",
+    "scale": "scale",
+    "enable_gqa": "gqa",
+    "kernel_options": "kernel_options",
+    "return_lse": "return_lse",
+    "return_aux": "return_aux",
     "is_causal": "is_causal",
 }
 
@@ -150,12 +177,22 @@ def _qkv_forward(b: _Binding, kernel: str, causal: bool | None) -> Callable[...,
                 continue
             opts[role] = value
         q, k, v = bound.arguments[q_name], bound.arguments[k_name], bound.arguments[v_name]
-        is_causal = causal if causal is not None else opts.get("is_causal", defaults.get("is_causal", True))
+        is_causal = (
+            causal if causal is not None else opts.get("is_causal", defaults.get("is_causal", True))
+        )
         layout = b.layout(None, q.shape[-2])
         if kernel == "sdpa":
             return cp_sdpa(
-                q, k, v, group=b.group, layout=layout, causal=bool(is_causal), attn_mask=opts.get("mask"),
-                dropout_p=float(opts.get("dropout") or 0.0), scale=opts.get("scale"), where=b.where,
+                q,
+                k,
+                v,
+                group=b.group,
+                layout=layout,
+                causal=bool(is_causal),
+                attn_mask=opts.get("mask"),
+                dropout_p=float(opts.get("dropout") or 0.0),
+                scale=opts.get("scale"),
+                where=b.where,
             )
         if opts.get("block_mask") is not None:
             raise CPUnsupportedError(
@@ -164,8 +201,17 @@ def _qkv_forward(b: _Binding, kernel: str, causal: bool | None) -> Callable[...,
             )
         returns = {k_: opts[k_] for k_ in ("return_lse", "return_aux") if opts.get(k_)}
         return cp_flex_attention(
-            q, k, v, group=b.group, layout=layout, causal=bool(is_causal), score_mod=opts.get("score_mod"),
-            scale=opts.get("scale"), kernel_options=opts.get("kernel_options"), returns=returns, where=b.where,
+            q,
+            k,
+            v,
+            group=b.group,
+            layout=layout,
+            causal=bool(is_causal),
+            score_mod=opts.get("score_mod"),
+            scale=opts.get("scale"),
+            kernel_options=opts.get("kernel_options"),
+            returns=returns,
+            where=b.where,
         )
 
     return forward
@@ -173,8 +219,10 @@ def _qkv_forward(b: _Binding, kernel: str, causal: bool | None) -> Callable[...,
 
 @inner_wrapper
 def sdpa_qkv(
-    target_module: nn.Module, ctx: ParallelContext,
-    load_balanced: bool = False, causal: bool | None = None,
+    target_module: nn.Module,
+    ctx: ParallelContext,
+    load_balanced: bool = False,
+    causal: bool | None = None,
 ) -> Callable[..., Any]:
     """CP SDPA for a module called as ``(q, k, v, ...)`` with SDPA-layout tensors.
 
@@ -184,13 +232,17 @@ def sdpa_qkv(
     the batch was sharded), ``causal`` (overrides the call's ``is_causal``; default: the
     call's, else True).
     """
-    return _qkv_forward(_Binding("sdpa_qkv", target_module, ctx.cp_mesh, load_balanced), "sdpa", causal)
+    return _qkv_forward(
+        _Binding("sdpa_qkv", target_module, ctx.cp_mesh, load_balanced), "sdpa", causal
+    )
 
 
 @inner_wrapper
 def flex_qkv(
-    target_module: nn.Module, ctx: ParallelContext,
-    load_balanced: bool = False, causal: bool | None = None,
+    target_module: nn.Module,
+    ctx: ParallelContext,
+    load_balanced: bool = False,
+    causal: bool | None = None,
 ) -> Callable[..., Any]:
     """CP flex attention for a module called as ``(q, k, v, ...)`` with SDPA-layout tensors.
 
@@ -198,7 +250,9 @@ def flex_qkv(
     ``enable_gqa``, ``kernel_options``, ``return_lse``/``return_aux``; a ``block_mask``
     must be None (the wrapper builds it). Config as for :func:`sdpa_qkv`.
     """
-    return _qkv_forward(_Binding("flex_qkv", target_module, ctx.cp_mesh, load_balanced), "flex", causal)
+    return _qkv_forward(
+        _Binding("flex_qkv", target_module, ctx.cp_mesh, load_balanced), "flex", causal
+    )
 
 
 # ---------------------------------------------------------------------- _hf
@@ -211,7 +265,13 @@ class _SDPAIntercept(TorchFunctionMode):
         super().__init__()
         self.handler = handler
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self.handler(*args, **kwargs)
@@ -272,7 +332,14 @@ _FLEX_SHIM = _FunctionShim(*_HF_FLEX)
 
 def _check_no_kv_cache(b: _Binding, kwargs: dict[str, Any]) -> None:
     """A filled KV cache holds local keys only, and HF then crops or extends keys silently."""
-    cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if kwargs.get(k) is not None), None)
+    cache = next(
+        (
+            kwargs[k]
+            for k in ("cache", "past_key_values", "past_key_value")
+            if kwargs.get(k) is not None
+        ),
+        None,
+    )
     length = getattr(cache, "get_seq_length", None)
     if length is None:
         return
@@ -294,9 +361,17 @@ def _hf_forward(b: _Binding, kernel: str) -> Callable[..., Any]:
         )
     original = module.forward
     sig = inspect.signature(original)
-    names = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = [
+        p.name
+        for p in sig.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     mask_pos = names.index("attention_mask") if "attention_mask" in names else None
-    called = "torch.nn.functional.scaled_dot_product_attention" if kernel == "sdpa" else "flex attention (transformers' compile_friendly_flex_attention)"
+    called = (
+        "torch.nn.functional.scaled_dot_product_attention"
+        if kernel == "sdpa"
+        else "flex attention (transformers' compile_friendly_flex_attention)"
+    )
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         given = kwargs.pop(CP_LAYOUT_KEY, None)
@@ -307,7 +382,9 @@ def _hf_forward(b: _Binding, kernel: str) -> Callable[..., Any]:
         elif mask_pos is not None or "attention_mask" in sig.parameters:
             kwargs["attention_mask"] = None
         if kernel == "sdpa" and given is None and isinstance(model_mask, torch.Tensor):
-            raise user_mask_error(f"{b.where} (model-level attention_mask)", tuple(model_mask.shape))
+            raise user_mask_error(
+                f"{b.where} (model-level attention_mask)", tuple(model_mask.shape)
+            )
         _check_no_kv_cache(b, kwargs)
         override = kwargs.get("is_causal")
         default_causal = getattr(module, "is_causal", None)
@@ -320,15 +397,32 @@ def _hf_forward(b: _Binding, kernel: str) -> Callable[..., Any]:
                 return bool(default_causal)
             return True if call_flag is None else bool(call_flag)
 
-        def sdpa(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
-                 is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
+        def sdpa(
+            query: Any,
+            key: Any,
+            value: Any,
+            attn_mask: Any = None,
+            dropout_p: float = 0.0,
+            is_causal: bool = False,
+            scale: float | None = None,
+            enable_gqa: bool = False,
+        ) -> Any:
             nonlocal calls
             calls += 1
             if attn_mask is not None:
                 raise user_mask_error(b.where, tuple(attn_mask.shape))
             layout = b.layout(given, query.shape[-2])
-            return cp_sdpa(query, key, value, group=b.group, layout=layout, causal=causal_for(is_causal),
-                           dropout_p=dropout_p, scale=scale, where=b.where)
+            return cp_sdpa(
+                query,
+                key,
+                value,
+                group=b.group,
+                layout=layout,
+                causal=causal_for(is_causal),
+                dropout_p=dropout_p,
+                scale=scale,
+                where=b.where,
+            )
 
         def flex(query: Any, key: Any, value: Any, training: bool = False, **kw: Any) -> Any:
             nonlocal calls
@@ -337,9 +431,19 @@ def _hf_forward(b: _Binding, kernel: str) -> Callable[..., Any]:
                 raise user_mask_error(b.where, tuple(kw["block_mask"].shape))
             layout = b.layout(given, query.shape[-2])
             returns = {k: kw[k] for k in ("return_lse", "return_aux") if kw.get(k)}
-            return cp_flex_attention(query, key, value, group=b.group, layout=layout, causal=causal_for(None),
-                                     score_mod=kw.get("score_mod"), scale=kw.get("scale"),
-                                     kernel_options=kw.get("kernel_options"), returns=returns, where=b.where)
+            return cp_flex_attention(
+                query,
+                key,
+                value,
+                group=b.group,
+                layout=layout,
+                causal=causal_for(None),
+                score_mod=kw.get("score_mod"),
+                scale=kw.get("scale"),
+                kernel_options=kw.get("kernel_options"),
+                returns=returns,
+                where=b.where,
+            )
 
         scope = _SDPAIntercept(sdpa) if kernel == "sdpa" else _FLEX_SHIM.intercept(flex)
         with scope:
@@ -361,7 +465,9 @@ def _hf_forward(b: _Binding, kernel: str) -> Callable[..., Any]:
 
 @inner_wrapper
 def sdpa_hf(
-    target_module: nn.Module, ctx: ParallelContext, load_balanced: bool | None = None,
+    target_module: nn.Module,
+    ctx: ParallelContext,
+    load_balanced: bool | None = None,
 ) -> Callable[..., Any]:
     """CP for an HF-style attention module that calls ``F.scaled_dot_product_attention``.
 
@@ -373,7 +479,9 @@ def sdpa_hf(
 
 @inner_wrapper
 def flex_hf(
-    target_module: nn.Module, ctx: ParallelContext, load_balanced: bool | None = None,
+    target_module: nn.Module,
+    ctx: ParallelContext,
+    load_balanced: bool | None = None,
 ) -> Callable[..., Any]:
     """CP for an HF-style attention module that calls flex attention through transformers.
 

@@ -48,11 +48,18 @@ class Archetype:
 #: The four archetypes (factory name → what it expects).
 ARCHETYPES: dict[str, Archetype] = {
     "routed_only": Archetype("routed_only", "none", "routed experts only"),
-    "mixtral": Archetype("mixtral", "none", "top-k routed experts, optional router jitter", default_normalize=True),
+    "mixtral": Archetype(
+        "mixtral", "none", "top-k routed experts, optional router jitter", default_normalize=True
+    ),
     "qwen2moe": Archetype("qwen2moe", "gated", "routed experts + a sigmoid-gated shared expert"),
-    "deepseekv3": Archetype("deepseekv3", "additive", "group-limited sigmoid router + additive shared experts"),
+    "deepseekv3": Archetype(
+        "deepseekv3", "additive", "group-limited sigmoid router + additive shared experts"
+    ),
 }
-_SHARED_CHILDREN = {"gated": ("shared_expert", "shared_expert_gate"), "additive": ("shared_experts",)}
+_SHARED_CHILDREN = {
+    "gated": ("shared_expert", "shared_expert_gate"),
+    "additive": ("shared_experts",),
+}
 _FACTORY_FOR_SHARED = {"gated": "qwen2moe", "additive": "deepseekv3", "none": "routed_only"}
 
 
@@ -61,7 +68,13 @@ def _check_shared(arch: Archetype, module: nn.Module) -> None:
         need = _SHARED_CHILDREN[arch.shared]
         missing = [n for n in need if not isinstance(getattr(module, n, None), nn.Module)]
         if missing:
-            present = "gated" if has_any(module, _SHARED_CHILDREN["gated"]) else "additive" if has_any(module, _SHARED_CHILDREN["additive"]) else "none"
+            present = (
+                "gated"
+                if has_any(module, _SHARED_CHILDREN["gated"])
+                else "additive"
+                if has_any(module, _SHARED_CHILDREN["additive"])
+                else "none"
+            )
             raise interface_error(
                 arch.name,
                 module,
@@ -122,7 +135,10 @@ class ExpertParallelMoE:
         forward = forward_signature(module)
         self.input_name = next(iter(forward.parameters))
         self.__signature__ = forward.replace(
-            parameters=[inspect.Parameter("module", inspect.Parameter.POSITIONAL_OR_KEYWORD), *forward.parameters.values()]
+            parameters=[
+                inspect.Parameter("module", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                *forward.parameters.values(),
+            ]
         )
 
     def __repr__(self) -> str:
@@ -131,17 +147,24 @@ class ExpertParallelMoE:
             f"ep={self.dispatcher.ep}, router={self.router_name})"
         )
 
-    def _hidden(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    def _hidden(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> torch.Tensor:
         bound = self.__signature__.bind(module, *args, **kwargs)
         for name, value in bound.arguments.items():
-            if name not in ("module", self.input_name) and value is not self.__signature__.parameters[name].default:
+            if (
+                name not in ("module", self.input_name)
+                and value is not self.__signature__.parameters[name].default
+            ):
                 raise MoERuntimeError(
                     f"{self.arch.name}: {type(module).__name__} was called with {name}={value!r}; the MoE compute "
                     f"routes {self.input_name!r} only. Call it without {name!r}, or write a factory that uses it."
                 )
         return bound.arguments[self.input_name]
 
-    def _run_experts(self, module: nn.Module, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _run_experts(
+        self, module: nn.Module, rows: torch.Tensor, counts: list[int]
+    ) -> torch.Tensor:
         w = self.experts.local(module)
         if w.num_local != len(counts):
             raise MoERuntimeError(
@@ -159,7 +182,9 @@ class ExpertParallelMoE:
         if self.jitter_noise > 0 and module.training:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         weights, chosen = self.router(module, x, self.options)
-        out = self.dispatcher(x, weights, chosen, lambda rows, counts: self._run_experts(module, rows, counts))
+        out = self.dispatcher(
+            x, weights, chosen, lambda rows, counts: self._run_experts(module, rows, counts)
+        )
         if self.arch.shared == "gated":
             out = out + F.sigmoid(module.shared_expert_gate(x)) * module.shared_expert(x)
         elif self.arch.shared == "additive":
@@ -170,7 +195,11 @@ class ExpertParallelMoE:
 def _check_capacity(arch: str, capacity_factor: Any) -> float | None:
     if capacity_factor is None:
         return None
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, int | float) or capacity_factor <= 0:
+    if (
+        isinstance(capacity_factor, bool)
+        or not isinstance(capacity_factor, int | float)
+        or capacity_factor <= 0
+    ):
         raise MoEConfigError(
             f"{arch}: capacity_factor must be a positive number (or null for no capacity limit), got "
             f"{capacity_factor!r}."
@@ -199,15 +228,34 @@ def build_compute(
     forward_signature(module)
     capacity = _check_capacity(arch_name, capacity_factor)
     name, adapter = resolve_router(router, module, arch_name)
-    options = router_options(arch_name, module, name, top_k=top_k, normalize=norm_topk_prob, default_normalize=arch.default_normalize)
+    options = router_options(
+        arch_name,
+        module,
+        name,
+        top_k=top_k,
+        normalize=norm_topk_prob,
+        default_normalize=arch.default_normalize,
+    )
     if jitter_noise is None:
         jitter = getattr(module, "jitter_noise", 0.0) or 0.0
-    elif isinstance(jitter_noise, bool) or not isinstance(jitter_noise, int | float) or not 0 <= jitter_noise < 1:
-        raise MoEConfigError(f"{arch_name}: jitter_noise must be a number in [0, 1), got {jitter_noise!r}.")
+    elif (
+        isinstance(jitter_noise, bool)
+        or not isinstance(jitter_noise, int | float)
+        or not 0 <= jitter_noise < 1
+    ):
+        raise MoEConfigError(
+            f"{arch_name}: jitter_noise must be a number in [0, 1), got {jitter_noise!r}."
+        )
     else:
         jitter = float(jitter_noise)
     group = _ep_group(arch_name, ep_mesh, experts.num_experts)
     dispatcher = TokenDispatcher(experts.num_experts, group, capacity_factor=capacity)
     return ExpertParallelMoE(
-        arch, module, experts=experts, router=(name, adapter), options=options, dispatcher=dispatcher, jitter_noise=jitter
+        arch,
+        module,
+        experts=experts,
+        router=(name, adapter),
+        options=options,
+        dispatcher=dispatcher,
+        jitter_noise=jitter,
     )

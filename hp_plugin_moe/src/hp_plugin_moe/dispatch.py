@@ -44,7 +44,9 @@ class TokenDispatcher:
     ``last_dropped`` / ``last_received`` describe the latest call.
     """
 
-    def __init__(self, num_experts: int, group: Any, *, capacity_factor: float | None = None) -> None:
+    def __init__(
+        self, num_experts: int, group: Any, *, capacity_factor: float | None = None
+    ) -> None:
         self.num_experts = num_experts
         self.group = group
         self.ep = dist.get_world_size(group) if group is not None else 1
@@ -53,7 +55,9 @@ class TokenDispatcher:
         self.last_dropped = 0
         self.last_received: list[int] = []
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, expert_fn: ExpertFn) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, expert_fn: ExpertFn
+    ) -> torch.Tensor:
         """``x [T, H]``, router ``weights``/``experts`` ``[T, K]`` → the routed output ``[T, H]``.
 
         ``expert_fn(rows, counts)`` runs the local experts on ``rows`` grouped by local
@@ -83,7 +87,11 @@ class TokenDispatcher:
             out_splits = received.sum(1).tolist()
             rows = all_to_all(send, out_splits, in_splits, self.group)
         # Rows arrive grouped by source rank, then by local expert: regroup by expert.
-        labels = torch.arange(self.num_local, device=x.device).repeat(self.ep).repeat_interleave(received.reshape(-1))
+        labels = (
+            torch.arange(self.num_local, device=x.device)
+            .repeat(self.ep)
+            .repeat_interleave(received.reshape(-1))
+        )
         perm = torch.argsort(labels, stable=True)
         per_expert = received.sum(0).tolist()
         self.last_received = per_expert
@@ -111,6 +119,7 @@ def moe_block_collectives(sizes: Mapping[str, int], config: Mapping[str, Any]) -
         for step in ("counts", "rows", "combine")
     ]
     bwd = [
-        Collective("all_to_all", "ep", "backward", f"{where} {step}") for step in ("rows", "combine")
+        Collective("all_to_all", "ep", "backward", f"{where} {step}")
+        for step in ("rows", "combine")
     ]
     return fwd + bwd

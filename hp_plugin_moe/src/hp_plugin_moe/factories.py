@@ -38,7 +38,13 @@ def routed_only(
     ``norm_topk_prob`` (default: the block's attributes, else no renormalization).
     """
     return build_compute(
-        "routed_only", module, ctx.ep_mesh, capacity_factor=capacity_factor, router=router, top_k=top_k, norm_topk_prob=norm_topk_prob
+        "routed_only",
+        module,
+        ctx.ep_mesh,
+        capacity_factor=capacity_factor,
+        router=router,
+        top_k=top_k,
+        norm_topk_prob=norm_topk_prob,
     )
 
 
@@ -55,7 +61,14 @@ def mixtral(
     Config: ``capacity_factor``, ``router``, ``jitter_noise`` (in training, hidden states
     are scaled by U(1 - j, 1 + j) before routing; default: the block's ``jitter_noise``).
     """
-    return build_compute("mixtral", module, ctx.ep_mesh, capacity_factor=capacity_factor, router=router, jitter_noise=jitter_noise)
+    return build_compute(
+        "mixtral",
+        module,
+        ctx.ep_mesh,
+        capacity_factor=capacity_factor,
+        router=router,
+        jitter_noise=jitter_noise,
+    )
 
 
 @local_compute
@@ -69,7 +82,9 @@ def qwen2moe(
 
     Config: ``capacity_factor`` (None: no limit), ``router`` (adapter name or ``auto``).
     """
-    return build_compute("qwen2moe", module, ctx.ep_mesh, capacity_factor=capacity_factor, router=router)
+    return build_compute(
+        "qwen2moe", module, ctx.ep_mesh, capacity_factor=capacity_factor, router=router
+    )
 
 
 @local_compute
@@ -85,4 +100,6 @@ def deepseekv3(
     ``hf_topk``; ``sigmoid_group_topk`` for a plain gate weight with
     ``e_score_correction_bias``).
     """
-    return build_compute("deepseekv3", module, ctx.ep_mesh, capacity_factor=capacity_factor, router=router)
+    return build_compute(
+        "deepseekv3", module, ctx.ep_mesh, capacity_factor=capacity_factor, router=router
+    )

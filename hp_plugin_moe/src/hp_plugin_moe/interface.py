@@ -29,7 +29,10 @@ __all__ = [
 ]
 
 #: ``(gate, up, down)`` child names of one expert in the per-expert ``ModuleList`` layout.
-PER_EXPERT_NAMES: tuple[tuple[str, str, str], ...] = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+PER_EXPERT_NAMES: tuple[tuple[str, str, str], ...] = (
+    ("gate_proj", "up_proj", "down_proj"),
+    ("w1", "w3", "w2"),
+)
 
 
 def describe_module(module: nn.Module, *, limit: int = 12) -> str:
@@ -119,11 +122,21 @@ class ExpertWeights:
         experts = getattr(module, self.path)
         if self.kind == "batched":
             return LocalExpertWeights(
-                _local(getattr(experts, self.names[0])), None, None, _local(getattr(experts, self.names[2])), (None, None, None), self.act
+                _local(getattr(experts, self.names[0])),
+                None,
+                None,
+                _local(getattr(experts, self.names[2])),
+                (None, None, None),
+                self.act,
             )
-        if isinstance(experts, nn.ModuleList):  # not stacked: no expert parallelism, all experts here
+        if isinstance(
+            experts, nn.ModuleList
+        ):  # not stacked: no expert parallelism, all experts here
             stacked = [torch.stack([getattr(e, n).weight for e in experts]) for n in self.names]
-            bias = [torch.stack([getattr(e, n).bias for e in experts]) if self.bias else None for n in self.names]
+            bias = [
+                torch.stack([getattr(e, n).bias for e in experts]) if self.bias else None
+                for n in self.names
+            ]
         else:
             try:
                 stacked = [_local(getattr(experts, n).weight) for n in self.names]
@@ -134,7 +147,9 @@ class ExpertWeights:
                     f"bound to nor its stacked form ({', '.join(f'{self.path}.{n}.weight' for n in self.names)}); "
                     "was it replaced after apply?"
                 ) from None
-        return LocalExpertWeights(None, stacked[0], stacked[1], stacked[2], (bias[0], bias[1], bias[2]), self.act)
+        return LocalExpertWeights(
+            None, stacked[0], stacked[1], stacked[2], (bias[0], bias[1], bias[2]), self.act
+        )
 
 
 def _activation(act: Any) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -149,16 +164,33 @@ def find_experts(factory: str, module: nn.Module) -> ExpertWeights:
     """Recognise the routed experts of ``module`` (batched or per-expert layout)."""
     experts = getattr(module, "experts", None)
     if not isinstance(experts, nn.Module):
-        raise interface_error(factory, module, "it has no 'experts' child.", "pass the MoE block that holds 'experts'.")
+        raise interface_error(
+            factory,
+            module,
+            "it has no 'experts' child.",
+            "pass the MoE block that holds 'experts'.",
+        )
     act = getattr(experts, "act_fn", None)
     if isinstance(experts, nn.ModuleList):
         if len(experts) == 0:
-            raise interface_error(factory, module, "its 'experts' ModuleList is empty.", "give the block at least one expert.")
+            raise interface_error(
+                factory,
+                module,
+                "its 'experts' ModuleList is empty.",
+                "give the block at least one expert.",
+            )
         first = experts[0]
         for names in PER_EXPERT_NAMES:
             if all(isinstance(getattr(e, n, None), nn.Linear) for e in experts for n in names):
                 bias = first._modules[names[0]].bias is not None  # type: ignore[union-attr]
-                return ExpertWeights("per_expert", "experts", len(experts), names, bias, _activation(getattr(first, "act_fn", None)))
+                return ExpertWeights(
+                    "per_expert",
+                    "experts",
+                    len(experts),
+                    names,
+                    bias,
+                    _activation(getattr(first, "act_fn", None)),
+                )
         options = " or ".join("/".join(n) for n in PER_EXPERT_NAMES)
         raise interface_error(
             factory,
@@ -177,7 +209,14 @@ def find_experts(factory: str, module: nn.Module) -> ExpertWeights:
                 f"its batched experts also hold {extra}, which this SwiGLU compute does not apply.",
                 "write a @local_compute factory for this expert layout.",
             )
-        return ExpertWeights("batched", "experts", int(gu.shape[0]), ("gate_up_proj", "", "down_proj"), False, _activation(act))
+        return ExpertWeights(
+            "batched",
+            "experts",
+            int(gu.shape[0]),
+            ("gate_up_proj", "", "down_proj"),
+            False,
+            _activation(act),
+        )
     raise interface_error(
         factory,
         module,
@@ -196,12 +235,19 @@ def forward_signature(module: nn.Module) -> inspect.Signature:
     """The forward's signature; its first parameter must be the hidden states, the rest optional."""
     sig = inspect.signature(module.forward)
     params = list(sig.parameters.values())
-    if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+    if not params or params[0].kind not in (
+        params[0].POSITIONAL_ONLY,
+        params[0].POSITIONAL_OR_KEYWORD,
+    ):
         raise MoEInterfaceError(
             f"{type(module).__name__}.forward{inspect.signature(module.forward)} does not take the hidden "
             "states as its first positional parameter; the MoE compute needs forward(hidden_states, ...)."
         )
-    required = [p.name for p in params[1:] if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    required = [
+        p.name
+        for p in params[1:]
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
     if required:
         raise MoEInterfaceError(
             f"{type(module).__name__}.forward takes required input(s) {required} besides {params[0].name!r}; "

@@ -33,7 +33,9 @@ __all__ = [
     "softmax_topk",
 ]
 
-RouterAdapter = Callable[[nn.Module, torch.Tensor, "RouterOptions"], tuple[torch.Tensor, torch.Tensor]]
+RouterAdapter = Callable[
+    [nn.Module, torch.Tensor, "RouterOptions"], tuple[torch.Tensor, torch.Tensor]
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +59,9 @@ def _attr(module: nn.Module, router: nn.Module, *names: str) -> Any:
     return None
 
 
-def hf_topk(module: nn.Module, hidden: torch.Tensor, options: RouterOptions) -> tuple[torch.Tensor, torch.Tensor]:
+def hf_topk(
+    module: nn.Module, hidden: torch.Tensor, options: RouterOptions
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A router module returning ``(logits, weights, experts)`` (transformers 5.x MoE routers)."""
     _name, router = find_router("hf_topk", module)
     out = router(hidden)
@@ -71,7 +75,9 @@ def hf_topk(module: nn.Module, hidden: torch.Tensor, options: RouterOptions) -> 
     return out[1], out[2]
 
 
-def softmax_topk(module: nn.Module, hidden: torch.Tensor, options: RouterOptions) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_topk(
+    module: nn.Module, hidden: torch.Tensor, options: RouterOptions
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A router that returns logits (e.g. an ``nn.Linear`` gate): softmax, top-k, optional renorm."""
     _name, router = find_router("softmax_topk", module)
     logits = router(hidden)
@@ -82,7 +88,9 @@ def softmax_topk(module: nn.Module, hidden: torch.Tensor, options: RouterOptions
     return weights.to(hidden.dtype), experts
 
 
-def sigmoid_group_topk(module: nn.Module, hidden: torch.Tensor, options: RouterOptions) -> tuple[torch.Tensor, torch.Tensor]:
+def sigmoid_group_topk(
+    module: nn.Module, hidden: torch.Tensor, options: RouterOptions
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 routing from a gate weight: sigmoid scores, group-limited top-k.
 
     Reads ``weight`` and ``e_score_correction_bias`` from the router (or the block) and
@@ -92,7 +100,10 @@ def sigmoid_group_topk(module: nn.Module, hidden: torch.Tensor, options: RouterO
     _name, router = find_router("sigmoid_group_topk", module)
     weight = getattr(router, "weight", None)
     bias = _attr(module, router, "e_score_correction_bias")
-    groups, topk_group = _attr(module, router, "num_group", "n_group"), _attr(module, router, "topk_group")
+    groups, topk_group = (
+        _attr(module, router, "num_group", "n_group"),
+        _attr(module, router, "topk_group"),
+    )
     if not isinstance(weight, torch.Tensor) or bias is None or groups is None or topk_group is None:
         raise interface_error(
             "router adapter sigmoid_group_topk",
@@ -108,7 +119,9 @@ def sigmoid_group_topk(module: nn.Module, hidden: torch.Tensor, options: RouterO
     group_scores = choice.view(-1, groups, n_experts // groups).topk(2, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(-1, groups, n_experts // groups).reshape(-1, n_experts)
+    score_mask = (
+        group_mask.unsqueeze(-1).expand(-1, groups, n_experts // groups).reshape(-1, n_experts)
+    )
     choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
     experts = torch.topk(choice, k=int(options.top_k or 0), dim=-1, sorted=False)[1]
     weights = scores.gather(1, experts)
@@ -144,13 +157,21 @@ def resolve_router(name: str, module: nn.Module, factory: str) -> tuple[str, Rou
     if name == "auto":
         name = auto_router(module, factory)
     if name not in ROUTER_ADAPTER_REGISTRY and name in BUILTIN_ROUTERS:
-        return name, BUILTIN_ROUTERS[name]  # the plugin's own adapters work even when it is not loaded
+        return name, BUILTIN_ROUTERS[
+            name
+        ]  # the plugin's own adapters work even when it is not loaded
     # Unknown names raise UnknownRegistryItemError listing the known ones and the closest match.
     return name, lookup("router_adapter", name).value
 
 
 def router_options(
-    factory: str, module: nn.Module, router_name: str, *, top_k: int | None, normalize: bool | None, default_normalize: bool
+    factory: str,
+    module: nn.Module,
+    router_name: str,
+    *,
+    top_k: int | None,
+    normalize: bool | None,
+    default_normalize: bool,
 ) -> RouterOptions:
     """Resolve ``top_k`` / ``normalize`` for a computing adapter (config, then module attributes)."""
     if router_name not in COMPUTING:

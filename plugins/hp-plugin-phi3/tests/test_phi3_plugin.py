@@ -31,7 +31,12 @@ def phi3_rules():
 
 def test_discovered_with_provenance():
     (row,) = [r for r in plugin_report() if r.name == "phi3"]
-    assert (row.distribution, row.version, row.status, row.items) == ("hp-plugin-phi3", "0.1.0", "loaded", 4)
+    assert (row.distribution, row.version, row.status, row.items) == (
+        "hp-plugin-phi3",
+        "0.1.0",
+        "loaded",
+        4,
+    )
     item = TEMPLATE_REGISTRY["phi3.fused_qkv"]
     assert (item.provider, item.distribution) == ("phi3", "hp-plugin-phi3")
     assert item.meta["architectures"] == (ARCH,)
@@ -39,8 +44,13 @@ def test_discovered_with_provenance():
 
 def test_rules_classify_a_real_phi3_model():
     config = Phi3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
     )
     with torch.device("meta"):
         model = Phi3ForCausalLM(config)
@@ -59,7 +69,12 @@ def test_rules_classify_a_real_phi3_model():
             assert matching == [], fqn
             continue
         assert [r.role for r in matching] == [expected[suffix]], fqn
-        assert classify_param(fqn, list(TEMPLATE_REGISTRY[n].value for n in TEMPLATE_REGISTRY), (ARCH,)) == expected[suffix]
+        assert (
+            classify_param(
+                fqn, list(TEMPLATE_REGISTRY[n].value for n in TEMPLATE_REGISTRY), (ARCH,)
+            )
+            == expected[suffix]
+        )
         seen[suffix] = fqn
     assert set(seen) == set(expected)
     # scoped: for another architecture the Phi-3 rules do not apply
@@ -69,6 +84,16 @@ def test_rules_classify_a_real_phi3_model():
 def test_uses_only_the_public_hp_core_surface():
     for path in (HERE / "src" / "hp_plugin_phi3").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hp_core"):
-                assert not any(part.startswith("_") for part in node.module.split(".")), (path, node.module)
-                assert not any(alias.name.startswith("_") for alias in node.names), (path, node.module)
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("hp_core")
+            ):
+                assert not any(part.startswith("_") for part in node.module.split(".")), (
+                    path,
+                    node.module,
+                )
+                assert not any(alias.name.startswith("_") for alias in node.names), (
+                    path,
+                    node.module,
+                )
