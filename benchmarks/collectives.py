@@ -146,14 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutdown_worlds()
     lines = [
-        "| plan | collectives measured | theoretical minimum | measured / minimum | KiB sent per rank |",
+        "| plan | collectives measured | theoretical minimum | measured / minimum | KiB sent "
+        "per rank |",
         "|---|---|---|---|---|",
     ]
     for r in rows:
         fmt = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items()))  # noqa: E731
         m, mn = sum(r["measured"].values()), sum(r["minimum"].values())
         lines.append(
-            f"| {r['plan']} | {fmt(r['measured'])} | {fmt(r['minimum'])} | {m}/{mn} = {m / mn:.2f} | {r['bytes_per_rank'] / 1024:.1f} |"
+            f"| {r['plan']} | {fmt(r['measured'])} | {fmt(r['minimum'])} | {m}/{mn} = "
+            f"{m / mn:.2f} | {r['bytes_per_rank'] / 1024:.1f} |"
         )
     print("\n".join(lines))
     args.json.parent.mkdir(parents=True, exist_ok=True)

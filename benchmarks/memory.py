@@ -105,11 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for r in real:
         lines.append(
-            f"| {r['rank']} | {r['full_bytes'] / mib:.1f} | {r['held_bytes'] / mib:.1f} | {r['exact_shard_bytes'] / mib:.1f} | {r['held_bytes'] / r['exact_shard_bytes']:.3f} |"
+            f"| {r['rank']} | {r['full_bytes'] / mib:.1f} | {r['held_bytes'] / mib:.1f} | "
+            f"{r['exact_shard_bytes'] / mib:.1f} | "
+            f"{r['held_bytes'] / r['exact_shard_bytes']:.3f} |"
         )
     lines += [
         "",
-        "| rank | peak RSS, real weights: build + apply (MiB) | peak RSS, meta device: build + apply (MiB) |",
+        "| rank | peak RSS, real weights: build + apply (MiB) | peak RSS, meta device: build "
+        "+ apply (MiB) |",
         "|---|---|---|",
     ]
     for r, m in zip(real, meta, strict=True):

@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.layers:
         rows.append({"layers": n, "hp_s": time_hp(n), "torch_s": time_torch(n, mesh)})
     lines = [
-        "| layers | hp plan + checks (s) | parallelize_module (s) | hp t(2N)/t(N) | torch t(2N)/t(N) | hp speed-up |",
+        "| layers | hp plan + checks (s) | parallelize_module (s) | hp t(2N)/t(N) | torch "
+        "t(2N)/t(N) | hp speed-up |",
         "|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(rows):
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         g_hp = f"{r['hp_s'] / prev['hp_s']:.2f}" if prev else "-"
         g_t = f"{r['torch_s'] / prev['torch_s']:.2f}" if prev else "-"
         lines.append(
-            f"| {r['layers']} | {r['hp_s']:.3f} | {r['torch_s']:.3f} | {g_hp} | {g_t} | {r['torch_s'] / r['hp_s']:.1f}x |"
+            f"| {r['layers']} | {r['hp_s']:.3f} | {r['torch_s']:.3f} | {g_hp} | {g_t} | "
+            f"{r['torch_s'] / r['hp_s']:.1f}x |"
         )
     print("\n".join(lines))
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -227,14 +227,16 @@ def measure(rank: int, world: int, port: int, args: argparse.Namespace, results:
 def render(table: dict[str, dict[str, dict[str, float]]]) -> str:
     base = "hand-written Megatron TP"
     lines = [
-        "| shape (batch x seq) | variant | median ms | min-max ms | ratio of medians | median paired ratio |",
+        "| shape (batch x seq) | variant | median ms | min-max ms | ratio of medians | "
+        "median paired ratio |",
         "|---|---|---|---|---|---|",
     ]
     for shape, rows in table.items():
         ref = rows[base]["median_ms"]
         for name, r in rows.items():
             lines.append(
-                f"| {shape} | {name} | {r['median_ms']:.2f} | {r['min_ms']:.2f}-{r['max_ms']:.2f} | "
+                f"| {shape} | {name} | {r['median_ms']:.2f} | "
+                f"{r['min_ms']:.2f}-{r['max_ms']:.2f} | "
                 f"{r['median_ms'] / ref:.2f}x | {r['paired_ratio']:.3f}x |"
             )
     return "\n".join(lines)

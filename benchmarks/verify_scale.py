@@ -125,14 +125,17 @@ def _span(s: dict[str, Any]) -> str:
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| model | layers | sequence parallel | plan s, median (min-max) | verify s, median (min-max) | verify / plan | <= 2x | layers checked / repeated |",
+        "| model | layers | sequence parallel | plan s, median (min-max) | verify s, median "
+        "(min-max) | verify / plan | <= 2x | layers checked / repeated |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ok = "yes" if r["ratio"] <= TARGET else "**no**"
         lines.append(
-            f"| {r['model']} | {r['layers']} | {'on' if r['sequence_parallel'] else 'off'} | {_span(r['plan'])} | "
-            f"{_span(r['verify'])} | {r['ratio']:.2f}x | {ok} | {r['layers'] - r['repeated']} / {r['repeated']} |"
+            f"| {r['model']} | {r['layers']} | {'on' if r['sequence_parallel'] else 'off'} | "
+            f"{_span(r['plan'])} | "
+            f"{_span(r['verify'])} | {r['ratio']:.2f}x | {ok} | "
+            f"{r['layers'] - r['repeated']} / {r['repeated']} |"
         )
     return lines
 
@@ -194,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     lines += [
         "",
-        "| first call in the process (32 layers, sequence parallel) | s | warm median s | first-call extra s |",
+        "| first call in the process (32 layers, sequence parallel) | s | warm median s | "
+        "first-call extra s |",
         "|---|---|---|---|",
     ]
     for name, first, key in (("plan()", first_plan, "plan"), ("verify()", first_verify, "verify")):
@@ -205,9 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         e = exh_row["exhaustive"]
         lines += [
             "",
-            "| 32 layers, sequence parallel | verify s, median (min-max) | layers checked | vs plan |",
+            "| 32 layers, sequence parallel | verify s, median (min-max) | layers checked | "
+            "vs plan |",
             "|---|---|---|---|",
-            f"| repeat detection (default) | {_span(exh_row['verify'])} | {32 - exh_row['repeated']} | {exh_row['ratio']:.2f}x |",
+            f"| repeat detection (default) | {_span(exh_row['verify'])} | "
+            f"{32 - exh_row['repeated']} | {exh_row['ratio']:.2f}x |",
             f"| exhaustive=True | {_span(e)} | 32 | {e['ratio']:.2f}x |",
             f"| saved by repeat detection | {e['saving']:.1f}x faster | | |",
         ]
@@ -218,9 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         plan32 = warm32["plan"]["median_s"]
         lines += [
             "",
-            f"| floor: torch alone, {checked}-layer copy on meta, one forward + backward | s, median (min-max) | vs plan (32 layers) | verify / floor |",
+            f"| floor: torch alone, {checked}-layer copy on meta, one forward + backward | "
+            "s, median (min-max) | vs plan (32 layers) | verify / floor |",
             "|---|---|---|---|",
-            f"| no hp, no DTensor | {_span(floor)} | {floor['median_s'] / plan32:.2f}x | {warm32['verify']['median_s'] / floor['median_s']:.1f}x |",
+            f"| no hp, no DTensor | {_span(floor)} | {floor['median_s'] / plan32:.2f}x | "
+            f"{warm32['verify']['median_s'] / floor['median_s']:.1f}x |",
         ]
     else:
         out_floor = None

@@ -134,7 +134,8 @@ def train(args: argparse.Namespace) -> bool:
     ok = worst <= 1e-5
     if rank == 0:
         print(
-            f"grad norms {[round(n, 6) for n in norms.norms]} vs one device {[round(n, 6) for n in ref_norms]}; worst difference {worst:.2e}"
+            f"grad norms {[round(n, 6) for n in norms.norms]} vs one device "
+            f"{[round(n, 6) for n in ref_norms]}; worst difference {worst:.2e}"
         )
         print(
             "every step matches the single-device run"

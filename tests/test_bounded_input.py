@@ -109,7 +109,8 @@ def test_default_limits_and_env_names():
 _UNPICKLE = (
     "import json, pickle, sys\n"
     "errors = pickle.loads(sys.stdin.buffer.read())\n"
-    "print(json.dumps([[type(e).__module__, type(e).__qualname__, str(e), e.source, e.path, e.limit, e.env]"
+    "print(json.dumps([[type(e).__module__, type(e).__qualname__, str(e), e.source, e.path, "
+    "e.limit, e.env]"
     " for e in errors]))\n"
 )
 
@@ -220,7 +221,8 @@ def test_an_alias_bomb_in_a_plan_document_and_on_the_command_line(capsys, tmp_pa
 def test_a_recursive_alias_is_refused():
     with pytest.raises(
         InputLimitError,
-        match=r"^<string>: a\[1\]: alias \*a refers to a node that contains it \(line 1, column 11\)",
+        match=r"^<string>: a\[1\]: alias \*a refers to a node that contains it \(line 1, column "
+        r"11\)",
     ):
         load_plan("a: &a [1, *a]\n")
 
@@ -276,7 +278,8 @@ def test_an_oversize_yaml_document_is_refused(tmp_path):
         load_overrides(path)
     assert isinstance(info.value, PlanYAMLError) and isinstance(info.value, InputLimitError)
     assert str(info.value).startswith(
-        f"{path}: 8388610 bytes, over the input limit of 8388608 bytes; hp refuses larger documents."
+        f"{path}: 8388610 bytes, over the input limit of 8388608 bytes; hp refuses larger "
+        "documents."
     )
     assert "HP_MAX_INPUT_BYTES=8388610" in str(info.value)
 
@@ -405,7 +408,8 @@ def test_json_keys_are_quoted_when_not_identifiers():
         ),
         (
             lambda d: d["meta"]["param_plan"].__setitem__(0, "model.embed_tokens"),
-            "a.json: meta: param_plan[0]: expected a mapping with a string 'match' (a module FQN), got 'model.embed_tokens'.",
+            "a.json: meta: param_plan[0]: expected a mapping with a string 'match' (a module "
+            "FQN), got 'model.embed_tokens'.",
         ),
         (
             lambda d: d["meta"]["param_plan"][0].update(match=3),
@@ -421,11 +425,13 @@ def test_json_keys_are_quoted_when_not_identifiers():
         ),
         (
             lambda d: d["meta"]["mesh"].update(axis_names="tp"),
-            "a.json: meta: mesh.axis_names: expected a list of axis names such as [tp, cp], got str 'tp'.",
+            "a.json: meta: mesh.axis_names: expected a list of axis names such as [tp, cp], "
+            "got str 'tp'.",
         ),
         (
             lambda d: d["meta"]["mesh"].update(shape=["2"]),
-            "a.json: meta: mesh.shape: expected a list of axis sizes such as [4, 2], got list ['2'].",
+            "a.json: meta: mesh.shape: expected a list of axis sizes such as [4, 2], got "
+            "list ['2'].",
         ),
         (
             lambda d: d["meta"].update(sequence_parallel="yes"),
@@ -433,11 +439,13 @@ def test_json_keys_are_quoted_when_not_identifiers():
         ),
         (
             lambda d: d["meta"]["param_plan"][0]["params"]["weight"].update(tp=0),
-            "a.json: meta: param_plan[0] ('model.embed_tokens').params.weight.tp: expected a placement string, got int 0.",
+            "a.json: meta: param_plan[0] ('model.embed_tokens').params.weight.tp: expected a "
+            "placement string, got int 0.",
         ),
         (
             lambda d: d["inputs"].update(model="llama"),
-            "a.json: inputs.model: expected a mapping with the keys class, digest, model_type, got str 'llama'.",
+            "a.json: inputs.model: expected a mapping with the keys class, digest, "
+            "model_type, got str 'llama'.",
         ),
         (
             lambda d: d["inputs"]["model"].update(digest=5),
@@ -445,7 +453,8 @@ def test_json_keys_are_quoted_when_not_identifiers():
         ),
         (
             lambda d: d["inputs"]["model"].pop("class"),
-            "a.json: inputs.model: expected the keys class, digest, model_type, got ['digest', 'model_type'].",
+            "a.json: inputs.model: expected the keys class, digest, model_type, got "
+            "['digest', 'model_type'].",
         ),
         (
             lambda d: d["inputs"].update(hp_version=3),
@@ -457,11 +466,13 @@ def test_json_keys_are_quoted_when_not_identifiers():
         ),
         (
             lambda d: d["inputs"].update(plugins=[]),
-            "a.json: inputs.plugins: expected a mapping of plugin name to {distribution, version}, got list [].",
+            "a.json: inputs.plugins: expected a mapping of plugin name to {distribution, "
+            "version}, got list [].",
         ),
         (
             lambda d: d["inputs"]["plugins"].update(builtin="0.1"),
-            "a.json: inputs.plugins['builtin']: expected a mapping with the keys distribution, version, got str '0.1'.",
+            "a.json: inputs.plugins['builtin']: expected a mapping with the keys "
+            "distribution, version, got str '0.1'.",
         ),
         (
             lambda d: d["inputs"]["plugins"]["builtin"].update(version=1.0),
@@ -592,7 +603,8 @@ def test_a_bad_env_value_is_refused_naming_the_variable(monkeypatch, value):
     monkeypatch.setenv("HP_MAX_INPUT_DEPTH", value)
     with pytest.raises(
         InputLimitError,
-        match=rf"^HP_MAX_INPUT_DEPTH='{value}': expected a positive integer; unset it to use the default 64\.",
+        match=rf"^HP_MAX_INPUT_DEPTH='{value}': expected a positive integer; unset it to use the "
+        r"default 64\.",
     ):
         load_yaml("a: 1")
 
@@ -666,7 +678,8 @@ def test_without_transformers_the_cli_names_the_extra(capsys, tmp_path, monkeypa
         ),
         (
             {"hidden_size": 30, "head_dim": None},
-            "hidden_size (30) is not divisible by num_attention_heads (4); fix the sizes or set head_dim.",
+            "hidden_size (30) is not divisible by num_attention_heads (4); fix the sizes or "
+            "set head_dim.",
         ),
         (
             {"hidden_size": 30},
@@ -678,7 +691,8 @@ def test_without_transformers_the_cli_names_the_extra(capsys, tmp_path, monkeypa
         ),
         (
             {"model_type": "lamma"},
-            "transformers cannot build this config: unknown model_type 'lamma'. Did you mean 'llama'?",
+            "transformers cannot build this config: unknown model_type 'lamma'. Did you mean "
+            "'llama'?",
         ),
         (
             {"tie_word_embeddings": "yes"},
@@ -743,7 +757,8 @@ def test_an_oversize_config_json_exits_2(capsys, tmp_path, monkeypatch):
     code, out, err = _plan_cli(capsys, "--model", str(path), "--mesh", "tp=2")
     assert (code, out) == (2, "")
     assert err.startswith(
-        f"hp plan: error: --model: {path}: {path.stat().st_size} bytes, over the input limit of 100 bytes"
+        f"hp plan: error: --model: {path}: {path.stat().st_size} bytes, over the input limit "
+        "of 100 bytes"
     )
     assert "HP_MAX_INPUT_BYTES=" in err and len(err.strip().splitlines()) == 1
 

@@ -48,8 +48,8 @@ def test_freeze_writes_a_signed_artifact(capsys, tmp_path):
     assert (code, err) == (0, "")
     artifact = read_artifact(path)
     assert (
-        out
-        == f"hp freeze: wrote {path}: 13 modules, 0 with injections, mesh tp=2, signature {artifact.signature}\n"
+        out == f"hp freeze: wrote {path}: 13 modules, 0 with injections, mesh tp=2, signature "
+        f"{artifact.signature}\n"
     )
     assert same_plan(artifact.plan(), plan(build_model("llama", device="meta"), "tp=2"))
     again = tmp_path / "b.json"
@@ -114,11 +114,13 @@ def test_freeze_flags_and_overrides(capsys, tmp_path):
         ),
         (
             ["-o", "no/such/dir/a.json"],
-            "hp freeze: error: -o/--output: 'no/such/dir/a.json': its folder does not exist; name the artifact file to write.\n",
+            "hp freeze: error: -o/--output: 'no/such/dir/a.json': its folder does not exist; "
+            "name the artifact file to write.\n",
         ),
         (
             ["-o", "."],
-            "hp freeze: error: -o/--output: '.': is a directory; name the artifact file to write.\n",
+            "hp freeze: error: -o/--output: '.': is a directory; name the artifact file to "
+            "write.\n",
         ),
     ],
 )
@@ -149,11 +151,13 @@ def test_freeze_problems_exit_1(capsys, tmp_path, monkeypatch):
         str(tmp_path / "a.json"),
     )
     assert code == 1 and err.startswith(
-        "hp freeze: error: OverrideError: overrides[0].match: 'model.nrom' is not a module of the model."
+        "hp freeze: error: OverrideError: overrides[0].match: 'model.nrom' is not a module "
+        "of the model."
     )
     order = tmp_path / "order.yaml"
     order.write_text(
-        "- match: model.norm\n  out_src: {b: {tp: shard(1)}, a: {tp: shard(1)}}\n  out_dst: {b: {tp: shard(1)}, a: {tp: shard(1)}}\n"
+        "- match: model.norm\n  out_src: {b: {tp: shard(1)}, a: {tp: shard(1)}}\n  out_dst: "
+        "{b: {tp: shard(1)}, a: {tp: shard(1)}}\n"
     )
     code, _, err = run(
         capsys,
@@ -169,8 +173,10 @@ def test_freeze_problems_exit_1(capsys, tmp_path, monkeypatch):
     )
     assert code == 1
     assert err == (
-        "hp freeze: error: FreezeError: modules['model.norm']: its outputs ['b', 'a'] are ordered only by the key "
-        "order of out_src, which an artifact does not keep (canonical JSON sorts keys). Declare the order: add "
+        "hp freeze: error: FreezeError: modules['model.norm']: its outputs ['b', 'a'] are "
+        "ordered only by the key "
+        "order of out_src, which an artifact does not keep (canonical JSON sorts keys). "
+        "Declare the order: add "
         "out_names: ['b', 'a'] to the override for 'model.norm'.\n"
     )
 
@@ -194,7 +200,8 @@ def test_check_without_a_model(capsys, frozen):
     assert (code, err) == (0, "")
     signature = read_artifact(frozen).signature
     assert out == (
-        f"hp check: {frozen}: signature ok ({signature}), format 1, 13 modules, mesh tp=2, injected registry items installed\n"
+        f"hp check: {frozen}: signature ok ({signature}), format 1, 13 modules, mesh tp=2, "
+        "injected registry items installed\n"
         "model: not checked (pass --model NAME_OR_CONFIG to check module names and coverage)\n"
         "verify: skipped (the artifact records only the model's digest, so hp cannot build "
         "the model; pass --model NAME_OR_CONFIG to verify the plan)\n"
@@ -271,7 +278,8 @@ def test_check_reports_lint_problems(capsys, tmp_path):
     code, _, err = run(capsys, "check", str(path), "--model", "llama")
     assert code == 1
     assert err.startswith(
-        "hp check: problem: CoverageError: trainable parameter(s) model.norm.weight are not declared by any boundary"
+        "hp check: problem: CoverageError: trainable parameter(s) model.norm.weight are not "
+        "declared by any boundary"
     )
 
 
@@ -320,7 +328,8 @@ def test_check_refuses_missing_plugin_items(capsys, tmp_path):
     code, out, err = run(capsys, "check", str(path))
     assert (code, out) == (1, "")
     assert err.startswith(
-        f"hp check: error: ArtifactRegistryError: {path}: the plan injects items that no installed plugin provides:\n"
+        f"hp check: error: ArtifactRegistryError: {path}: the plan injects items that no "
+        "installed plugin provides:\n"
     )
     assert "'sdpa_hf' is not a registered inner wrapper" in err
 

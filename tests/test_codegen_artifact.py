@@ -119,7 +119,8 @@ def test_inputs_record_what_produced_the_plan(llama, artifact, tmp_path):
     }
     path = tmp_path / "cp.yaml"
     path.write_text(
-        "- match: model.layers.*.self_attn\n  inner_wrapper: sdpa_hf\n  inner_target: self\n  region_dispatch: false\n"
+        "- match: model.layers.*.self_attn\n  inner_wrapper: sdpa_hf\n  inner_target: self\n "
+        " region_dispatch: false\n"
     )
     cp = make_artifact(plan(llama, "cp=2", overrides=str(path)), model=llama, overrides=str(path))
     assert cp.inputs["overrides"] == CP_OVERRIDES and cp.inputs["mesh"] == "cp=2"
@@ -137,7 +138,8 @@ def test_unserializable_overrides_are_a_freeze_error(llama):
     }
     with pytest.raises(
         FreezeError,
-        match=r"^overrides: overrides\['model.layers.0.self_attn'\].inner_wrapper: .*<locals>.local cannot be written to a file",
+        match=r"^overrides: overrides\['model.layers.0.self_attn'\].inner_wrapper: "
+        r".*<locals>.local cannot be written to a file",
     ):
         make_artifact(plan(llama, "tp=2"), model=llama, overrides=overrides)
 
@@ -219,20 +221,24 @@ def test_not_an_artifact():
     message = _refusal(b"[1]", ArtifactFormatError)
     assert (
         message
-        == "a.json: not an hp artifact (no \"format\": 'hp-artifact'). Artifacts are written by hp freeze; a plan YAML file is read with hp_core.load_plan instead."
+        == "a.json: not an hp artifact (no \"format\": 'hp-artifact'). Artifacts are written by "
+        "hp freeze; a plan YAML file is read with hp_core.load_plan instead."
     )
     message = _refusal(b'{"format": "hp-artifact", "format": "x"}', ArtifactFormatError)
     assert (
         message
-        == "a.json: duplicate key 'format': an artifact is canonical JSON. Re-create it with this hp: hp freeze --model ... --mesh ... -o ARTIFACT."
+        == "a.json: duplicate key 'format': an artifact is canonical JSON. Re-create it with "
+        "this hp: hp freeze --model ... --mesh ... -o ARTIFACT."
     )
 
 
 def test_another_format_version(artifact):
     data = _resigned(artifact, lambda d: d.update(format_version=2))
     assert _refusal(data, ArtifactVersionError) == (
-        f"a.json: artifact format version 2; this hp (hp {hp_core.__version__}) reads version 1. Re-freeze the "
-        "plan with this hp (hp freeze --model ... --mesh ... -o ARTIFACT), or use the hp version that wrote it."
+        f"a.json: artifact format version 2; this hp (hp {hp_core.__version__}) reads "
+        "version 1. Re-freeze the "
+        "plan with this hp (hp freeze --model ... --mesh ... -o ARTIFACT), or use the hp "
+        "version that wrote it."
     )
     assert "artifact format version True;" in _refusal(
         _resigned(artifact, lambda d: d.update(format_version=True)), ArtifactVersionError
@@ -242,7 +248,8 @@ def test_another_format_version(artifact):
 def test_missing_or_unknown_top_level_keys(artifact):
     data = _resigned(artifact, lambda d: d.update(comment="hi") or d.pop("inputs"))
     assert _refusal(data, ArtifactFormatError) == (
-        "a.json: malformed artifact (missing keys ['inputs'], unknown keys ['comment']). Re-create it with "
+        "a.json: malformed artifact (missing keys ['inputs'], unknown keys ['comment']). "
+        "Re-create it with "
         "this hp: hp freeze --model ... --mesh ... -o ARTIFACT."
     )
 
@@ -263,7 +270,8 @@ def test_a_tampered_artifact_is_refused(artifact, edit):
     message = _refusal(canonical_json(doc), ArtifactSignatureError)
     assert message.startswith("a.json: signature mismatch: the artifact says sha256:")
     assert message.endswith(
-        "it was edited or corrupted after hp freeze wrote it. Do not edit artifacts: change the overrides and "
+        "it was edited or corrupted after hp freeze wrote it. Do not edit artifacts: change "
+        "the overrides and "
         "re-freeze. Re-create it with this hp: hp freeze --model ... --mesh ... -o ARTIFACT."
     )
 
@@ -277,11 +285,13 @@ def test_a_signed_artifact_with_a_bad_schema(artifact):
     data = _resigned(artifact, lambda d: d["meta"]["param_plan"][0].update(params=[]))
     assert _refusal(data, ArtifactSchemaError) == (
         "a.json: meta: param_plan[0] ('model.embed_tokens').params: expected a mapping of name to "
-        "{axis: placement}, got []. Re-create it with this hp: hp freeze --model ... --mesh ... -o ARTIFACT."
+        "{axis: placement}, got []. Re-create it with this hp: hp freeze --model ... --mesh "
+        "... -o ARTIFACT."
     )
     data = _resigned(artifact, lambda d: d["inputs"].pop("plugins"))
     assert _refusal(data, ArtifactSchemaError).startswith(
-        "a.json: inputs: expected the keys hp_version, mesh, model, overrides, plugins, got ['hp_version', 'mesh', 'model', 'overrides']."
+        "a.json: inputs: expected the keys hp_version, mesh, model, overrides, plugins, got "
+        "['hp_version', 'mesh', 'model', 'overrides']."
     )
     data = _resigned(artifact, lambda d: d.update(inputs=[]))
     assert (
@@ -297,13 +307,15 @@ def test_injections_must_name_installed_items(llama, tmp_path):
     message = _refusal(dumps_artifact(cp), ArtifactRegistryError)
     assert message.startswith(
         "a.json: the plan injects items that no installed plugin provides:\n"
-        "  modules['model.layers.0.self_attn'].inner_wrapper: 'sdpa_hf' is not a registered inner wrapper (registered: none)\n"
-        "  modules['model.layers.1.self_attn'].inner_wrapper: 'sdpa_hf' is not a registered inner wrapper (registered: none)\n"
+        "  modules['model.layers.0.self_attn'].inner_wrapper: 'sdpa_hf' is not a registered "
+        "inner wrapper (registered: none)\n"
+        "  modules['model.layers.1.self_attn'].inner_wrapper: 'sdpa_hf' is not a registered "
+        "inner wrapper (registered: none)\n"
         "Install the plugin that provides them (hp plugins lists what is installed"
     )
     assert (
-        "register them with register_inner_wrapper / register_compute_factory before loading, or re-freeze the plan without them."
-        in message
+        "register them with register_inner_wrapper / register_compute_factory before "
+        "loading, or re-freeze the plan without them." in message
     )
     assert loads_artifact(dumps_artifact(cp), check_registry=False) == cp
     register_inner_wrapper("sdpa_hf", user_wrapper)
@@ -331,8 +343,10 @@ def test_registry_check_on_targets_and_dotted_paths():
         (2,),
     )
     assert missing_registry_items(p) == [
-        "modules['m'].inner_wrapper: 'missing_wrapper' is not a registered inner wrapper (registered: none)",
-        "modules['m'].local_compute_fn: 'nonexistent_pkg_xyz.compute.factory': package 'nonexistent_pkg_xyz' is not installed",
+        "modules['m'].inner_wrapper: 'missing_wrapper' is not a registered inner wrapper "
+        "(registered: none)",
+        "modules['m'].local_compute_fn: 'nonexistent_pkg_xyz.compute.factory': package "
+        "'nonexistent_pkg_xyz' is not installed",
     ]
 
 
@@ -374,7 +388,8 @@ def test_check_against_another_model(artifact):
         "class, config or parameter shapes differ). Re-freeze it for this model."
     )
     assert problems[1:] == [
-        f"modules['model.layers.1{sub}']: not a module of this model. Closest module: 'model.layers.0{sub}'."
+        f"modules['model.layers.1{sub}']: not a module of this model. Closest module: "
+        f"'model.layers.0{sub}'."
         for sub in ("", ".self_attn", ".mlp", ".input_layernorm", ".post_attention_layernorm")
     ]
 

@@ -348,11 +348,13 @@ def test_freeze_refuses_a_non_plan():
     [
         (
             {"params": "auto"},
-            "modules['m'].params: expected a mapping of name to {axis: placement}, got 'auto' (an unresolved override sentinel: freeze a finished plan, from plan()).",
+            "modules['m'].params: expected a mapping of name to {axis: placement}, got "
+            "'auto' (an unresolved override sentinel: freeze a finished plan, from plan()).",
         ),
         (
             {"out_dst": "auto"},
-            "modules['m'].out_dst: expected a mapping of name to {axis: placement}, got 'auto' (an unresolved override sentinel: freeze a finished plan, from plan()).",
+            "modules['m'].out_dst: expected a mapping of name to {axis: placement}, got "
+            "'auto' (an unresolved override sentinel: freeze a finished plan, from plan()).",
         ),
         (
             {"in_src": 3},
@@ -364,11 +366,13 @@ def test_freeze_refuses_a_non_plan():
         ),
         (
             {"params": {"w": {"tp": Partial("avg")}}},
-            "modules['m'].params.w.tp: placement Partial(avg) has no DSL form; the grammar is replicate | partial | shard(N)",
+            "modules['m'].params.w.tp: placement Partial(avg) has no DSL form; the grammar "
+            "is replicate | partial | shard(N)",
         ),
         (
             {"params": {"w": {"tp": 3}}},
-            "modules['m'].params.w.tp: expected a placement string, got int 3. Grammar: replicate | partial | shard(N)",
+            "modules['m'].params.w.tp: expected a placement string, got int 3. Grammar: "
+            "replicate | partial | shard(N)",
         ),
         (
             {"out_names": "output"},
@@ -382,11 +386,14 @@ def test_freeze_refuses_a_non_plan():
         ({"_ep_size": "2"}, "modules['m']._ep_size: expected an integer or a boolean, got '2'."),
         (
             {"inner_target": ("a",)},
-            "modules['m'].inner_target: tuple ('a',) has no JSON form; an artifact holds strings, numbers, booleans, null, lists and string-keyed mappings. Use a list (JSON has no tuples).",
+            "modules['m'].inner_target: tuple ('a',) has no JSON form; an artifact holds "
+            "strings, numbers, booleans, null, lists and string-keyed mappings. Use a list "
+            "(JSON has no tuples).",
         ),
         (
             {"inner_wrapper": 3},
-            "modules['m'].inner_wrapper: expected a registry name, a Target, a decorated function or a layout, got 3.",
+            "modules['m'].inner_wrapper: expected a registry name, a Target, a decorated "
+            "function or a layout, got 3.",
         ),
         (
             {"inner_wrapper": Target("w", {"size": (1, 2)})},
@@ -400,7 +407,9 @@ def test_freeze_refuses_a_non_plan():
         ({"_ep_stack": {1: ["a"]}}, "modules['m']._ep_stack: keys must be strings, got int 1."),
         (
             {"out_src": {"b": {"tp": Shard(1)}, "a": {"tp": Shard(1)}}},
-            "modules['m']: its outputs ['b', 'a'] are ordered only by the key order of out_src, which an artifact does not keep (canonical JSON sorts keys). Declare the order: add out_names: ['b', 'a'] to the override for 'm'.",
+            "modules['m']: its outputs ['b', 'a'] are ordered only by the key order of "
+            "out_src, which an artifact does not keep (canonical JSON sorts keys). Declare "
+            "the order: add out_names: ['b', 'a'] to the override for 'm'.",
         ),
     ],
 )
@@ -422,12 +431,16 @@ def test_undecorated_and_unnameable_callables_are_refused():
         return None
 
     assert (
-        f"modules['m'].inner_wrapper: {__name__}.test_undecorated_and_unnameable_callables_are_refused.<locals>.plain is not decorated with @local_compute or @inner_wrapper, so it cannot be injected; decorate it (from hp_core)."
-        == _frozen_error(_spec_with(inner_wrapper=plain))
+        "modules['m'].inner_wrapper: "
+        f"{__name__}.test_undecorated_and_unnameable_callables_are_refused.<locals>.plain is "
+        "not decorated with @local_compute or @inner_wrapper, so it cannot be injected; "
+        "decorate it (from hp_core)." == _frozen_error(_spec_with(inner_wrapper=plain))
     )
     message = _frozen_error(_spec_with(inner_wrapper=inner_wrapper(plain)))
     assert message.startswith(
-        f"modules['m'].inner_wrapper: {__name__}.test_undecorated_and_unnameable_callables_are_refused.<locals>.plain cannot be named in an artifact: only a module-level function"
+        "modules['m'].inner_wrapper: "
+        f"{__name__}.test_undecorated_and_unnameable_callables_are_refused.<locals>.plain "
+        "cannot be named in an artifact: only a module-level function"
     )
     assert (
         "register it under a name (register_inner_wrapper / register_compute_factory or a plugin)"

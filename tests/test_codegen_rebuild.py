@@ -54,11 +54,13 @@ def test_top_level_shape():
     _refused([], "meta: expected a mapping, got list.")
     _refused(
         _edit(lambda m: m.update(injection=[])),
-        "meta: unknown key 'injection'. Did you mean 'injections'? Valid keys: mesh, sequence_parallel, loss_parallel, ep_size, param_plan, injections.",
+        "meta: unknown key 'injection'. Did you mean 'injections'? Valid keys: mesh, "
+        "sequence_parallel, loss_parallel, ep_size, param_plan, injections.",
     )
     _refused(
         _edit(lambda m: m.update({"zzz": 1})),
-        "meta: unknown key 'zzz'. Valid keys: mesh, sequence_parallel, loss_parallel, ep_size, param_plan, injections.",
+        "meta: unknown key 'zzz'. Valid keys: mesh, sequence_parallel, loss_parallel, "
+        "ep_size, param_plan, injections.",
     )
     _refused(
         _edit(lambda m: m.pop("injections")),
@@ -77,7 +79,8 @@ def test_rules():
     )
     _refused(
         _edit(lambda m: m["param_plan"].append({"params": {}})),
-        "param_plan[2]: expected a mapping with a string 'match' (a module FQN), got {'params': {}}.",
+        "param_plan[2]: expected a mapping with a string 'match' (a module FQN), got "
+        "{'params': {}}.",
     )
     _refused(
         _edit(lambda m: m["param_plan"].append({"match": "a", "is_boundary": True})),
@@ -85,15 +88,20 @@ def test_rules():
     )
     _refused(
         _edit(lambda m: m["param_plan"][0].update(inner_target="self")),
-        "param_plan[0] ('a'): unknown key 'inner_target'. It belongs in injections. Valid keys: match, params, in_src, in_dst, out_src, out_dst, out_names, tp_divide_attrs, is_boundary, region_dispatch, deferred_bias_params, skip_source_lowering.",
+        "param_plan[0] ('a'): unknown key 'inner_target'. It belongs in injections. Valid "
+        "keys: match, params, in_src, in_dst, out_src, out_dst, out_names, tp_divide_attrs, "
+        "is_boundary, region_dispatch, deferred_bias_params, skip_source_lowering.",
     )
     _refused(
         _edit(lambda m: m["param_plan"][0].update(param={})),
-        "param_plan[0] ('a'): unknown key 'param'. Did you mean 'params'? Valid keys: match, params, in_src, in_dst, out_src, out_dst, out_names, tp_divide_attrs, is_boundary, region_dispatch, deferred_bias_params, skip_source_lowering.",
+        "param_plan[0] ('a'): unknown key 'param'. Did you mean 'params'? Valid keys: match, "
+        "params, in_src, in_dst, out_src, out_dst, out_names, tp_divide_attrs, is_boundary, "
+        "region_dispatch, deferred_bias_params, skip_source_lowering.",
     )
     _refused(
         _edit(lambda m: m["injections"][0].update(zzz=1)),
-        "injections[0] ('a'): unknown key 'zzz'. Valid keys: match, inner_wrapper, inner_target, inner_out_src, local_compute_fn, ep_stack, ep_size.",
+        "injections[0] ('a'): unknown key 'zzz'. Valid keys: match, inner_wrapper, "
+        "inner_target, inner_out_src, local_compute_fn, ep_stack, ep_size.",
     )
     _refused(
         _edit(lambda m: m["injections"].append({"match": "c", "ep_size": 2})),
@@ -108,11 +116,13 @@ def test_mesh_and_plan_level_values():
     )
     _refused(
         _edit(lambda m: m["mesh"].update(sizes=[2])),
-        "mesh: expected {axis_names: [...], shape: [...]}, got {'axis_names': ['tp'], 'shape': [2], 'sizes': [2]}.",
+        "mesh: expected {axis_names: [...], shape: [...]}, got {'axis_names': ['tp'], "
+        "'shape': [2], 'sizes': [2]}.",
     )
     _refused(
         _edit(lambda m: m["mesh"].update(shape=[2, 2])),
-        "mesh_shape: 2 size(s) [2, 2] for 1 axis name(s) ['tp']; give one size per axis, in the same order.",
+        "mesh_shape: 2 size(s) [2, 2] for 1 axis name(s) ['tp']; give one size per axis, in "
+        "the same order.",
     )
     _refused(
         _edit(lambda m: m.update(sequence_parallel="yes")),
@@ -143,13 +153,17 @@ def test_mesh_and_plan_level_values():
             "param_plan",
             "params",
             {"w": {"tp": "shrd(0)"}},
-            "param_plan[0] ('a').params.w.tp: 'shrd(0)' is not a placement. Grammar: replicate | partial | shard(N)  (N a non-negative integer; case and spaces ignored). Example: 'shard(1)'.",
+            "param_plan[0] ('a').params.w.tp: 'shrd(0)' is not a placement. Grammar: "
+            "replicate | partial | shard(N)  (N a non-negative integer; case and spaces "
+            "ignored). Example: 'shard(1)'.",
         ),
         (
             "param_plan",
             "in_src",
             {"x": {}},
-            "param_plan[0] ('a').in_src.x: expected a non-empty mapping of mesh axis to placement, e.g. {tp: shard(1)}, got {}. Placement grammar: replicate | partial | shard(N)  (N a non-negative integer; case and spaces ignored).",
+            "param_plan[0] ('a').in_src.x: expected a non-empty mapping of mesh axis to "
+            "placement, e.g. {tp: shard(1)}, got {}. Placement grammar: replicate | partial "
+            "| shard(N)  (N a non-negative integer; case and spaces ignored).",
         ),
         (
             "param_plan",
@@ -173,7 +187,8 @@ def test_mesh_and_plan_level_values():
             "param_plan",
             "region_dispatch",
             [False],
-            "param_plan[0] ('a').region_dispatch: expected a boolean, number or string, got [False].",
+            "param_plan[0] ('a').region_dispatch: expected a boolean, number or string, got "
+            "[False].",
         ),
         (
             "param_plan",
@@ -191,31 +206,38 @@ def test_mesh_and_plan_level_values():
             "injections",
             "inner_wrapper",
             3,
-            "injections[0] ('a').inner_wrapper: expected a registry name, {_target_: NAME_OR_PATH, ...} or a layout, got 3.",
+            "injections[0] ('a').inner_wrapper: expected a registry name, {_target_: "
+            "NAME_OR_PATH, ...} or a layout, got 3.",
         ),
         (
             "injections",
             "inner_wrapper",
             {"_target_": ""},
-            "injections[0] ('a').inner_wrapper: Target: _target_ must be a non-empty string, got ''.",
+            "injections[0] ('a').inner_wrapper: Target: _target_ must be a non-empty string, "
+            "got ''.",
         ),
         (
             "injections",
             "inner_wrapper",
             {"_target_": "w", "k": object},
-            "injections[0] ('a').inner_wrapper.k: type <class 'object'> has no JSON form; an artifact holds strings, numbers, booleans, null, lists and string-keyed mappings.",
+            "injections[0] ('a').inner_wrapper.k: type <class 'object'> has no JSON form; an "
+            "artifact holds strings, numbers, booleans, null, lists and string-keyed "
+            "mappings.",
         ),
         (
             "injections",
             "inner_wrapper",
             {"x": {"tp": "replicate"}},
-            "param_plan[0] ('a'): inner_wrapper: expected a registry name, a decorated function or a Target, got {'x': {'tp': Replicate()}}.",
+            "param_plan[0] ('a'): inner_wrapper: expected a registry name, a decorated "
+            "function or a Target, got {'x': {'tp': Replicate()}}.",
         ),
         (
             "injections",
             "inner_out_src",
             {"tp": "shard(1)"},
-            "injections[0] ('a').inner_out_src.tp: expected a non-empty mapping of mesh axis to placement, e.g. {tp: shard(1)}, got 'shard(1)'. Placement grammar: replicate | partial | shard(N)  (N a non-negative integer; case and spaces ignored).",
+            "injections[0] ('a').inner_out_src.tp: expected a non-empty mapping of mesh axis "
+            "to placement, e.g. {tp: shard(1)}, got 'shard(1)'. Placement grammar: replicate "
+            "| partial | shard(N)  (N a non-negative integer; case and spaces ignored).",
         ),
         (
             "injections",
@@ -246,35 +268,44 @@ def test_values_are_checked_by_their_rebuild_kind(group, key, value, message):
     [
         (
             lambda m: m["param_plan"][0]["params"]["w"].update(tp="SHARD(0)"),
-            "meta.param_plan[0].params.w.tp: not in canonical form: the meta has 'SHARD(0)' where freeze writes 'shard(0)'.",
+            "meta.param_plan[0].params.w.tp: not in canonical form: the meta has 'SHARD(0)' "
+            "where freeze writes 'shard(0)'.",
         ),
         (
             lambda m: m["param_plan"][1].update(out_names=[]),
-            "meta.param_plan[1].out_names: not in canonical form: the meta has [] where freeze writes MISSING.",
+            "meta.param_plan[1].out_names: not in canonical form: the meta has [] where "
+            "freeze writes MISSING.",
         ),
         (
             lambda m: m["injections"][0].update(ep_size=0),
-            "meta.injections[0].ep_size: not in canonical form: the meta has 0 where freeze writes MISSING.",
+            "meta.injections[0].ep_size: not in canonical form: the meta has 0 where freeze "
+            "writes MISSING.",
         ),
         (
             lambda m: m["injections"].append({"match": "b"}),
-            "meta.injections: not in canonical form: the meta has [{'match': 'a', 'inner_wrapper': 'w', 'inner_target': 'self'}, {'match': 'b'}] where freeze writes [{'match': 'a', 'inner_wrapper': 'w', 'inner_target': 'self'}].",
+            "meta.injections: not in canonical form: the meta has [{'match': 'a', "
+            "'inner_wrapper': 'w', 'inner_target': 'self'}, {'match': 'b'}] where freeze "
+            "writes [{'match': 'a', 'inner_wrapper': 'w', 'inner_target': 'self'}].",
         ),
         (
             lambda m: m["injections"].insert(0, {"match": "b", "ep_size": 2}),
-            "meta.injections[0].match: not in canonical form: the meta has 'b' where freeze writes 'a'.",
+            "meta.injections[0].match: not in canonical form: the meta has 'b' where freeze "
+            "writes 'a'.",
         ),
         (
             lambda m: m["param_plan"][1].pop("is_boundary"),
-            "meta.param_plan[1].is_boundary: not in canonical form: the meta has MISSING where freeze writes True.",
+            "meta.param_plan[1].is_boundary: not in canonical form: the meta has MISSING "
+            "where freeze writes True.",
         ),
         (
             lambda m: m["param_plan"][0].update(deferred_bias_params=[]),
-            "meta.param_plan[0].deferred_bias_params: not in canonical form: the meta has [] where freeze writes MISSING.",
+            "meta.param_plan[0].deferred_bias_params: not in canonical form: the meta has [] "
+            "where freeze writes MISSING.",
         ),
         (
             lambda m: m["injections"][0].update(ep_stack={}),
-            "meta.injections[0].ep_stack: not in canonical form: the meta has {} where freeze writes MISSING.",
+            "meta.injections[0].ep_stack: not in canonical form: the meta has {} where "
+            "freeze writes MISSING.",
         ),
     ],
 )
@@ -290,7 +321,9 @@ def test_a_meta_that_does_not_freeze_back_is_refused():
     meta = _edit(lambda m: m["param_plan"][1].update(out_src=layouts, out_dst=layouts))
     _refused(
         meta,
-        "modules['b']: its outputs ['b', 'a'] are ordered only by the key order of out_src, which an artifact does not keep (canonical JSON sorts keys). Declare the order: add out_names: ['b', 'a'] to the override for 'b'.",
+        "modules['b']: its outputs ['b', 'a'] are ordered only by the key order of out_src, "
+        "which an artifact does not keep (canonical JSON sorts keys). Declare the order: add "
+        "out_names: ['b', 'a'] to the override for 'b'.",
     )
 
 
@@ -313,7 +346,10 @@ def test_restore_checks_the_model():
     p = rebuild(freeze(plan(model, "tp=2")))
     with pytest.raises(
         ModelMismatchError,
-        match=r"^the plan names module\(s\) the model lacks: \['model.layers.1', 'model.layers.1.input_layernorm', 'model.layers.1.self_attn', 'model.layers.1.post_attention_layernorm', 'model.layers.1.mlp'\]\. Closest module: 'model.layers.0'\. Was it made for another model\?$",
+        match=r"^the plan names module\(s\) the model lacks: \['model.layers.1', "
+        r"'model.layers.1.input_layernorm', 'model.layers.1.self_attn', "
+        r"'model.layers.1.post_attention_layernorm', 'model.layers.1.mlp'\]\. Closest "
+        r"module: 'model.layers.0'\. Was it made for another model\?$",
     ):
         restore_model_metadata(p, head_attention_lm(n_layers=1))
     with pytest.raises(

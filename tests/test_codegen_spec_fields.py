@@ -106,7 +106,8 @@ def test_derived_views():
 def test_unknown_group_names_the_closest():
     with pytest.raises(
         ValueError,
-        match=r"unknown SPEC_FIELDS group 'injection'\. Did you mean 'injections'\? Groups: param_plan, injections, exempt\.",
+        match=r"unknown SPEC_FIELDS group 'injection'\. Did you mean 'injections'\? Groups: "
+        r"param_plan, injections, exempt\.",
     ):
         sf.fields_in_group("injection")
     with pytest.raises(ValueError, match=r"unknown SPEC_FIELDS group 'zzz'\. Groups:"):
@@ -142,13 +143,15 @@ def test_reflection_catches_a_new_field_without_a_row():
 def test_reflection_catches_a_row_without_a_field_and_a_bad_post_init():
     rows = [*sf.SPEC_FIELDS, sf.SpecField("ghost", "ghost", "param_plan", "scalar", "opt_scalar")]
     assert table_problems(rows=rows) == [
-        "SPEC_FIELDS row 'ghost' names no field of ModuleShardingSpec: remove the row or fix its name"
+        "SPEC_FIELDS row 'ghost' names no field of ModuleShardingSpec: remove the row or fix "
+        "its name"
     ]
     rows = [
         dataclasses.replace(r, post_init=True) if r.name == "params" else r for r in sf.SPEC_FIELDS
     ]
     assert table_problems(rows=rows) == [
-        "SPEC_FIELDS row 'params' is post_init but ModuleShardingSpec.params is a constructor argument"
+        "SPEC_FIELDS row 'params' is post_init but ModuleShardingSpec.params is a "
+        "constructor argument"
     ]
 
 
@@ -161,7 +164,8 @@ def test_reflection_catches_a_row_without_a_field_and_a_bad_post_init():
         ),
         (
             ("x", "x", "exempt", None, None),
-            r"SpecField\('x'\): an exempt field is not frozen, so it has no meta key, kinds or post_init\.",
+            r"SpecField\('x'\): an exempt field is not frozen, so it has no meta key, kinds "
+            r"or post_init\.",
         ),
         (("x", None, "exempt", None, None, True), r"an exempt field is not frozen"),
         (

@@ -228,7 +228,8 @@ def test_partial_in_overrides_names_the_module_and_leaves_them_unchanged():
     spec.out_src = {"output": {"tp": Partial("max")}}
     with pytest.raises(
         OverrideError,
-        match=r"^overrides\['model\.layers\.0\.mlp'\]\.out_src\.output\.tp \(module 'model\.layers\.0\.mlp'\): Partial\('max'\)",
+        match=r"^overrides\['model\.layers\.0\.mlp'\]\.out_src\.output\.tp \(module "
+        r"'model\.layers\.0\.mlp'\): Partial\('max'\)",
     ):
         plan(model, "tp=2", overrides={"model.layers.0.mlp": spec})
     assert spec.out_src == {"output": {"tp": Partial("max")}}
@@ -268,7 +269,8 @@ def test_two_exact_entries_for_one_module_are_refused(tmp_path):
     )
     msg = str(e.value)
     assert msg.startswith(
-        "overrides[0] and overrides[2] are both exact overrides for module 'model.layers.0.mlp' (no 'when')"
+        "overrides[0] and overrides[2] are both exact overrides for module "
+        "'model.layers.0.mlp' (no 'when')"
     )
     assert (
         "overrides[0] (entry 0): {match: model.layers.0.mlp, out_dst: {output: {tp: replicate}}}"
@@ -280,7 +282,10 @@ def test_two_exact_entries_for_one_module_are_refused(tmp_path):
     assert "Fix: merge them into one entry for 'model.layers.0.mlp'" in msg
     assert entries == before
     # the same from YAML, and from Python entries with the same 'when'
-    text = "- match: lm_head\n  when: tp\n  out_dst: {tp: replicate}\n- match: lm_head\n  when: tp\n  out_names: [logits]\n"
+    text = (
+        "- match: lm_head\n  when: tp\n  out_dst: {tp: replicate}\n- match: lm_head\n  when: tp\n"
+        "  out_names: [logits]\n"
+    )
     with pytest.raises(
         DuplicateOverrideError,
         match=r"^overrides\[0\] and overrides\[1\] .* 'lm_head' \(when: tp\)",
@@ -492,7 +497,8 @@ def test_template_that_raises_names_template_provider_and_module(source, request
     assert type(err.__cause__) is original
     msg = str(err)
     assert msg.startswith(
-        f"model.layers.0.input_layernorm: boundary template {name!r} (kind 'norm', from {provider}) failed to "
+        f"model.layers.0.input_layernorm: boundary template {name!r} (kind 'norm', from "
+        f"{provider}) failed to "
         f"build the spec of RMSNorm 'model.layers.0.input_layernorm': {original.__name__}: "
     )
     assert "match: 'model.layers.0.input_layernorm'" in msg
@@ -559,7 +565,8 @@ def test_factory_that_raises_names_factory_provider_and_module(source, request):
     assert type(err.__cause__) is original
     msg = str(err)
     assert msg.startswith(
-        f"{src}: the @local_compute factory {name!r} (from {provider}) failed for module 'model.layers.0.mlp': {original.__name__}: "
+        f"{src}: the @local_compute factory {name!r} (from {provider}) failed for module "
+        f"'model.layers.0.mlp': {original.__name__}: "
     )
     assert "Fix: if its config is wrong, correct it in the override for 'model.layers.0.mlp'" in msg
     assert (err.name, err.provider, err.fqn, err.kind) == (
@@ -690,7 +697,8 @@ def test_invalid_template_names_suggest_a_name_that_registers(bad):
 _UNPICKLE = (
     "import json, pickle, sys\n"
     "errors = pickle.loads(sys.stdin.buffer.read())\n"
-    "print(json.dumps([[type(e).__module__, type(e).__qualname__, str(e), vars(e)] for e in errors]))\n"
+    "print(json.dumps([[type(e).__module__, type(e).__qualname__, str(e), vars(e)] for e in "
+    "errors]))\n"
 )
 
 

@@ -85,11 +85,12 @@ def test_an_expert_group_over_replicated_tokens_is_refused_with_the_fix():
         _layout("tp=2", 2, sp=False)
     msg = str(exc.value)
     assert msg.startswith(
-        f"{MOE}: the expert group of ep=2 spans the 'tp' axis, along which this block's tokens are replicated"
+        f"{MOE}: the expert group of ep=2 spans the 'tp' axis, along which this block's "
+        "tokens are replicated"
     )
     assert (
-        "  - match: 'model.layers.*.mlp'\n    when: ep\n    in_dst: {hidden_states: {tp: shard(1)}}\n    out_src: {output: {tp: shard(1)}}"
-        in msg
+        "  - match: 'model.layers.*.mlp'\n    when: ep\n    in_dst: {hidden_states: {tp: "
+        "shard(1)}}\n    out_src: {output: {tp: shard(1)}}" in msg
     )
     fixed = _layout(
         "tp=2",
@@ -124,7 +125,8 @@ def test_expert_parameters_live_on_ep_only():
     spec.params["experts.down_proj"] = {"ep": Shard(0), "tp": Shard(1)}
     with pytest.raises(
         ExpertParallelError,
-        match=r"experts.down_proj: an expert parameter lives on the expert mesh \(edp, ep\) and can only be placed on ep",
+        match=r"experts.down_proj: an expert parameter lives on the expert mesh \(edp, ep\) and "
+        r"can only be placed on ep",
     ):
         check_expert_boundary(MOE, spec, model.get_submodule(MOE))
     assert expert_placements({"ep": Shard(0)})[1] == Shard(0)
@@ -145,7 +147,8 @@ def test_per_expert_modules_must_be_stacked_whole():
     spec._ep_stack["experts.w1.weight"].pop()
     with pytest.raises(
         ExpertParallelError,
-        match=r"the per-expert modules under 'experts' hold \['experts.3.w1.weight'\] besides the stacked projections",
+        match=r"the per-expert modules under 'experts' hold \['experts.3.w1.weight'\] besides the "
+        r"stacked projections",
     ):
         check_expert_boundary(fqn, spec, module)
 
@@ -204,7 +207,8 @@ def test_the_region_must_span_every_rank():
     p = plan(model, "tp=2", ep_size=2)
     with pytest.raises(
         ExpertParallelError,
-        match=r"model.layers.0.mlp: expert parallelism derives its expert mesh from the dense region, which must span every rank of the job; the mesh has 2 of 1 ranks",
+        match=r"model.layers.0.mlp: expert parallelism derives its expert mesh from the dense "
+        r"region, which must span every rank of the job; the mesh has 2 of 1 ranks",
     ):
         _expert_layouts(model, p, _FakeMesh(("tp",), (2,)))
 
@@ -231,7 +235,8 @@ def test_blocks_with_the_same_ep_need_the_same_token_layout(monkeypatch):
     )
     with pytest.raises(
         ExpertParallelError,
-        match=r"model.layers.1.mlp: its tokens are laid out differently from those of model.layers.0.mlp \(another block with ep=2\)",
+        match=r"model.layers.1.mlp: its tokens are laid out differently from those of "
+        r"model.layers.0.mlp \(another block with ep=2\)",
     ):
         _expert_layouts(model, other, _FakeMesh(("cp", "tp"), (2, 2)))
 
@@ -262,8 +267,8 @@ def test_fixes_match_only_the_expert_parallel_blocks():
         "    local_compute_fn: FACTORY\n    region_dispatch: false\n",
     )
     assert (
-        f"Add:\n{expected}(no installed plugin registers a factory for Qwen2MoeForCausalLM: install hp-plugin-moe"
-        in str(exc.value)
+        f"Add:\n{expected}(no installed plugin registers a factory for Qwen2MoeForCausalLM: "
+        "install hp-plugin-moe" in str(exc.value)
     )
 
 
@@ -279,6 +284,7 @@ def test_an_expert_parallel_compute_must_not_dispatch():
     )
     with pytest.raises(
         ExpertParallelError,
-        match=r"model.layers.0.mlp: an expert-parallel compute communicates .* declare region_dispatch: false",
+        match=r"model.layers.0.mlp: an expert-parallel compute communicates .* declare "
+        r"region_dispatch: false",
     ):
         check_expert_boundary(MOE, p[MOE], model.get_submodule(MOE))

@@ -137,7 +137,8 @@ def test_require_injection_meta():
 
     with pytest.raises(
         TypeError,
-        match=r"test_injection\..*plain \(from overrides\[0\]\) is not decorated with @local_compute",
+        match=r"test_injection\..*plain \(from overrides\[0\]\) is not decorated with "
+        r"@local_compute",
     ):
         require_injection_meta(plain, "local_compute", source="overrides[0]")
     with pytest.raises(

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.distributed
 CASES = {
     "odd_length": (
         "InputLayoutError",
-        "model.layers.0 (input 'hidden_states'): it splits the sequence over tp=2 (sequence parallelism), but this batch has 15 positions",
+        "model.layers.0 (input 'hidden_states'): it splits the sequence over tp=2 (sequence "
+        "parallelism), but this batch has 15 positions",
         "Pad the sequence to a multiple of 2",
     ),
     "lengths_differ": (

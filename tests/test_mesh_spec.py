@@ -85,7 +85,8 @@ def test_from_any():
         MeshSpec.from_any({"tp": "4"})
     with pytest.raises(
         MeshSpecError,
-        match=r"expected a DeviceMesh, a MeshSpec, a \{axis: size\} mapping or 'tp=4,cp=2', got list",
+        match=r"expected a DeviceMesh, a MeshSpec, a \{axis: size\} mapping or 'tp=4,cp=2', got "
+        r"list",
     ):
         MeshSpec.from_any(["tp", 4])
 
@@ -131,7 +132,8 @@ def test_check_axis():
     with pytest.raises(MeshSpecError) as info:
         mesh.check_axis("tpp", where="overrides[0].params.w")
     assert str(info.value) == (
-        "overrides[0].params.w: axis 'tpp' is not a dimension of the mesh {'dp': 2, 'tp': 4}. Did you mean 'tp'?"
+        "overrides[0].params.w: axis 'tpp' is not a dimension of the mesh {'dp': 2, 'tp': "
+        "4}. Did you mean 'tp'?"
     )
     with pytest.raises(
         MeshSpecError, match=r"axis 'zz' is not a dimension of the mesh \{'dp': 2, 'tp': 4\}\.$"

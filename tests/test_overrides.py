@@ -291,13 +291,15 @@ def _entry_error(entry, message, index=0):
         ({"match": 3}, r"^overrides\[2\]\.match: expected a module FQN or glob string, got int 3"),
         (
             {"match": "a", "in_scr": {}},
-            r"^overrides\[2\]: unknown key 'in_scr'\. Did you mean 'in_src'\? Valid keys: match, when, params",
+            r"^overrides\[2\]: unknown key 'in_scr'\. Did you mean 'in_src'\? Valid keys: "
+            r"match, when, params",
         ),
         ({"match": "a", "colour": 1}, r"^overrides\[2\]: unknown key 'colour'\. Valid keys: match"),
         ({"match": "a", 5: 1}, r"^overrides\[2\]: keys must be strings, got int 5"),
         (
             {"match": "a", "_is_terminal": True},
-            r"^overrides\[2\]\._is_terminal: internal fields \(leading underscore\) are set by the planner",
+            r"^overrides\[2\]\._is_terminal: internal fields \(leading underscore\) are set "
+            r"by the planner",
         ),
         (
             {"match": "a", "_internal": {}},
@@ -309,7 +311,8 @@ def _entry_error(entry, message, index=0):
         ),
         (
             {"match": "a", "when": "xp"},
-            r"^overrides\[2\]\.when: 'xp' is not a valid 'when'\.( Did you mean '.p'\?)? Valid values: tp, cp, ep, sp",
+            r"^overrides\[2\]\.when: 'xp' is not a valid 'when'\.( Did you mean '.p'\?)? "
+            r"Valid values: tp, cp, ep, sp",
         ),
         (
             {"match": "a", "when": "TP"},
@@ -321,7 +324,8 @@ def _entry_error(entry, message, index=0):
         ),
         (
             {"match": "a", "in_src": {"hidden_states": {"tp": "shard(x)"}}},
-            r"^overrides\[2\]\.in_src\.hidden_states\.tp: 'shard\(x\)' is not a placement\. Grammar: replicate \| partial \| shard\(N\)",
+            r"^overrides\[2\]\.in_src\.hidden_states\.tp: 'shard\(x\)' is not a placement\. "
+            r"Grammar: replicate \| partial \| shard\(N\)",
         ),
         (
             {"match": "a", "in_src": {"x": {}}},
@@ -333,7 +337,8 @@ def _entry_error(entry, message, index=0):
         ),
         (
             {"match": "a", "params": "all"},
-            r"^overrides\[2\]\.params: 'all' is not allowed here; the only string values are 'auto' .* and 'none'.*params: \{q_proj\.weight",
+            r"^overrides\[2\]\.params: 'all' is not allowed here; the only string values are "
+            r"'auto' .* and 'none'.*params: \{q_proj\.weight",
         ),
         (
             {"match": "a", "params": [1]},
@@ -349,7 +354,8 @@ def _entry_error(entry, message, index=0):
         ),
         (
             {"match": "a", "out_names": "logits"},
-            r"^overrides\[2\]\.out_names: expected a list of names, or 'auto' / 'none', got the string 'logits'\. Write a list, e\.g\. \[logits\]",
+            r"^overrides\[2\]\.out_names: expected a list of names, or 'auto' / 'none', got "
+            r"the string 'logits'\. Write a list, e\.g\. \[logits\]",
         ),
         (
             {"match": "a", "out_names": {"a": 1}},
@@ -369,7 +375,8 @@ def _entry_error(entry, message, index=0):
         ),
         (
             {"match": "a", "inner_target": ""},
-            r"^overrides\[2\]\.inner_target: expected 'self' or the attribute name of a child module",
+            r"^overrides\[2\]\.inner_target: expected 'self' or the attribute name of a "
+            r"child module",
         ),
         (
             {"match": "a", "inner_wrapper": ""},
@@ -377,23 +384,28 @@ def _entry_error(entry, message, index=0):
         ),
         (
             {"match": "a", "inner_wrapper": 3},
-            r"^overrides\[2\]\.inner_wrapper: expected a registry name \(string\), \{_target_: \.\.\.\} or a decorated function, got int 3",
+            r"^overrides\[2\]\.inner_wrapper: expected a registry name \(string\), "
+            r"\{_target_: \.\.\.\} or a decorated function, got int 3",
         ),
         (
             {"match": "a", "local_compute_fn": {"_taget_": "x"}},
-            r"^overrides\[2\]\.local_compute_fn: a mapping here must name what it refers to with _target_\. '_taget_' looks like a misspelling",
+            r"^overrides\[2\]\.local_compute_fn: a mapping here must name what it refers to "
+            r"with _target_\. '_taget_' looks like a misspelling",
         ),
         (
             {"match": "a", "local_compute_fn": {"name": "x"}},
-            r"^overrides\[2\]\.local_compute_fn: a mapping here must name what it refers to with _target_\. Write",
+            r"^overrides\[2\]\.local_compute_fn: a mapping here must name what it refers to "
+            r"with _target_\. Write",
         ),
         (
             {"match": "a", "local_compute_fn": {"_target_": 3}},
-            r"^overrides\[2\]\.local_compute_fn: Target: _target_ must be a non-empty string, got 3",
+            r"^overrides\[2\]\.local_compute_fn: Target: _target_ must be a non-empty "
+            r"string, got 3",
         ),
         (
             {"match": "a", "inner_out_src": "last_input"},
-            r"^overrides\[2\]\.inner_out_src: 'last_input' is not allowed here; the only string values are 'first_input'",
+            r"^overrides\[2\]\.inner_out_src: 'last_input' is not allowed here; the only "
+            r"string values are 'first_input'",
         ),
         (
             {"match": "a", "inner_out_src": "none"},
@@ -410,7 +422,8 @@ def test_entry_errors(entry, message):
     [
         (
             "match: lm_head\nparams: {}\n",
-            r"^overrides: the document is a single entry; write entries as a list \(prefix the entry with '- '\)",
+            r"^overrides: the document is a single entry; write entries as a list \(prefix "
+            r"the entry with '- '\)",
         ),
         ("overides: []\n", r"^overrides: unknown key 'overides'\. Did you mean 'overrides'\?"),
         (
@@ -420,7 +433,8 @@ def test_entry_errors(entry, message):
         ("3\n", r"^overrides: expected a list of entries .*, got int 3\. An entry looks like"),
         (
             "my_overrides.txt",
-            r"got str 'my_overrides\.txt'\. \(If this was meant as a file path: no such file exists\.\)",
+            r"got str 'my_overrides\.txt'\. \(If this was meant as a file path: no such file "
+            r"exists\.\)",
         ),
         ("- 1\n", r"^overrides\[0\]: expected a mapping with a 'match' key, got int 1"),
     ],
@@ -437,12 +451,14 @@ def test_python_form_errors():
         load_overrides({1: ModuleShardingSpec()})
     with pytest.raises(
         OverrideError,
-        match=r"^overrides\['lm_head'\]: expected a ModuleShardingSpec, got dict .* use a list: \[\{'match': 'lm_head', \.\.\.\}\]",
+        match=r"^overrides\['lm_head'\]: expected a ModuleShardingSpec, got dict .* use a list: "
+        r"\[\{'match': 'lm_head', \.\.\.\}\]",
     ):
         load_overrides({"lm_head": {"params": {}}})
     with pytest.raises(
         OverrideError,
-        match=r"^overrides: expected YAML text, a file path, \{fqn: ModuleShardingSpec\} or a list of entries, got int 3",
+        match=r"^overrides: expected YAML text, a file path, \{fqn: ModuleShardingSpec\} or a list "
+        r"of entries, got int 3",
     ):
         load_overrides(3)
 
@@ -562,7 +578,8 @@ def test_exact_key_merges_into_derived_boundary():
     assert merged.in_src == {"x": {"tp": Shard(1)}}  # inherited
     assert result["model.layers.1.mlp"] == derived()["model.layers.1.mlp"]
     assert notes == [
-        "overrides['model.layers.0.mlp']: model.layers.0.mlp.params: override replaces the whole field; dropped keys ['down_proj.weight']"
+        "overrides['model.layers.0.mlp']: model.layers.0.mlp.params: override replaces the "
+        "whole field; dropped keys ['down_proj.weight']"
     ]
 
 
@@ -620,12 +637,14 @@ def test_exact_key_typo_lists_close_matches():
         resolve([{"match": "model.layers.0.self_atn", "params": {}}])
     msg = str(info.value)
     assert msg.startswith(
-        "overrides[0].match: 'model.layers.0.self_atn' is not a module of the model. Close matches: 'model.layers.0.self_attn'"
+        "overrides[0].match: 'model.layers.0.self_atn' is not a module of the model. Close "
+        "matches: 'model.layers.0.self_attn'"
     )
     assert "use a glob (*, ?, [...]) to match several" in msg
     with pytest.raises(
         OverrideError,
-        match=r"^overrides\[0\]\.match: 'zzz' is not a module of the model\. No module has a similar name\.",
+        match=r"^overrides\[0\]\.match: 'zzz' is not a module of the model\. No module has a "
+        r"similar name\.",
     ):
         resolve([{"match": "zzz"}])
 
@@ -649,7 +668,8 @@ def test_glob_merges_into_every_matching_derived_boundary_in_model_order():
 def test_glob_matching_nothing_warns_and_is_noted():
     with pytest.warns(
         OverrideMatchWarning,
-        match=r"overrides\[0\]: glob 'model\.blocks\.\*\.mlp' matched no derived boundary; check the pattern",
+        match=r"overrides\[0\]: glob 'model\.blocks\.\*\.mlp' matched no derived boundary; check "
+        r"the pattern",
     ):
         result, notes = resolve([{"match": "model.blocks.*.mlp", "params": {}}])
     assert result == derived()
@@ -659,7 +679,8 @@ def test_glob_matching_nothing_warns_and_is_noted():
 def test_glob_matching_only_non_boundaries_explains_insert():
     with pytest.warns(
         OverrideMatchWarning,
-        match=r"it matches 2 module\(s\) \(e\.g\. 'model\.layers\.0\.input_layernorm'\) that are not boundaries: insert one with an exact FQN",
+        match=r"it matches 2 module\(s\) \(e\.g\. 'model\.layers\.0\.input_layernorm'\) that are "
+        r"not boundaries: insert one with an exact FQN",
     ):
         resolve([{"match": "*.input_layernorm", "params": {}}])
 
@@ -746,27 +767,33 @@ def test_sentinels_and_injections_merge():
         (
             {"match": "lm_head", "in_src": {"hidden_states": {"tpp": "shard(1)"}}},
             ("tp", "cp"),
-            r"^overrides\[1\]\.in_src\.hidden_states\.tpp: mesh axis 'tpp' is neither a dimension of the mesh \('tp', 'cp'\) nor a canonical axis name\. Did you mean 'tp'\?",
+            r"^overrides\[1\]\.in_src\.hidden_states\.tpp: mesh axis 'tpp' is neither a "
+            r"dimension of the mesh \('tp', 'cp'\) nor a canonical axis name\. Did you mean "
+            r"'tp'\?",
         ),
         (
             {"match": "lm_head", "params": {"weight": {"encoder_tq": "shard(0)"}}},
             ("encoder_tp",),
-            r"^overrides\[1\]\.params\.weight\.encoder_tq: mesh axis 'encoder_tq' .* Did you mean 'encoder_tp'\?",
+            r"^overrides\[1\]\.params\.weight\.encoder_tq: mesh axis 'encoder_tq' .* Did you "
+            r"mean 'encoder_tp'\?",
         ),
         (
             {"match": "lm_head", "params": {"weight": {"zz": "shard(0)"}}},
             ("tp",),
-            r"^overrides\[1\]\.params\.weight\.zz: mesh axis 'zz' is neither .* canonical axis name\. Use one of",
+            r"^overrides\[1\]\.params\.weight\.zz: mesh axis 'zz' is neither .* canonical "
+            r"axis name\. Use one of",
         ),
         (
             {"match": "lm_head", "params": {"weight": {"dp": "shard(0)"}}},
             ("dp", "tp"),
-            r"^overrides\[1\]\.params\.weight\.dp: placement on data-parallel axis 'dp'\. dp stays outside the plan: FSDP/DDP own it",
+            r"^overrides\[1\]\.params\.weight\.dp: placement on data-parallel axis 'dp'\. dp "
+            r"stays outside the plan: FSDP/DDP own it",
         ),
         (
             {"match": "lm_head", "when": "cp", "out_dst": {"dp_shard": "replicate"}},
             ("tp",),
-            r"^overrides\[1\]\.out_dst\.output\.dp_shard: placement on data-parallel axis 'dp_shard'",
+            r"^overrides\[1\]\.out_dst\.output\.dp_shard: placement on data-parallel axis "
+            r"'dp_shard'",
         ),
         (
             {"match": "lm_head", "inner_out_src": {"dp_cp": "shard(1)"}},
@@ -776,7 +803,8 @@ def test_sentinels_and_injections_merge():
         (
             {"match": "lm_haed", "when": "ep"},
             ("tp",),
-            r"^overrides\[1\]\.match: 'lm_haed' is not a module of the model\. Close matches: 'lm_head'",
+            r"^overrides\[1\]\.match: 'lm_haed' is not a module of the model\. Close "
+            r"matches: 'lm_head'",
         ),
     ],
 )

@@ -96,8 +96,8 @@ def test_dump_layout_and_internal_section():
     assert "    out_src:\n      output: {tp: partial, cp: shard(1)}\n" in text
     assert "    out_src: none\n    out_dst: auto\n" in text
     assert (
-        "    inner_wrapper:\n      _target_: sdpa_qkv\n      block: 64\n      scale: 0.5\n      flags: [1, 2]\n"
-        in text
+        "    inner_wrapper:\n      _target_: sdpa_qkv\n      block: 64\n      scale: 0.5\n   "
+        "   flags: [1, 2]\n" in text
     )
     assert "    local_compute_fn: qwen2moe\n" in text
     assert "    tp_divide_attrs: []\n" in text
@@ -449,11 +449,13 @@ def _doc(**modules_or_top) -> dict:
         (_doc(modules={"a": {1: {}}}), r"^modules\['a'\]: keys must be strings, got int 1"),
         (
             _doc(modules={"a": {"_is_terminal": True}}),
-            r"^modules\['a'\]\._is_terminal: internal fields go under the module's '_internal:' mapping",
+            r"^modules\['a'\]\._is_terminal: internal fields go under the module's "
+            r"'_internal:' mapping",
         ),
         (
             _doc(modules={"a": {"in_src": {"x": {"tp": "shard(x)"}}}}),
-            r"^modules\['a'\]\.in_src\.x\.tp: 'shard\(x\)' is not a placement\. Grammar: replicate \| partial \| shard\(N\)",
+            r"^modules\['a'\]\.in_src\.x\.tp: 'shard\(x\)' is not a placement\. Grammar: "
+            r"replicate \| partial \| shard\(N\)",
         ),
         (
             _doc(modules={"a": {"is_boundary": None}}),
@@ -473,11 +475,13 @@ def _doc(**modules_or_top) -> dict:
         ),
         (
             _doc(modules={"a": {"_internal": {"_is_terminal": True}}}),
-            r"^modules\['a'\]\._internal\._is_terminal: write internal keys without the leading underscore",
+            r"^modules\['a'\]\._internal\._is_terminal: write internal keys without the "
+            r"leading underscore",
         ),
         (
             _doc(modules={"a": {"_internal": {"resolved_inner_wrapper": "x"}}}),
-            r"^modules\['a'\]\._internal\.resolved_inner_wrapper: runtime introspection written by apply\(\)",
+            r"^modules\['a'\]\._internal\.resolved_inner_wrapper: runtime introspection "
+            r"written by apply\(\)",
         ),
         (
             _doc(modules={"a": {"_internal": {"_resolved_inner_target": "x"}}}),
@@ -485,11 +489,13 @@ def _doc(**modules_or_top) -> dict:
         ),
         (
             _doc(modules={"a": {"_internal": {"tp_local_attr_plan": [1]}}}),
-            r"^modules\['a'\]\._internal\.tp_local_attr_plan: expected a mapping of attribute name to \[global, local\]",
+            r"^modules\['a'\]\._internal\.tp_local_attr_plan: expected a mapping of "
+            r"attribute name to \[global, local\]",
         ),
         (
             _doc(modules={"a": {"_internal": {"tp_local_attr_plan": {"num_heads": [8]}}}}),
-            r"^modules\['a'\]\._internal\.tp_local_attr_plan\.num_heads: expected a pair of integers",
+            r"^modules\['a'\]\._internal\.tp_local_attr_plan\.num_heads: expected a pair of "
+            r"integers",
         ),
         (
             _doc(modules={"a": {"_internal": {"deferred_bias_params": "o.bias"}}}),
@@ -505,7 +511,8 @@ def _doc(**modules_or_top) -> dict:
         ),
         (
             _doc(modules={"a": {"_internal": {"ep_stack": ["w"]}}}),
-            r"^modules\['a'\]\._internal\.ep_stack: expected a mapping of stacked path to \[source paths\]",
+            r"^modules\['a'\]\._internal\.ep_stack: expected a mapping of stacked path to "
+            r"\[source paths\]",
         ),
         (
             _doc(modules={"a": {"_internal": {"ep_stack": {"w": "experts.0.w"}}}}),

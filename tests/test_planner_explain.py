@@ -98,7 +98,8 @@ def test_sequence_parallel_llama():
         "  (forward all_reduce on tp includes 1 input check: the ranks compare their input shapes "
         "before the first collective; apply(check_inputs=False) drops it)",
         "  (backward all_reduce on tp includes one bucketed reduction of the 9 gradient(s) of "
-        "tp-replicated parameters that see only this rank's sequence shard (hp plan --verify finds any others))",
+        "tp-replicated parameters that see only this rank's sequence shard (hp plan --verify "
+        "finds any others))",
     ]
 
 
@@ -110,8 +111,8 @@ def test_with_the_verifier_report_the_reductions_are_exact():
     assert "includes one bucketed reduction" not in p.explain()  # no SP: the contract predicts none
     text = plan(m, "tp=2").explain(verify(m, plan(m, "tp=2")))
     assert (
-        "  (backward all_reduce on tp includes one bucketed reduction of the 5 gradient(s) the verifier found partial over tp)"
-        in text
+        "  (backward all_reduce on tp includes one bucketed reduction of the 5 gradient(s) "
+        "the verifier found partial over tp)" in text
     )
 
 
@@ -127,8 +128,8 @@ def test_loss_parallel_counts_the_parallel_cross_entropy():
         "    reduce_scatter on tp: 4",
     ]
     assert (
-        "  (forward all_reduce on tp includes the vocab-parallel cross-entropy's 2: the max, then the sum of exponentials with the target logit)"
-        in tail
+        "  (forward all_reduce on tp includes the vocab-parallel cross-entropy's 2: the max, "
+        "then the sum of exponentials with the target logit)" in tail
     )
 
 
@@ -184,7 +185,8 @@ def test_cp_injections_attrs_and_notes():
     attn1 = section(text, "model.layers.1.self_attn")
     assert "  injections: inner_out_src=first_input" in attn1
     assert attn1[-1] == (
-        "  attention under cp: needs a CP inner wrapper, none set yet (e.g. inner_wrapper: sdpa_hf from hp-plugin-cp)"
+        "  attention under cp: needs a CP inner wrapper, none set yet (e.g. inner_wrapper: "
+        "sdpa_hf from hp-plugin-cp)"
     )
     assert "  injections: local_compute_fn=my_compute(capacity=2), region_dispatch=true" in section(
         text, "model.layers.0.mlp"
@@ -235,8 +237,8 @@ def test_hand_made_plans_and_edge_cases():
     odd_text = explain(ShardingPlan({"head": odd}, ("tp",), (2,)))
     assert "  out o: Partial(max)→replicate on tp: all_reduce" in section(odd_text, "head")
     assert (
-        "fingerprint unavailable (modules['head'].out_src.o.tp: placement Partial(max) has no DSL form"
-        in odd_text
+        "fingerprint unavailable (modules['head'].out_src.o.tp: placement Partial(max) has "
+        "no DSL form" in odd_text
     )
     spec = ModuleShardingSpec(params={}, in_src={}, in_dst={})
     spec._ep_size = 2

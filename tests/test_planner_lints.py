@@ -53,7 +53,8 @@ def raises(exc_type, model, mesh="tp=2", **kw) -> str:
 def test_kv_heads_that_tp_does_not_divide():
     msg = raises(DivisibilityError, meta(), "tp=4")
     assert msg == (
-        "model.layers.0.self_attn: 2 key/value heads (k_proj.weight: (32, 64), head_dim 16) cannot be "
+        "model.layers.0.self_attn: 2 key/value heads (k_proj.weight: (32, 64), head_dim 16) "
+        "cannot be "
         "split over tp=4. Each rank must hold whole heads: choose a tp size that divides 2, or "
         "replicate k_proj.weight with an override."
     )
@@ -70,7 +71,8 @@ def test_query_heads_that_tp_does_not_divide():
 def test_intermediate_size_that_tp_does_not_divide():
     msg = raises(DivisibilityError, meta(intermediate_size=130, num_key_value_heads=4), "tp=4")
     assert msg == (
-        "model.layers.0.mlp.params.gate_proj.weight.tp: dim 0 of shape (130, 64) has size 130, which "
+        "model.layers.0.mlp.params.gate_proj.weight.tp: dim 0 of shape (130, 64) has size "
+        "130, which "
         "tp=4 does not divide. Choose a tp size that divides 130, or replicate this parameter."
     )
 
@@ -82,8 +84,8 @@ def test_shard_dim_out_of_range():
         overrides=[{"match": "lm_head", "params": {"weight": {"tp": "shard(3)"}}}],
     )
     assert (
-        msg
-        == "lm_head.params.weight.tp: shard(3) on a 2-D parameter of shape (128, 64); valid dims are 0..1."
+        msg == "lm_head.params.weight.tp: shard(3) on a 2-D parameter of shape (128, 64); valid "
+        "dims are 0..1."
     )
 
 
@@ -150,7 +152,8 @@ def test_a_placement_on_an_axis_the_mesh_lacks_and_its_when_fix():
     ]
     msg = raises(MeshAxisError, meta(), overrides=override)
     assert msg == (
-        "model.norm.params.weight: axis 'cp' is not a dimension of the mesh tp=2. Add the axis to the "
+        "model.norm.params.weight: axis 'cp' is not a dimension of the mesh tp=2. Add the "
+        "axis to the "
         "mesh, or guard the override with 'when: cp' so it applies only when that axis is active."
     )
     plan(meta(), "tp=2", overrides=[{**override[0], "when": "cp"}])  # the fix
@@ -179,7 +182,8 @@ def test_a_declared_parameter_under_a_missing_submodule():
         overrides=[{"match": "model.layers.0.mlp", "params": {"gate.weight": {"tp": "shard(0)"}}}],
     )
     assert msg.startswith(
-        "model.layers.0.mlp.params: 'gate.weight' is not a parameter of 'model.layers.0.mlp' (LlamaMLP)."
+        "model.layers.0.mlp.params: 'gate.weight' is not a parameter of 'model.layers.0.mlp' "
+        "(LlamaMLP)."
     )
 
 
@@ -190,8 +194,8 @@ def test_a_partial_parameter():
         overrides=[{"match": "model.norm", "params": {"weight": {"tp": "partial"}}}],
     )
     assert (
-        msg
-        == "model.norm.params.weight.tp: a parameter cannot be 'partial'; use shard(N) or replicate."
+        msg == "model.norm.params.weight.tp: a parameter cannot be 'partial'; use shard(N) or "
+        "replicate."
     )
 
 
@@ -203,7 +207,8 @@ def test_tp_divide_attrs_typo_and_non_integer():
         overrides=[{"match": "model.layers.0.self_attn", "tp_divide_attrs": ["num_head"]}],
     )
     assert msg.startswith(
-        "model.layers.0.self_attn.tp_divide_attrs: HeadAttention has no attribute 'num_head'. Did you mean 'num_heads'?"
+        "model.layers.0.self_attn.tp_divide_attrs: HeadAttention has no attribute "
+        "'num_head'. Did you mean 'num_heads'?"
     )
     msg = raises(
         PlanningError,
@@ -222,12 +227,16 @@ def test_uncovered_parameter_and_the_suggested_fix():
     msg = raises(UncoveredParameterError, WithStrayParameter())
     assert isinstance(UncoveredParameterError("x"), CoverageError)
     assert "inner.model.mystery_scale (replicated, shape (64,))" in msg
-    fix = "  - match: 'inner.model'\n    is_boundary: false\n    params: {mystery_scale: {tp: replicate}}\n"
+    fix = (
+        "  - match: 'inner.model'\n    is_boundary: false\n    params: {mystery_scale: {tp: "
+        "replicate}}\n"
+    )
     assert fix in msg
     p = plan(
         WithStrayParameter(),
         "tp=2",
-        overrides="- match: 'inner.model'\n  is_boundary: false\n  params: {mystery_scale: {tp: replicate}}\n",
+        overrides="- match: 'inner.model'\n  is_boundary: false\n  params: {mystery_scale: {tp: "
+        "replicate}}\n",
     )
     assert p["inner.model"].is_boundary is False
     assert p["inner.model"].params == {
@@ -263,7 +272,8 @@ def test_parameter_declared_twice():
     leaf["params"] = {"weight": {"tp": "replicate"}}
     msg = raises(CoverageError, meta(), overrides=[leaf])
     assert msg.startswith(
-        "parameter model.layers.0.self_attn.q_proj.weight is declared by more than one boundary with "
+        "parameter model.layers.0.self_attn.q_proj.weight is declared by more than one "
+        "boundary with "
         "different placements: model.layers.0.self_attn.q_proj.weight {tp: shard(0)}, "
         "model.layers.0.self_attn.q_proj.weight {tp: replicate}."
     )
@@ -287,7 +297,8 @@ def test_tied_weights_must_agree():
 def test_fused_qkv_under_tp_and_the_suggested_fix():
     msg = raises(FusedProjectionError, fused_qkv_lm())
     assert msg.startswith(
-        "model.layers.0.self_attn.params.qkv_proj.weight.tp: qkv_proj.weight is a fused q/k/v projection"
+        "model.layers.0.self_attn.params.qkv_proj.weight.tp: qkv_proj.weight is a fused "
+        "q/k/v projection"
     )
     fix = (
         "  - match: 'model.layers.0.self_attn'\n"
@@ -312,7 +323,8 @@ def test_fused_qkv_under_tp_and_the_suggested_fix():
 def test_fused_gate_up_under_tp():
     msg = raises(FusedProjectionError, fused_mlp_lm())
     assert msg.startswith(
-        "model.layers.0.mlp.params.gate_up_proj.weight.tp: gate_up_proj.weight is a fused gate/up projection"
+        "model.layers.0.mlp.params.gate_up_proj.weight.tp: gate_up_proj.weight is a fused "
+        "gate/up projection"
     )
     assert "all of gate and another all of up" in msg
 
@@ -384,7 +396,8 @@ def test_a_template_that_returns_no_spec():
     )
     msg = raises(PlanningError, head_attention_lm())
     assert msg.startswith(
-        "model.layers.0.input_layernorm: template 'test.bad_norm' returned int, not a ModuleShardingSpec"
+        "model.layers.0.input_layernorm: template 'test.bad_norm' returned int, not a "
+        "ModuleShardingSpec"
     )
 
 

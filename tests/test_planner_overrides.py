@@ -76,7 +76,8 @@ def test_list_form_exact_key_replaces_the_whole_field_and_notes_what_was_dropped
     )
     assert p2["model.norm"].out_names == ["output"]
     assert p2.notes == [
-        "overrides[1]: model.layers.0.self_attn.in_src: override replaces the whole field; dropped keys ['hidden_states']"
+        "overrides[1]: model.layers.0.self_attn.in_src: override replaces the whole field; "
+        "dropped keys ['hidden_states']"
     ]
 
 
@@ -89,7 +90,8 @@ def test_sentinels_auto_and_none():
     assert p["model.norm"].params == {}
     assert p["model.norm"].out_dst == {"output": L(tp="shard(1)")}
     assert p.notes == [
-        "overrides[0]: model.norm.params: cleared by 'none' (derived value {'weight': {'tp': Replicate()}} dropped)"
+        "overrides[0]: model.norm.params: cleared by 'none' (derived value {'weight': {'tp': "
+        "Replicate()}} dropped)"
     ]
 
 

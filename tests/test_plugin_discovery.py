@@ -178,7 +178,8 @@ def test_misspelled_hook_names_the_closest_real_hook(fakes):
     )
     info = failed(report(), "typo")
     assert info.error.splitlines()[0] == (
-        "implements unknown hook 'hp_register_inner_wrapper' (did you mean 'hp_register_inner_wrappers'?)."
+        "implements unknown hook 'hp_register_inner_wrapper' (did you mean "
+        "'hp_register_inner_wrappers'?)."
     )
     assert "never" not in INNER_WRAPPER_REGISTRY
     assert report()["cp"].status == "loaded"

@@ -366,7 +366,8 @@ def test_discovery_from_inside_an_import_imports_in_the_calling_thread(fakes, mo
                 "from hp_core.hookspecs import hookimpl\n"
                 "import fake_selfload_pkg\n\n"
                 "HP_PLUGIN_API = 2\n\n"
-                "@hookimpl\ndef hp_register_router_adapters(register):\n    register('selfload_router', len)\n"
+                "@hookimpl\ndef hp_register_router_adapters(register):\n    "
+                "register('selfload_router', len)\n"
             ),
         },
     )
@@ -476,11 +477,13 @@ def test_allow_missing_plugins_warns_and_plans(capsys, tmp_path, monkeypatch):
     assert out.startswith("hp plan: mesh cp=2") and "inner_wrapper=sdpa_hf" in out
     assert err.count("\n") == 1
     assert err.startswith(
-        "warning: plan['model.layers.0.self_attn'].inner_wrapper (and 1 more module): UnknownRegistryItemError: "
+        "warning: plan['model.layers.0.self_attn'].inner_wrapper (and 1 more module): "
+        "UnknownRegistryItemError: "
     )
     assert "pip install hp-plugin-cp" in err
     assert err.rstrip().endswith(
-        "planning anyway (--allow-missing-plugins): hp_core.apply refuses this plan until a plugin provides it."
+        "planning anyway (--allow-missing-plugins): hp_core.apply refuses this plan until a "
+        "plugin provides it."
     )
 
 
@@ -555,8 +558,8 @@ def test_two_missing_items_are_one_line(capsys, tmp_path, monkeypatch):
     line = one_error_line(err, "plan")
     assert "unknown inner wrapper 'sdpa_hf'" in line
     assert (
-        "Also missing: 'qwen2moe' (plan['model.layers.0.mlp'].local_compute_fn (and 1 more module))."
-        in line
+        "Also missing: 'qwen2moe' (plan['model.layers.0.mlp'].local_compute_fn (and 1 more "
+        "module))." in line
     )
     code, _, err = hp(capsys, *argv, "--allow-missing-plugins")
     assert code == 0 and err.count("\nwarning: ") == 1 and err.startswith("warning: ")

@@ -213,8 +213,10 @@ def venv(built, tmp_path_factory):
     # negative control: before the wheels go in, the third-party packages import, and no hp package does
     probe = (
         "import importlib.util as u, importlib.metadata as md, torch, pluggy, yaml, rich;"
-        "print([m for m in ('hp_core', 'hp_plugin_cp', 'hp_plugin_moe', 'hp_plugin_phi3') if u.find_spec(m)]"
-        " + [d.metadata['Name'] for d in md.distributions() if d.metadata['Name'].startswith('hp-')])"
+        "print([m for m in ('hp_core', 'hp_plugin_cp', 'hp_plugin_moe', 'hp_plugin_phi3') if "
+        "u.find_spec(m)]"
+        " + [d.metadata['Name'] for d in md.distributions() if "
+        "d.metadata['Name'].startswith('hp-')])"
     )
     proc = _run([python, "-c", probe], cwd=tmp)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
