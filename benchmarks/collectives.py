@@ -101,7 +101,8 @@ def run_case(case: str) -> dict[str, Any]:
 
 
 def minimum(case: str) -> dict[str, int]:
-    """Collectives per step the scheme needs at all (forward + backward), from the formulas above."""
+    """Collectives per step the scheme needs at all (forward + backward), from the formulas
+    above."""
     n = LAYERS
     tp = {"all_reduce": 4 * n + 2, "all_gather": 1}
     sp = {"all_gather": 4 * n + 3, "reduce_scatter": 4 * n + 1, "all_reduce": 2}

@@ -85,7 +85,8 @@ class FakePlugins:
         return info
 
     def plugin(self, name: str, body: str, *, dist: str | None = None, version: str = "0.1") -> str:
-        """A one-module plugin (entry point ``name``) with ``HEADER`` + ``body``; returns the module."""
+        """A one-module plugin (entry point ``name``) with ``HEADER`` + ``body``; returns the
+        module."""
         module = f"fake_{name}_{next(_COUNTER)}"
         self.add_distribution(
             dist or f"fake-{name}",

@@ -236,7 +236,8 @@ def local_width_lm() -> ToyCausalLM:
 
 
 class PositionEmbeddingLM(ToyCausalLM):
-    """A learned position embedding used by the model's own code, outside every block (GPT-2's wpe)."""
+    """A learned position embedding used by the model's own code, outside every block (GPT-2's
+    wpe)."""
 
     def __init__(self, n_layers: int = 1) -> None:
         super().__init__([Layer(HeadAttention(), MLP(), "mlp") for _ in range(n_layers)])

@@ -56,7 +56,8 @@ def finalize_is_idempotent() -> dict[str, Any]:
 
 
 def learned_activation_matches() -> dict[str, Any]:
-    """The toy with a learned Swish slope inside its MLP, tp=2 production: every gradient matches."""
+    """The toy with a learned Swish slope inside its MLP, tp=2 production: every gradient
+    matches."""
     from tests import _toy_models as toys
 
     torch.manual_seed(0)

@@ -28,7 +28,8 @@ def _gathered(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def replicated_outputs_agree(sp: bool, mode: str, streams: bool = True) -> dict[str, Any]:
-    """Phi with every dropout on, ranks seeded differently: each tp-replicated output is bit-identical.
+    """Phi with every dropout on, ranks seeded differently: each tp-replicated output is
+    bit-identical.
 
     ``streams=False`` switches hp's random streams off (the negative control)."""
     m = build_family("phi", **DROPOUT)

@@ -95,7 +95,8 @@ def train_compare(
     fault: str | None = None,
     **config,
 ) -> dict:
-    """Reference vs production vs validate: loss, logits and every gradient, for ``steps`` AdamW steps.
+    """Reference vs production vs validate: loss, logits and every gradient, for ``steps`` AdamW
+    steps.
 
     ``excess`` holds ``allclose`` excesses (see ``hp_core.testing.compare.allclose_excess``,
     inf for NaN/inf): a case passes when each is <= atol. ``not_stepped`` lists, per model,

@@ -1,4 +1,5 @@
-"""``apply(verify=...)``: the verifier runs inside apply by default; a report may stand in for it."""
+"""``apply(verify=...)``: the verifier runs inside apply by default; a report may stand in for
+it."""
 
 from __future__ import annotations
 

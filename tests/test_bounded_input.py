@@ -1,4 +1,5 @@
-"""Bounded input: size, depth and alias-expansion caps; NaN refusals; typed artifacts; ``--model`` configs."""
+"""Bounded input: size, depth and alias-expansion caps; NaN refusals; typed artifacts; ``--model``
+configs."""
 
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def _resigned(artifact, edit) -> bytes:
 
 
 def _bomb(levels: int = 9, width: int = 9, indent: str = "        ") -> str:
-    """YAML "billion laughs": anchor ``a0`` holds ``width`` scalars, each ``a<i>`` ``width`` aliases of ``a<i-1>``."""
+    """YAML "billion laughs": anchor ``a0`` holds ``width`` scalars, each ``a<i>`` ``width`` aliases
+    of ``a<i-1>``."""
     lines = [f"{indent}a0: &a0 [" + ", ".join(["lol"] * width) + "]"]
     for i in range(1, levels):
         lines.append(f"{indent}a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]")

@@ -1,4 +1,5 @@
-"""`hp demo`: the default run on real ranks, the degraded run without plugins, the verdict and the errors."""
+"""`hp demo`: the default run on real ranks, the degraded run without plugins, the verdict and the
+errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""A plan rebuilt from an artifact, applied on real gloo ranks, behaves exactly like the live plan."""
+"""A plan rebuilt from an artifact, applied on real gloo ranks, behaves exactly like the live
+plan."""
 
 from __future__ import annotations
 

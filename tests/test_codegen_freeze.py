@@ -1,4 +1,5 @@
-"""freeze / rebuild round trips on every supported model, write conditions, value forms, freeze errors."""
+"""freeze / rebuild round trips on every supported model, write conditions, value forms, freeze
+errors."""
 
 from __future__ import annotations
 

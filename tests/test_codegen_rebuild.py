@@ -1,4 +1,5 @@
-"""rebuild: every malformed or non-canonical meta is refused by path; model metadata is re-derived."""
+"""rebuild: every malformed or non-canonical meta is refused by path; model metadata is
+re-derived."""
 
 from __future__ import annotations
 

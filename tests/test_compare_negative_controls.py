@@ -74,7 +74,8 @@ def test_shards_swapped_across_ranks_are_a_mismatch():
     for r in _run(tasks.permuted_layout_control):
         assert r["before"] <= TOL
         assert r["after"] > 10 * TOL and r["run_grad"] > 10 * TOL  # caught, far above the tolerance
-        # hp's table-driven full_grads gathers the swapped shards in the same wrong order: caught too
+        # hp's table-driven full_grads gathers the swapped shards in the same wrong order: caught
+        # too
         assert r["table_gather"] > 10 * TOL
         assert r["is_the_swap"] == 0.0  # it gathered exactly the swapped tensor, canonically
         assert r["others"] <= TOL  # and nothing else moved

@@ -25,7 +25,8 @@ def test_data_parallel_wrapper_over_tensor_parallel_matches_one_device(wrapper, 
     for r in get_world(4).run(tasks.train, wrapper, sp, mode):
         assert r["loss"] <= TOL and r["grad"] <= TOL, r
         assert r["unmoved"] == [] and r["min_checked"] > 0 and r["n_grads"] > 0
-        # SP: the norms' partial gradients are summed once per step, after the wrapper's own reduction
+        # SP: the norms' partial gradients are summed once per step, after the wrapper's own
+        # reduction
         assert r["reductions"] == ([1, 2, 3] if sp else [0, 0, 0])  # cumulative count
 
 

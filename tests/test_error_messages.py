@@ -607,7 +607,8 @@ _BASES_WITHOUT_BUILTIN = {"hp_core.errors.HpError", "hp_plugin_cp.errors.CPError
 
 
 def _all_modules() -> list[str]:
-    """Every module of hp_core and the bundled plugins, except hp_core.testing (assertion helpers)."""
+    """Every module of hp_core and the bundled plugins, except hp_core.testing (assertion
+    helpers)."""
     import pkgutil
 
     import hp_plugin_cp
@@ -693,7 +694,8 @@ def test_invalid_template_names_suggest_a_name_that_registers(bad):
     assert TEMPLATE_REGISTRY[item.name].value.role is Role.FUSED_QKV
 
 
-#: Unpickles the bytes on stdin in a fresh interpreter and prints each error's class, message and fields.
+#: Unpickles the bytes on stdin in a fresh interpreter and prints each error's class, message and
+#: fields.
 _UNPICKLE = (
     "import json, pickle, sys\n"
     "errors = pickle.loads(sys.stdin.buffer.read())\n"

@@ -51,7 +51,8 @@ def test_ranks_sharing_a_batch_come_from_the_mesh(training):
 
 @pytest.mark.distributed
 def test_trainer_on_dp2_tp2_matches_one_device_and_a_plain_trainer_is_refused():
-    """The example's check inside a 4-rank gloo world (tests/test_examples.py runs it under torchrun)."""
+    """The example's check inside a 4-rank gloo world (tests/test_examples.py runs it under
+    torchrun)."""
     from hp_core.testing.world import get_world
     from tests import dist_tasks_trainer as tasks
 

@@ -1,4 +1,5 @@
-"""A catalogue of hostile inputs: every refusal is an HpError that names the culprit and changes nothing.
+"""A catalogue of hostile inputs: every refusal is an HpError that names the culprit and changes
+nothing.
 
 Each case is a row of ``CASES``: what to call, the error type it must raise (always an
 ``hp_core.HpError`` subclass), fragments its message must contain (the key, field, file,

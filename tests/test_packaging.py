@@ -1,4 +1,5 @@
-"""Distributions: version ranges, extras, licenses, entry points, and imports from the repository root.
+"""Distributions: version ranges, extras, licenses, entry points, and imports from the repository
+root.
 
 The built wheels themselves (their metadata, a fresh environment installed from them) are
 checked by tests/test_wheels.py.
@@ -51,7 +52,8 @@ def test_every_distribution_is_found():
 
 @pytest.mark.parametrize("pyproject", PYPROJECTS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_torch_range_wherever_named_includes_the_installed_torch(pyproject):
-    """Metadata declares a compatible range (it must contain 2.13.0 and stop before an untested minor)."""
+    """Metadata declares a compatible range (it must contain 2.13.0 and stop before an untested
+    minor)."""
     for raw in _requirements(pyproject):
         req = Requirement(raw)
         if req.name == "torch":
@@ -67,7 +69,8 @@ def test_core_declares_torch():
 
 
 def test_makefile_installs_exactly_the_pinned_torch():
-    """The range is for users; the Makefile (what CI runs) installs exactly one torch, and checks it."""
+    """The range is for users; the Makefile (what CI runs) installs exactly one torch, and checks
+    it."""
     makefile = (ROOT / "Makefile").read_text()
     named = re.findall(r"[\"']torch\b([^\"']*)[\"']", makefile)
     assert named and all(spec.replace(" ", "") == f"=={TORCH}" for spec in named), named
@@ -85,7 +88,8 @@ def test_makefile_installs_exactly_the_pinned_torch():
     ids=lambda p: p.parent.name,
 )
 def test_plugins_depend_on_hp_core_only(pyproject):
-    """Each plugin needs hp-core in a compatible range: the current version, not the next minor (pre-1.0)."""
+    """Each plugin needs hp-core in a compatible range: the current version, not the next minor
+    (pre-1.0)."""
     reqs = [Requirement(d) for d in tomllib.loads(pyproject.read_text())["project"]["dependencies"]]
     assert {r.name for r in reqs} <= {"hp-core", "torch"}
     (core,) = [r for r in reqs if r.name == "hp-core"]
@@ -98,7 +102,8 @@ def test_plugins_depend_on_hp_core_only(pyproject):
 
 
 def test_transformers_is_the_hf_extra():
-    """transformers is optional (hp-core[hf]); the test extra still brings it (the suite builds HF models)."""
+    """transformers is optional (hp-core[hf]); the test extra still brings it (the suite builds HF
+    models)."""
     assert "transformers" not in {Requirement(d).name for d in CORE["dependencies"]}
     extras = CORE["optional-dependencies"]
     (hf,) = [Requirement(d) for d in extras["hf"]]
@@ -121,7 +126,8 @@ def test_transformers_is_the_hf_extra():
 
 @pytest.mark.parametrize("pyproject", PYPROJECTS, ids=lambda p: str(p.parent.relative_to(ROOT)))
 def test_spdx_license_and_license_file(pyproject):
-    """PEP 639: an SPDX expression and the license text next to each pyproject (each dist builds from its dir)."""
+    """PEP 639: an SPDX expression and the license text next to each pyproject (each dist builds
+    from its dir)."""
     data = tomllib.loads(pyproject.read_text())
     assert data["project"]["license"] == "Apache-2.0"
     assert data["project"]["license-files"] == ["LICENSE"]
@@ -166,7 +172,8 @@ def test_installed_plugin_entry_points(dist, pkg):
 
 
 def test_repository_root_imports_the_installed_packages():
-    """From the root, a plugin folder must not shadow the installed package as a namespace package."""
+    """From the root, a plugin folder must not shadow the installed package as a namespace
+    package."""
     code = (
         "import hp_core, hp_plugin_cp, hp_plugin_moe, hp_plugin_phi3;"
         "print(hp_core.__file__); print(hp_plugin_cp.__file__); print(hp_plugin_moe.__file__);"

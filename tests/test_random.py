@@ -20,7 +20,8 @@ def test_tp_replicated_values_are_bit_identical_with_dropout_on(sp, mode):
 
 
 def test_without_the_streams_the_replicas_drift_apart():
-    """Negative control: the same check fails when ranks draw from their own (differently seeded) streams."""
+    """Negative control: the same check fails when ranks draw from their own (differently seeded)
+    streams."""
     for r in get_world(2).run(tasks.replicated_outputs_agree, False, "production", False):
         # (collective outputs are identical anyway: an all-reduce hides the drift in a wrong sum)
         assert "model.layers.0.input_layernorm" in r["differ"]

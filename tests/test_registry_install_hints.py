@@ -1,4 +1,5 @@
-"""An unknown first-party item name says which distribution provides it (hp_core.plugins._registry)."""
+"""An unknown first-party item name says which distribution provides it
+(hp_core.plugins._registry)."""
 
 from __future__ import annotations
 

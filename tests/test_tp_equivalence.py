@@ -1,4 +1,5 @@
-"""Tensor + sequence parallelism on real HF models: sharded == single device, production == validate.
+"""Tensor + sequence parallelism on real HF models: sharded == single device, production ==
+validate.
 
 Every case runs real gloo ranks (one shared world per size), trains 3 AdamW steps on a
 reference model, a production-mode copy and a validate-mode copy of the same (perturbed,
@@ -69,7 +70,8 @@ def test_dp2_tp2(family, sp):
 
 @pytest.mark.parametrize("mode", ["production", "validate"])
 def test_collectives_per_layer_sp(mode):
-    """SP: 2 all-gather + 2 reduce-scatter per decoder layer each way, one bucketed grad reduction."""
+    """SP: 2 all-gather + 2 reduce-scatter per decoder layer each way, one bucketed grad
+    reduction."""
     w = get_world(2)
     one, two = (w.run(tasks.count_collectives, "llama", mode, layers=n)[0] for n in (1, 2))
     per_layer_fwd = {

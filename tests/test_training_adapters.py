@@ -1,4 +1,5 @@
-"""Training adapters: the hook, the registry (provenance, validation), selection by active axis, calls."""
+"""Training adapters: the hook, the registry (provenance, validation), selection by active axis,
+calls."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Every public HpError subclass of hp_core and the bundled plugins is listed in docs/troubleshooting.md."""
+"""Every public HpError subclass of hp_core and the bundled plugins is listed in
+docs/troubleshooting.md."""
 
 from __future__ import annotations
 

@@ -66,7 +66,8 @@ def test_without_sequence_parallel_no_gradient_of_llama_is_partial():
 
 @pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
 def test_per_head_qk_norms_are_partial_with_and_without_sequence_parallel(sp):
-    """Qwen3's q_norm/k_norm see only this rank's heads: partial even without SP (no list names them)."""
+    """Qwen3's q_norm/k_norm see only this rank's heads: partial even without SP (no list names
+    them)."""
     m = meta("qwen3")
     got = verify(m, plan(m, "tp=2", sequence_parallel=sp)).partial()
     heads = {f"model.layers.{i}.self_attn.{n}_norm.weight": ("tp",) for i in range(2) for n in "qk"}

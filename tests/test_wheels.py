@@ -51,7 +51,8 @@ OWN = re.compile(
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    """An environment that cannot leak this checkout (PYTHONPATH), coverage, hp plugin settings or an index."""
+    """An environment that cannot leak this checkout (PYTHONPATH), coverage, hp plugin settings or
+    an index."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -86,7 +87,8 @@ def _run(
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """(wheel per distribution, the verbose build log): all four built by one offline ``pip wheel``."""
+    """(wheel per distribution, the verbose build log): all four built by one offline ``pip
+    wheel``."""
     tmp = tmp_path_factory.mktemp("wheels")
     src = tmp / "src"
     junk = shutil.ignore_patterns(*SOURCE_JUNK)
@@ -187,7 +189,8 @@ def test_wheel_metadata_license_and_ranges(built, dist):
 
 @pytest.fixture(scope="module")
 def venv(built, tmp_path_factory):
-    """A fresh venv with the four wheels installed (non-editable) and this environment's third-party packages."""
+    """A fresh venv with the four wheels installed (non-editable) and this environment's third-party
+    packages."""
     wheels, _ = built
     tmp = tmp_path_factory.mktemp("venv")
     env_dir = tmp / "env"
@@ -210,7 +213,8 @@ def venv(built, tmp_path_factory):
             (deps / entry.name).symlink_to(entry)
     assert not [p.name for p in deps.iterdir() if p.name.lower().startswith(("hp_", "hp-"))]
     (site / "_hp_test_third_party.pth").write_text(f"{deps}\n")
-    # negative control: before the wheels go in, the third-party packages import, and no hp package does
+    # negative control: before the wheels go in, the third-party packages import, and no hp package
+    # does
     probe = (
         "import importlib.util as u, importlib.metadata as md, torch, pluggy, yaml, rich;"
         "print([m for m in ('hp_core', 'hp_plugin_cp', 'hp_plugin_moe', 'hp_plugin_phi3') if "
