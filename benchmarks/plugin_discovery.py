@@ -16,11 +16,15 @@ import sys
 from pathlib import Path
 
 PROBES = {
-    "import torch": "import time; t=time.perf_counter(); import torch; print(time.perf_counter()-t)",
-    "import torch + import hp_core": "import time; t=time.perf_counter(); import torch, hp_core; print(time.perf_counter()-t)",
+    "import torch": (
+        "import time; t=time.perf_counter(); import torch; print(time.perf_counter()-t)"
+    ),
+    "import torch + import hp_core": (
+        "import time; t=time.perf_counter(); import torch, hp_core; print(time.perf_counter()-t)"
+    ),
     "import torch + hp_core + load all plugins": (
-        "import time; t=time.perf_counter(); import torch, hp_core; from hp_core.plugins "
-        "import load_plugins; "
+        "import time; t=time.perf_counter(); import torch, hp_core; "
+        "from hp_core.plugins import load_plugins; "
         "load_plugins(); print(time.perf_counter()-t)"
     ),
 }

@@ -12,7 +12,8 @@ pays it. Also: the verifier with ``exhaustive=True`` at 32 layers (what repeat d
 saves), the floor under it (torch's meta kernels alone for the layers it checks, one forward
 and backward), and a 7B-shaped MoE preset when ``hp_core.presets`` has one.
 
-    python benchmarks/verify_scale.py [--layers 32 64 128 256 512 1024] [--repeat 5] [--quick] [--json out.json]
+    python benchmarks/verify_scale.py [--layers 32 64 128 256 512 1024] [--repeat 5]
+        [--quick] [--json out.json]
 """
 
 from __future__ import annotations

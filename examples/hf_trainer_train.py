@@ -1,7 +1,7 @@
 """Hugging Face ``Trainer`` on an hp model: ``hp_core.hf_trainer.HpTrainer``, dp=2 x tp=2.
 
-    torchrun --nproc-per-node 4 examples/hf_trainer_train.py            # dp=2 x tp=2 on CPU
-    torchrun --nproc-per-node 4 examples/hf_trainer_train.py --check    # and compare with one device
+    torchrun --nproc-per-node 4 examples/hf_trainer_train.py          # dp=2 x tp=2 on CPU
+    torchrun --nproc-per-node 4 examples/hf_trainer_train.py --check  # and compare with one device
 
 The order of calls: one mesh with a ``dp`` axis, ``hp_core.plan`` and ``hp_core.apply``, then
 ``HpTrainer(model=model, args=..., train_dataset=..., mesh=mesh).train()``. ``HpTrainer``

@@ -139,7 +139,10 @@ class Backbone(nn.Module):
 
 
 class ToyCausalLM(nn.Module):
-    """``model.embed_tokens / model.layers.N.{self_attn, mlp|block_sparse_moe, norms} / lm_head``."""
+    """The module tree of a toy causal LM.
+
+    ``model.embed_tokens / model.layers.N.{self_attn, mlp|block_sparse_moe, norms} / lm_head``
+    """
 
     def __init__(self, layers: list[nn.Module]) -> None:
         super().__init__()

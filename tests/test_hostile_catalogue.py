@@ -1333,7 +1333,7 @@ for label, argv, fragments in [
 ]:
     case(f"cli_{label}", "cli", CliCall(argv, 2, usage=True), None, *fragments)
 
-# ------------------------------------------------------------------ apply preflight (one-process gloo world)
+# --------------------------------------------------------- apply preflight (one-process gloo world)
 
 A = hp_core.apply
 for label, call, error, fragments in [

@@ -191,7 +191,10 @@ def test_placement_without_dsl_form_cannot_be_dumped():
     plan["lm_head"].params = {"weight": {"tp": Partial("avg")}}
     with pytest.raises(
         PlanYAMLError,
-        match=r"^modules\['lm_head'\]\.params\.weight\.tp: placement Partial\(avg\) has no DSL form",
+        match=(
+            r"^modules\['lm_head'\]\.params\.weight\.tp: placement Partial\(avg\) "
+            r"has no DSL form"
+        ),
     ):
         dump_plan(plan)
 

@@ -87,8 +87,8 @@ def _run(
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """(wheel per distribution, the verbose build log): all four built by one offline ``pip
-    wheel``."""
+    """(wheel per distribution, the verbose build log): all four built by one offline
+    ``pip wheel``."""
     tmp = tmp_path_factory.mktemp("wheels")
     src = tmp / "src"
     junk = shutil.ignore_patterns(*SOURCE_JUNK)
@@ -249,13 +249,17 @@ def test_fresh_venv_imports_hp_from_the_wheels(venv):
     env_dir, tmp = venv
     code = textwrap.dedent(
         """
-        import json, importlib.metadata as md, torch, hp_core, hp_plugin_cp, hp_plugin_moe, hp_plugin_phi3
+        import json, importlib.metadata as md, torch
+        import hp_core, hp_plugin_cp, hp_plugin_moe, hp_plugin_phi3
         mods = (hp_core, hp_plugin_cp, hp_plugin_moe, hp_plugin_phi3)
         dists = ("hp-core", "hp-plugin-cp", "hp-plugin-moe", "hp-plugin-phi3")
         print(json.dumps({
             "files": [m.__file__ for m in mods],
             "dists": [str(md.distribution(d).locate_file("")) for d in dists],
-            "direct_url": [json.loads(md.distribution(d).read_text("direct_url.json") or "{}") for d in dists],
+            "direct_url": [
+                json.loads(md.distribution(d).read_text("direct_url.json") or "{}")
+                for d in dists
+            ],
             "torch": torch.__version__,
         }))
         """
@@ -267,9 +271,8 @@ def test_fresh_venv_imports_hp_from_the_wheels(venv):
     for path in info["files"] + info["dists"]:
         assert Path(path).resolve().is_relative_to(site), (path, site)
         assert not Path(path).resolve().is_relative_to(ROOT.resolve()), path
-    for url in info[
-        "direct_url"
-    ]:  # installed from the built wheel files, not editable from a folder
+    # installed from the built wheel files, not editable from a folder
+    for url in info["direct_url"]:
         assert "dir_info" not in url and url["url"].endswith(".whl"), url
     assert info["torch"].startswith("2.13.0")
 
@@ -314,7 +317,11 @@ reference = copy.deepcopy(model)
 plan = hp_core.plan(model, mesh)
 hp_core.apply(model, plan, mesh)
 ref_params = dict(reference.named_parameters())
-sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor) or p.shape != ref_params[n].shape]
+sharded = [
+    n
+    for n, p in model.named_parameters()
+    if isinstance(p, DTensor) or p.shape != ref_params[n].shape
+]
 ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
 with torch.no_grad():
     out = model(input_ids=ids, use_cache=False).logits
@@ -322,8 +329,11 @@ with torch.no_grad():
 out = out.full_tensor() if isinstance(out, DTensor) else out
 diff = (out - ref).abs().max().item()
 ok = bool(sharded) and out.shape == ref.shape and torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
-result = {"ok": ok, "world": world, "sharded": len(sharded), "diff": diff, "hp_core": hp_core.__file__}
-Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(result))  # files: rank outputs interleave
+result = {
+    "ok": ok, "world": world, "sharded": len(sharded), "diff": diff, "hp_core": hp_core.__file__
+}
+# files: rank outputs interleave
+Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(result))
 dist.destroy_process_group()
 sys.exit(0 if ok else 1)
 """
