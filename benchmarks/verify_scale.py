@@ -134,8 +134,7 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
         ok = "yes" if r["ratio"] <= TARGET else "**no**"
         lines.append(
             f"| {r['model']} | {r['layers']} | {'on' if r['sequence_parallel'] else 'off'} | "
-            f"{_span(r['plan'])} | "
-            f"{_span(r['verify'])} | {r['ratio']:.2f}x | {ok} | "
+            f"{_span(r['plan'])} | {_span(r['verify'])} | {r['ratio']:.2f}x | {ok} | "
             f"{r['layers'] - r['repeated']} / {r['repeated']} |"
         )
     return lines
