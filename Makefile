@@ -25,8 +25,11 @@ demo: $(STAMP)
 	$(BIN)/hp plugins
 	$(BIN)/hp demo
 
+LINTED := hp_core hp_plugin_cp hp_plugin_moe plugins tests tools examples benchmarks
+
 lint: $(STAMP)
-	$(BIN)/ruff check hp_core hp_plugin_cp hp_plugin_moe plugins tests tools examples benchmarks
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest --cov=hp_core --cov=hp_plugin_cp --cov=hp_plugin_moe \
