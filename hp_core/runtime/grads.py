@@ -403,9 +403,10 @@ class GradReducer:
                 dims = list(g.device_mesh.mesh_dim_names or ())
                 if b.key in dims and not isinstance(g.placements[dims.index(b.key)], Partial):
                     raise UnreducedGradientError(
-                        f"{e.name}: hp's verifier derived a gradient partial on {b.key!r}, but DTensor "
-                        f"propagation made it {tuple(g.placements)}; summing it would multiply it by the "
-                        f"{b.key} size. This is a bug in hp's verifier: please report it."
+                        f"{e.name}: hp's verifier derived a gradient partial on {b.key!r}, but "
+                        f"DTensor propagation made it {tuple(g.placements)}; summing it would "
+                        f"multiply it by the {b.key} size. This is a bug in hp's verifier: please "
+                        "report it."
                     )
 
     def _check_reduced(self) -> None:
@@ -415,10 +416,10 @@ class GradReducer:
             g = None if p is None else p.grad
             if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
                 raise UnreducedGradientError(
-                    f"{e.name}: its gradient is {tuple(g.placements)} after backward: a partial sum that "
-                    "no reduction of the plan sums. The plan's layouts say this gradient is whole, but "
-                    "the computation splits it; declare the boundary's layouts so that hp knows (or "
-                    "report it if the verifier passed this plan)."
+                    f"{e.name}: its gradient is {tuple(g.placements)} after backward: a partial "
+                    "sum that no reduction of the plan sums. The plan's layouts say this gradient "
+                    "is whole, but the computation splits it; declare the boundary's layouts so "
+                    "that hp knows (or report it if the verifier passed this plan)."
                 )
 
 

@@ -121,13 +121,19 @@ class Redistribution:
             if n % size:
                 decode = not torch.is_grad_enabled() and n < size
                 raise InputLayoutError(
-                    f"{self.where}: this tensor has {n} positions along dim {dim}, which {axis}={size} cannot "
-                    f"split evenly (shape {tuple(x.shape)}). "
+                    f"{self.where}: this tensor has {n} positions along dim {dim}, which "
+                    f"{axis}={size} cannot split evenly (shape {tuple(x.shape)}). "
                     + (
-                        "Decoding one token at a time (generate() with a KV cache) cannot be split by sequence "
-                        "parallelism: apply a plan with sequence_parallel=False for generation."
+                        (
+                            "Decoding one token at a time (generate() with a KV cache) cannot be "
+                            "split by sequence parallelism: apply a plan with "
+                            "sequence_parallel=False for generation."
+                        )
                         if decode
-                        else f"Pad it to a multiple of {size} (mask the padding: attention_mask 0, labels -100)."
+                        else (
+                            f"Pad it to a multiple of {size} (mask the padding: "
+                            "attention_mask 0, labels -100)."
+                        )
                     )
                 )
 

@@ -139,8 +139,8 @@ def shard_parameters(
         if fqn in outside and any(not isinstance(p, Replicate) for p in named.values()):
             # Used by the model's own code between boundaries, where only local tensors flow.
             raise ParameterPlacementError(
-                f"{fqn}.{rel}: its module is not inside any boundary, so it runs on local tensors in "
-                f"the model's own code and cannot be sharded ({named}). Make {fqn!r} a boundary "
+                f"{fqn}.{rel}: its module is not inside any boundary, so it runs on local tensors "
+                f"in the model's own code and cannot be sharded ({named}). Make {fqn!r} a boundary "
                 "(is_boundary: true, with in/out layouts), or keep the parameter replicated."
             )
         # Outside any boundary it stays a plain (replicated) tensor in both modes.

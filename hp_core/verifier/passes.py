@@ -200,8 +200,9 @@ def production_pass(
         raise  # a finding of a probe, or a refusal hp's own code raised
     except Exception as e:
         raise ProductionDiffersError(
-            f"production mode fails outside every boundary, in the model's own code: {type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}. The layouts between boundaries are not what that code "
-            "expects (e.g. a sequence-sharded activation where it needs the whole sequence)."
+            "production mode fails outside every boundary, in the model's own code: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. The layouts between "
+            "boundaries are not what that code expects (e.g. a sequence-sharded activation where "
+            "it needs the whole sequence)."
         ) from e
     return records

@@ -109,8 +109,8 @@ def verify(
             raise  # a finding (VerificationError, AmbiguousGradientError, PlacementMismatchError, ...)
         except Exception as e:
             raise UnverifiableError(
-                f"verify(): running {type(model).__name__} on meta tensors failed outside what hp can attribute: "
-                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                f"verify(): running {type(model).__name__} on meta tensors failed outside what hp "
+                f"can attribute: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             ) from e
         check_modes_agree(val, prod)
         if plain is not None:
