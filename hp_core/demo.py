@@ -198,7 +198,7 @@ def plan_for(setup: DemoSetup, model: Any, mesh: Any) -> Any:
 
 
 def plan_summary(plan: Any) -> list[str]:
-    """A few lines: boundaries per kind (FQN with layer numbers as ``*``), injections, collectives."""
+    """A few lines: boundaries per kind (FQN, layer numbers as ``*``), injections, collectives."""
 
     kinds: Counter[str] = Counter()
     extras: dict[str, set[str]] = {}

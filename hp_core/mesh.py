@@ -31,7 +31,10 @@ _AXIS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def is_data_axis(axis: str) -> bool:
-    """Data-parallel axes (``dp``, ``dp_shard``, ...) belong to FSDP/DDP, not to hp: their ranks see other batches."""
+    """Data-parallel axes (``dp``, ``dp_shard``, ...) belong to FSDP/DDP, not to hp.
+
+    Their ranks see other batches.
+    """
     return str(axis).startswith("dp")
 
 
@@ -76,7 +79,8 @@ class MeshSpec:
             raise MeshSpecError(f"expected a mesh like 'tp=4,cp=2', got {text!r}")
         for part in text.split(","):
             name, sep, size = part.partition("=")
-            # ASCII digits only: isdigit() accepts "²" and isdecimal() "٨", as the placement grammar refuses.
+            # ASCII digits only: isdigit() accepts "²" and isdecimal() "٨", which the placement
+            # grammar refuses too.
             if not sep or not (size.strip().isascii() and size.strip().isdecimal()):
                 raise MeshSpecError(
                     f"mesh {text!r}: {part.strip()!r} is not AXIS=SIZE (e.g. 'tp=4,cp=2')"

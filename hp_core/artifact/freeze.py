@@ -65,7 +65,7 @@ def json_value(value: Any, path: str) -> Any:
 
 
 def callable_target(fn: Any, path: str) -> str:
-    """The dotted ``module.qualname`` that names a decorated callable, checked to resolve back to it."""
+    """The dotted ``module.qualname`` naming a decorated callable, checked to resolve back to it."""
     name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
     if not isinstance(getattr(fn, "_injection_meta", None), InjectionMeta):
         raise FreezeError(

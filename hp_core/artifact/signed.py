@@ -4,7 +4,8 @@ An artifact is canonical JSON (sorted keys, ``(",", ":")`` separators, UTF-8, on
 trailing newline)::
 
     {"format": "hp-artifact", "format_version": 1,
-     "inputs": {"hp_version": ..., "plugins": {...}, "model": {...}, "mesh": "tp=2", "overrides": [...]},
+     "inputs": {"hp_version": ..., "plugins": {...}, "model": {...}, "mesh": "tp=2",
+                "overrides": [...]},
      "meta": <freeze(plan)>,
      "signature": "sha256:<hex of the canonical JSON of everything else>"}
 
@@ -141,7 +142,7 @@ def _digest(data: Any) -> str:
 
 
 def content_signature(body: Mapping[str, Any]) -> str:
-    """``sha256:<hex>`` of the canonical JSON of an artifact's body (everything but its signature)."""
+    """``sha256:<hex>`` of the canonical JSON of an artifact's body (all but its signature)."""
     return _digest(body)
 
 
@@ -180,7 +181,7 @@ def model_digest(model: nn.Module) -> str:
 
 
 def installed_versions() -> dict[str, Any]:
-    """hp's version and every loaded plugin's ``{distribution, version}`` (the built-in included)."""
+    """hp's version and each loaded plugin's ``{distribution, version}`` (the built-in too)."""
     plugins = {
         info.name: {"distribution": info.distribution, "version": info.version}
         for info in plugin_report()
@@ -452,7 +453,7 @@ def version_drift(artifact: Artifact) -> list[str]:
 
 
 def write_artifact(artifact: Artifact, path: str | os.PathLike[str]) -> Path:
-    """Write ``artifact`` to ``path`` atomically (temporary file in the same folder + ``os.replace``)."""
+    """Write ``artifact`` to ``path`` atomically (a temporary file, then ``os.replace``)."""
     target = Path(path)
     data = dumps_artifact(artifact)
     mode = target.stat().st_mode & 0o777 if target.exists() else 0o644

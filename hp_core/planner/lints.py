@@ -265,7 +265,7 @@ def _check_heads(model: nn.Module, fqn: str, spec: ModuleShardingSpec, mesh: Mes
 def compute_tp_local_attrs(
     model: nn.Module, fqn: str, spec: ModuleShardingSpec, mesh: MeshSpec
 ) -> dict[str, tuple[int, int]] | None:
-    """Head-count attributes (when q/k/v are tp-sharded) plus ``tp_divide_attrs`` → (global, local)."""
+    """Head-count attributes (if q/k/v are tp-sharded) and ``tp_divide_attrs`` → (global, local)."""
     tp = mesh.size("tp")
     module = _module(model, fqn)
     names: list[str] = []

@@ -45,7 +45,7 @@ _MODULE_KEYS = (*USER_FIELDS, "_internal")
 
 
 def plan_from_dict(data: Any) -> ShardingPlan:
-    """Build a plan from the document form (inverse of :func:`plan_to_dict`), validating every value."""
+    """A plan from the document form (inverse of :func:`plan_to_dict`), every value validated."""
     err = PlanYAMLError
     if not isinstance(data, Mapping):
         raise err(

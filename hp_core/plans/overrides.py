@@ -309,7 +309,7 @@ def overrides_to_list(entries: OverridesLike) -> list[dict[str, Any]]:
 
 
 def dump_overrides(entries: OverridesLike) -> str:
-    """Override entries as a YAML ``{overrides: [...]}`` document that :func:`load_overrides` reads back."""
+    """Override entries as a YAML ``{overrides: [...]}`` document, for :func:`load_overrides`."""
     return yaml_dump({"overrides": overrides_to_list(entries)}, OverrideError)
 
 
@@ -317,12 +317,12 @@ def dump_overrides(entries: OverridesLike) -> str:
 
 
 def is_glob(pattern: str) -> bool:
-    """Whether an override key is a glob (contains ``*``, ``?`` or ``[``) rather than an exact FQN."""
+    """Whether an override key is a glob (has ``*``, ``?`` or ``[``) rather than an exact FQN."""
     return any(c in pattern for c in "*?[")
 
 
 def compile_glob(pattern: str, *, path: str = "match") -> re.Pattern[str]:
-    """Translate an FQN glob into a regex for ``fullmatch``: ``*`` (crosses dots), ``?``, ``[...]``, ``[!...]``."""
+    """An FQN glob as a ``fullmatch`` regex: ``*`` (crosses dots), ``?``, ``[...]``, ``[!...]``."""
     out: list[str] = []
     i, n = 0, len(pattern)
     while i < n:

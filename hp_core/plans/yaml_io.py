@@ -128,7 +128,7 @@ def dump_plan(plan: ShardingPlan) -> str:
 
 
 def load_plan(text_or_path: str | os.PathLike[str]) -> ShardingPlan:
-    """Read a plan from YAML text or a ``.yaml``/``.yml``/``.json`` file written by :func:`dump_plan`."""
+    """Read a plan from YAML text or a ``.yaml``/``.yml``/``.json`` file from :func:`dump_plan`."""
     if not isinstance(text_or_path, (str, os.PathLike)):
         hint = (
             " (it is one already: use it as is, or plan.copy())"

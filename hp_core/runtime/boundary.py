@@ -115,7 +115,7 @@ class UndeclaredCommunicationError(HpError, ValueError):
 
 
 def suspects(spec: ModuleShardingSpec, axis: str = "tp") -> tuple[str, ...]:
-    """A region's parameters replicated on ``axis`` while others are sharded there (not deferred biases)."""
+    """A region's parameters replicated on ``axis`` next to sharded ones (not deferred biases)."""
     params = spec.params if isinstance(spec.params, dict) else {}
     if not any(isinstance(n.get(axis), Shard) for n in params.values()):
         return ()

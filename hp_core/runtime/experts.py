@@ -193,7 +193,7 @@ def _spanned_axes(fqn: str, ep: int, mesh: MeshSpec) -> tuple[str, ...]:
 def expert_layout(
     fqn: str, spec: ModuleShardingSpec, plan: ShardingPlan, mesh: MeshSpec, ranks: tuple[int, ...]
 ) -> ExpertLayout:
-    """Fold the dense region for ``spec._ep_size``; raise what cannot work (no process group needed)."""
+    """Fold the dense region for ``spec._ep_size``; raise what cannot work (no process group)."""
     ep = spec._ep_size
     world = len(ranks)
     if world % ep:
@@ -256,7 +256,7 @@ def _param(module: nn.Module, rel: str) -> nn.Parameter | None:
 
 
 def _container(source: str, stacked: str) -> tuple[str, str]:
-    """``("experts", "w1.weight")`` for source ``experts.3.w1.weight`` stacked as ``experts.w1.weight``."""
+    """``("experts", "w1.weight")`` for ``experts.3.w1.weight`` stacked as ``experts.w1.weight``."""
     s, t = source.split("."), stacked.split(".")
     for k in range(len(t)):
         if s[:k] == t[:k] and s[k].isdigit() and s[k + 1 :] == t[k:]:
@@ -394,7 +394,7 @@ class ShardedExperts:
 def shard_expert_parameters(
     model: nn.Module, plan: ShardingPlan, mode: str, experts: Mapping[int, ExpertGroups]
 ) -> ShardedExperts:
-    """Stack per-expert parameters, then keep this rank's experts (collective; the model is untouched).
+    """Stack per-expert parameters, then keep this rank's experts (collective; model untouched).
 
     production: local ``[E / ep, ...]`` shards as plain parameters; validate: DTensors on
     the expert mesh, ``(Replicate(), Shard(0))`` on ``(edp, ep)``.

@@ -210,7 +210,7 @@ class InputGuard:
         self._check_sequence(args, kwargs)
 
     def _check_sequence(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The sequence must divide where the plan splits it: say so before the first layer's collective."""
+        """The sequence must divide where the plan splits it: say so before the first collective."""
         if self.split is None:
             return
         where, axes, divisor = self.split

@@ -25,7 +25,7 @@ __all__ = ["InputLayoutError", "Redistribution", "dense_mesh", "same_placement",
 
 
 class InputLayoutError(HpError, ValueError):
-    """An input that the plan's layouts cannot split (an uneven shard), refused before any collective."""
+    """An input the plan's layouts cannot split (an uneven shard), refused before any collective."""
 
 
 def dense_mesh(mesh: Any) -> Any:
@@ -163,7 +163,7 @@ class Redistribution:
         return self.to_dtensor(x).to_local(grad_placements=self.grad)
 
     def exit_dtensor(self, dt: DTensor) -> torch.Tensor:
-        """Validate: a DTensor the region produced (already checked against ``src``) → local ``dst``."""
+        """Validate: a DTensor the region made (already checked against ``src``) → local ``dst``."""
         if tuple(dt.placements) == self.dst:
             return dt.to_local()
         return dt.redistribute(self.mesh, self.dst).to_local()

@@ -2,9 +2,10 @@
 
 Validate keeps the DTensor parameters; production keeps only the local shard, as a
 plain ``nn.Parameter``, for good. The copies are made first and swapped in afterwards, so
-the caller's parameters (objects and values) survive until the install commits. Tied parameters (one Parameter reachable under two
-names) are sharded once and stay tied. Meta tensors stay meta. Expert parameters of an
-expert-parallel boundary go to the derived expert mesh instead (``hp_core.runtime.experts``).
+the caller's parameters (objects and values) survive until the install commits. Tied
+parameters (one Parameter reachable under two names) are sharded once and stay tied. Meta
+tensors stay meta. Expert parameters of an expert-parallel boundary go to the derived
+expert mesh instead (``hp_core.runtime.experts``).
 """
 
 from __future__ import annotations

@@ -289,7 +289,7 @@ def _check_attrs(model: nn.Module, plan: ShardingPlan) -> None:
 def fingerprint_of(
     plan: Any, mode: str, report: Any = None, extra: Mapping[str, str] | None = None
 ) -> dict[str, str]:
-    """Everything that decides which collectives a rank will issue, by name (compared across ranks)."""
+    """Everything deciding which collectives a rank will issue, by name (compared across ranks)."""
     out = {
         "plan": plan.fingerprint()
         if isinstance(plan, ShardingPlan)

@@ -40,7 +40,7 @@ _calls = itertools.count()
 
 
 class RankTimeoutError(HpError, RuntimeError):
-    """Some ranks did not reach an exchange of ``apply`` in time (dead, hung, or never called it)."""
+    """Some ranks did not reach an exchange of ``apply`` in time (dead, hung, or not calling it)."""
 
 
 class ApplyFailedError(HpError, RuntimeError):

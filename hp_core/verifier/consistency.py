@@ -41,7 +41,7 @@ def check_modes_agree(
 def _local_shape(
     shape: tuple[int, ...], layout: Mapping[str, Any], sizes: Mapping[str, int]
 ) -> tuple[int, ...] | None:
-    """The local shape of a tensor of global ``shape`` in ``layout`` (None if a split does not divide)."""
+    """The local shape of a tensor of global ``shape`` in ``layout`` (None if a split is uneven)."""
     out = list(shape)
     for axis, p in layout.items():
         n = sizes.get(str(axis), 1)

@@ -43,7 +43,7 @@ __all__ = [
 
 
 def call_key(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """What a module's behaviour can depend on in a call: tensor shapes, dtypes, layouts, plain values."""
+    """What a module's behaviour in a call can depend on: tensor shapes, dtypes, layouts, values."""
 
     def key(v: Any) -> Any:
         if isinstance(v, DTensor):
@@ -292,7 +292,7 @@ class ProductionProbe:
 
 
 class ShapeRecorder:
-    """Wraps one boundary module of the *unsharded* copy: the global shapes it sees, per distinct call."""
+    """Wraps a boundary module of the *unsharded* copy: its global shapes, per distinct call."""
 
     def __init__(self, forward: Callable[..., Any], record: BoundaryRecord, spec: Any) -> None:
         self.forward = forward

@@ -106,7 +106,8 @@ def verify(
                 )
                 prod = production_pass(model, plan, dmesh, vpre, repeats, args, kwargs, val)
         except HpError:
-            raise  # a finding (VerificationError, AmbiguousGradientError, PlacementMismatchError, ...)
+            # A finding (VerificationError, AmbiguousGradientError, PlacementMismatchError, ...).
+            raise
         except Exception as e:
             raise UnverifiableError(
                 f"verify(): running {type(model).__name__} on meta tensors failed outside what hp "
