@@ -143,8 +143,9 @@ def default_setup(
         axes = parse_mesh(mesh)
         if axes.get("cp", 1) > 1 and not has_cp:
             raise DemoError(
-                "--mesh has a cp axis, but no CP attention wrapper 'sdpa_hf' is registered: install "
-                "hp-plugin-cp (pip install ./hp_plugin_cp) or check `hp plugins` and HP_PLUGINS."
+                "--mesh has a cp axis, but no CP attention wrapper 'sdpa_hf' is registered: "
+                "install hp-plugin-cp (pip install ./hp_plugin_cp) or check `hp plugins` and "
+                "HP_PLUGINS."
             )
         if world is not None and world != axes.get("cp", 1) * axes.get("tp", 1):
             raise DemoError(
@@ -161,7 +162,8 @@ def default_setup(
         if world is None:
             world = 2
             notes.append(
-                "default mesh degraded to tp=2 on 2 ranks (the tiny models' 2 kv heads allow tp <= 2)"
+                "default mesh degraded to tp=2 on 2 ranks (the tiny models' 2 kv heads allow tp <= "
+                "2)"
             )
         axes = {"tp": world}
     # cp outer, tp inner: each cp chunk is split contiguously over tp (docs/cp.md).
@@ -175,7 +177,8 @@ def default_setup(
         ep = 2 if factory is not None else 1
         if is_moe and factory is None:
             notes.append(
-                f"hp-plugin-moe is not loaded: no expert parallelism (no compute factory for {architecture})"
+                "hp-plugin-moe is not loaded: no expert parallelism (no compute factory for "
+                f"{architecture})"
             )
     elif ep > 1 and factory is None:
         why = (
@@ -195,7 +198,7 @@ def plan_for(setup: DemoSetup, model: Any, mesh: Any) -> Any:
 
 
 def plan_summary(plan: Any) -> list[str]:
-    """A few lines: boundaries per kind (FQN with layer numbers as ``*``), injections, collectives."""
+    """A few lines: boundaries per kind (FQN, layer numbers as ``*``), injections, collectives."""
 
     kinds: Counter[str] = Counter()
     extras: dict[str, set[str]] = {}

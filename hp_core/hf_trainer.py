@@ -49,9 +49,9 @@ class HpTrainer(Trainer):
         names = list(getattr(mesh, "mesh_dim_names", None) or ())
         if "dp" not in names:
             raise HpTrainerError(
-                f"HpTrainer(mesh=...): the mesh has axes {names} but no 'dp' axis, which HpTrainer splits the data "
-                "over. Build it with one, of size 1 when there is no data parallelism: "
-                "init_device_mesh(device, (1, tp), mesh_dim_names=('dp', 'tp'))."
+                f"HpTrainer(mesh=...): the mesh has axes {names} but no 'dp' axis, which HpTrainer "
+                "splits the data over. Build it with one, of size 1 when there is no data "
+                "parallelism: init_device_mesh(device, (1, tp), mesh_dim_names=('dp', 'tp'))."
             )
         self.hp_mesh = mesh
         super().__init__(*args, **kwargs)

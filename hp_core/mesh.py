@@ -31,7 +31,10 @@ _AXIS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def is_data_axis(axis: str) -> bool:
-    """Data-parallel axes (``dp``, ``dp_shard``, ...) belong to FSDP/DDP, not to hp: their ranks see other batches."""
+    """Data-parallel axes (``dp``, ``dp_shard``, ...) belong to FSDP/DDP, not to hp.
+
+    Their ranks see other batches.
+    """
     return str(axis).startswith("dp")
 
 
@@ -76,7 +79,8 @@ class MeshSpec:
             raise MeshSpecError(f"expected a mesh like 'tp=4,cp=2', got {text!r}")
         for part in text.split(","):
             name, sep, size = part.partition("=")
-            # ASCII digits only: isdigit() accepts "²" and isdecimal() "٨", as the placement grammar refuses.
+            # ASCII digits only: isdigit() accepts "²" and isdecimal() "٨", which the placement
+            # grammar refuses too.
             if not sep or not (size.strip().isascii() and size.strip().isdecimal()):
                 raise MeshSpecError(
                     f"mesh {text!r}: {part.strip()!r} is not AXIS=SIZE (e.g. 'tp=4,cp=2')"
@@ -99,12 +103,13 @@ class MeshSpec:
         if shape is not None and hasattr(mesh, "get_group"):
             if names is None:
                 raise MeshSpecError(
-                    "the DeviceMesh has no mesh_dim_names; hp addresses axes by name. Create it with "
-                    "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))."
+                    "the DeviceMesh has no mesh_dim_names; hp addresses axes by name. Create it "
+                    "with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))."
                 )
             return cls(tuple(names), tuple(int(s) for s in shape))
         raise MeshSpecError(
-            f"expected a DeviceMesh, a MeshSpec, a {{axis: size}} mapping or 'tp=4,cp=2', got {type(mesh).__name__}"
+            "expected a DeviceMesh, a MeshSpec, a {axis: size} mapping or 'tp=4,cp=2', got "
+            f"{type(mesh).__name__}"
         )
 
     def size(self, axis: str) -> int:
@@ -130,7 +135,8 @@ class MeshSpec:
             best = close_matches(axis, self.axis_names, n=1)
             hint = f" Did you mean {best[0]!r}?" if best else ""
             raise MeshSpecError(
-                f"{where}: axis {str(axis)!r} is not a dimension of the mesh {dict(zip(self.axis_names, self.sizes, strict=True))}.{hint}"
+                f"{where}: axis {str(axis)!r} is not a dimension of the mesh "
+                f"{dict(zip(self.axis_names, self.sizes, strict=True))}.{hint}"
             )
 
     def __str__(self) -> str:

@@ -43,7 +43,7 @@ def _canonical(row: SpecField, value: Any) -> Any:
 
 
 def plan_differences(a: ShardingPlan, b: ShardingPlan) -> list[str]:
-    """Every difference between ``a`` and ``b`` in what an artifact carries (empty: the same plan)."""
+    """Every difference between ``a`` and ``b`` in what an artifact carries (none: same plan)."""
     diffs = [
         f"{name}: {getattr(a, name)!r} != {getattr(b, name)!r}"
         for name in _PLAN_FIELDS

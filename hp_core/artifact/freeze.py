@@ -65,7 +65,7 @@ def json_value(value: Any, path: str) -> Any:
 
 
 def callable_target(fn: Any, path: str) -> str:
-    """The dotted ``module.qualname`` that names a decorated callable, checked to resolve back to it."""
+    """The dotted ``module.qualname`` naming a decorated callable, checked to resolve back to it."""
     name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
     if not isinstance(getattr(fn, "_injection_meta", None), InjectionMeta):
         raise FreezeError(
@@ -84,9 +84,10 @@ def callable_target(fn: Any, path: str) -> str:
     ):
         raise FreezeError(
             f"{path}: {name} cannot be named in an artifact: only a module-level function of an "
-            "importable module (not __main__, a lambda, a nested function or a method) has a dotted "
-            "path that resolves back to it. Move it to module level, or register it under a name "
-            "(register_inner_wrapper / register_compute_factory or a plugin) and use the name."
+            "importable module (not __main__, a lambda, a nested function or a method) has a "
+            "dotted path that resolves back to it. Move it to module level, or register it under "
+            "a name (register_inner_wrapper / register_compute_factory or a plugin) and use the "
+            "name."
         )
     return f"{module}.{qual}"
 
@@ -160,7 +161,8 @@ def _value_to_dict(value: Any, path: str) -> Any:
     if callable(value):
         return {"_target_": callable_target(value, path)}
     raise FreezeError(
-        f"{path}: expected a registry name, a Target, a decorated function or a layout, got {value!r}."
+        f"{path}: expected a registry name, a Target, a decorated function or a layout, got "
+        f"{value!r}."
     )
 
 

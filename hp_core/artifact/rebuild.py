@@ -136,7 +136,8 @@ def _injection_target(raw: Any, path: str) -> Any:
     if isinstance(raw, Mapping):
         return _layout_map(raw, path)
     raise MetaError(
-        f"{path}: expected a registry name, {{_target_: NAME_OR_PATH, ...}} or a layout, got {raw!r}."
+        f"{path}: expected a registry name, {{_target_: NAME_OR_PATH, ...}} or a layout, got "
+        f"{raw!r}."
     )
 
 
@@ -199,11 +200,13 @@ def _rules(meta: Mapping[str, Any], group: str) -> dict[str, tuple[str, Mapping[
         if isinstance(rule, Mapping) and MATCH_KEY in rule and not isinstance(rule[MATCH_KEY], str):
             value = rule[MATCH_KEY]
             raise MetaError(
-                f"{where}.{MATCH_KEY}: expected a string (a module FQN), got {type(value).__name__} {value!r}."
+                f"{where}.{MATCH_KEY}: expected a string (a module FQN), got "
+                f"{type(value).__name__} {value!r}."
             )
         if not isinstance(rule, Mapping) or not isinstance(rule.get(MATCH_KEY), str):
             raise MetaError(
-                f"{where}: expected a mapping with a string {MATCH_KEY!r} (a module FQN), got {rule!r}."
+                f"{where}: expected a mapping with a string {MATCH_KEY!r} (a module FQN), got "
+                f"{rule!r}."
             )
         fqn = rule[MATCH_KEY]
         where = f"{where} ({fqn!r})"
@@ -214,7 +217,8 @@ def _rules(meta: Mapping[str, Any], group: str) -> dict[str, tuple[str, Mapping[
         for key in rule:
             if key not in valid:
                 raise MetaError(
-                    f"{where}: unknown key {key!r}.{_key_hint(key, group, valid)} Valid keys: {', '.join(valid)}."
+                    f"{where}: unknown key {key!r}.{_key_hint(key, group, valid)} Valid keys: "
+                    f"{', '.join(valid)}."
                 )
         out[fqn] = (where, rule)
     return out
@@ -324,14 +328,16 @@ def rebuild(meta: Mapping[str, Any], *, model: nn.Module | None = None) -> Shard
     names, shape = mesh["axis_names"], mesh.get("shape")
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise MetaError(
-            f"mesh.axis_names: expected a list of axis names such as [tp, cp], got {type(names).__name__} {names!r}."
+            "mesh.axis_names: expected a list of axis names such as [tp, cp], got "
+            f"{type(names).__name__} {names!r}."
         )
     if shape is not None and (
         not isinstance(shape, list)
         or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape)
     ):
         raise MetaError(
-            f"mesh.shape: expected a list of axis sizes such as [4, 2], got {type(shape).__name__} {shape!r}."
+            f"mesh.shape: expected a list of axis sizes such as [4, 2], got {type(shape).__name__} "
+            f"{shape!r}."
         )
     try:
         plan = ShardingPlan(
@@ -352,8 +358,8 @@ def rebuild(meta: Mapping[str, Any], *, model: nn.Module | None = None) -> Shard
     if diff is not None:
         got, want = _at(meta, diff), _at(canonical, diff)
         raise MetaError(
-            f"{_path(diff)}: not in canonical form: the meta has {got!r} where freeze writes {want!r}. "
-            "An artifact is written by hp freeze and never edited; re-create it instead."
+            f"{_path(diff)}: not in canonical form: the meta has {got!r} where freeze writes "
+            f"{want!r}. An artifact is written by hp freeze and never edited; re-create it instead."
         )
     if model is not None:
         restore_model_metadata(plan, model)
@@ -373,7 +379,8 @@ def restore_model_metadata(plan: ShardingPlan, model: nn.Module) -> ShardingPlan
         close = close_matches(absent[0], names, n=1)
         hint = f" Closest module: {close[0]!r}." if close else ""
         raise ModelMismatchError(
-            f"the plan names module(s) the model lacks: {absent[:5]}.{hint} Was it made for another model?"
+            f"the plan names module(s) the model lacks: {absent[:5]}.{hint} Was it made for "
+            "another model?"
         )
     if plan.mesh_shape is None or "tp" not in plan.mesh_axis_names:
         return plan

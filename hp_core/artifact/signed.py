@@ -4,7 +4,8 @@ An artifact is canonical JSON (sorted keys, ``(",", ":")`` separators, UTF-8, on
 trailing newline)::
 
     {"format": "hp-artifact", "format_version": 1,
-     "inputs": {"hp_version": ..., "plugins": {...}, "model": {...}, "mesh": "tp=2", "overrides": [...]},
+     "inputs": {"hp_version": ..., "plugins": {...}, "model": {...}, "mesh": "tp=2",
+                "overrides": [...]},
      "meta": <freeze(plan)>,
      "signature": "sha256:<hex of the canonical JSON of everything else>"}
 
@@ -141,7 +142,7 @@ def _digest(data: Any) -> str:
 
 
 def content_signature(body: Mapping[str, Any]) -> str:
-    """``sha256:<hex>`` of the canonical JSON of an artifact's body (everything but its signature)."""
+    """``sha256:<hex>`` of the canonical JSON of an artifact's body (all but its signature)."""
     return _digest(body)
 
 
@@ -180,7 +181,7 @@ def model_digest(model: nn.Module) -> str:
 
 
 def installed_versions() -> dict[str, Any]:
-    """hp's version and every loaded plugin's ``{distribution, version}`` (the built-in included)."""
+    """hp's version and each loaded plugin's ``{distribution, version}`` (the built-in too)."""
     plugins = {
         info.name: {"distribution": info.distribution, "version": info.version}
         for info in plugin_report()
@@ -278,7 +279,8 @@ def _check_keys(source: str, path: str, value: Any, keys: tuple[str, ...]) -> No
         raise _schema_error(source, path, f"a mapping with the keys {', '.join(keys)}", value)
     if sorted(value) != sorted(keys):
         raise ArtifactSchemaError(
-            f"{source}: {path}: expected the keys {', '.join(keys)}, got {sorted(value)}. {_REFREEZE}"
+            f"{source}: {path}: expected the keys {', '.join(keys)}, got {sorted(value)}. "
+            f"{_REFREEZE}"
         )
 
 
@@ -333,7 +335,8 @@ def loads_artifact(
     """
     if not isinstance(data, bytes | str):
         raise ArtifactFormatError(
-            f"{source}: expected the artifact's text or bytes, got {type(data).__name__}; to read a file use read_artifact(path)."
+            f"{source}: expected the artifact's text or bytes, got {type(data).__name__}; to read "
+            "a file use read_artifact(path)."
         )
     try:
         doc = loads_json(
@@ -355,23 +358,24 @@ def loads_artifact(
     version = doc.get("format_version")
     if type(version) is not int or version != FORMAT_VERSION:
         raise ArtifactVersionError(
-            f"{source}: artifact format version {version!r}; this hp ({_hp_version()}) reads version "
-            f"{FORMAT_VERSION}. Re-freeze the plan with this hp (hp freeze --model ... --mesh ... -o "
-            "ARTIFACT), or use the hp version that wrote it."
+            f"{source}: artifact format version {version!r}; this hp ({_hp_version()}) reads "
+            f"version {FORMAT_VERSION}. Re-freeze the plan with this hp (hp freeze --model ... "
+            "--mesh ... -o ARTIFACT), or use the hp version that wrote it."
         )
     missing = [k for k in _KEYS if k not in doc]
     extra = sorted(k for k in doc if k not in _KEYS)
     if missing or extra:
         raise ArtifactFormatError(
-            f"{source}: malformed artifact (missing keys {missing}, unknown keys {extra}). {_REFREEZE}"
+            f"{source}: malformed artifact (missing keys {missing}, unknown keys {extra}). "
+            f"{_REFREEZE}"
         )
     body = {k: doc[k] for k in _KEYS if k != "signature"}
     expected = _digest(body)
     if doc["signature"] != expected:
         raise ArtifactSignatureError(
-            f"{source}: signature mismatch: the artifact says {str(doc['signature'])[:23]}... but its "
-            f"content hashes to {expected[:23]}...; it was edited or corrupted after hp freeze wrote "
-            f"it. Do not edit artifacts: change the overrides and re-freeze. {_REFREEZE}"
+            f"{source}: signature mismatch: the artifact says {str(doc['signature'])[:23]}... but "
+            f"its content hashes to {expected[:23]}...; it was edited or corrupted after hp freeze "
+            f"wrote it. Do not edit artifacts: change the overrides and re-freeze. {_REFREEZE}"
         )
     inputs = doc["inputs"]
     if not isinstance(inputs, dict) or sorted(inputs) != sorted(_INPUT_KEYS):
@@ -425,7 +429,8 @@ def missing_registry_items(plan: ShardingPlan) -> list[str]:
             kind = INJECTION_REGISTRIES[field]
             known = ", ".join(sorted(PluginRegistry(kind))) or "none"
             problems.append(
-                f"{where}: {name!r} is not a registered {kind.replace('_', ' ')} (registered: {known})"
+                f"{where}: {name!r} is not a registered {kind.replace('_', ' ')} (registered: "
+                f"{known})"
             )
     return problems
 
@@ -448,7 +453,7 @@ def version_drift(artifact: Artifact) -> list[str]:
 
 
 def write_artifact(artifact: Artifact, path: str | os.PathLike[str]) -> Path:
-    """Write ``artifact`` to ``path`` atomically (temporary file in the same folder + ``os.replace``)."""
+    """Write ``artifact`` to ``path`` atomically (a temporary file, then ``os.replace``)."""
     target = Path(path)
     data = dumps_artifact(artifact)
     mode = target.stat().st_mode & 0o777 if target.exists() else 0o644

@@ -106,11 +106,14 @@ def _check_fused(
         whole = ", ".join(f"{p}: {{tp: replicate}}" for p in params)
         raise FusedProjectionError(
             f"{fqn}.params.{rel}.tp: {rel} is a fused {parts} projection; its rows are the parts "
-            f"concatenated along dim 0, so {format_placement(named['tp'])} over tp={mesh.size('tp')} "
-            f"would give one rank all of {first} and another all of {last}. hp does not re-interleave "
-            "fused weights yet. Replicate the boundary with an override (its output is then whole, "
-            f"not partial), e.g.\n  - match: {fqn!r}\n    params: {{{whole}}}\n"
-            f"    out_src: {{{', '.join(f'{o}: {{tp: replicate}}' for o in (spec.out_src or {'output': None}))}}}\n"
+            f"concatenated along dim 0, so {format_placement(named['tp'])} over "
+            f"tp={mesh.size('tp')} would give one rank all of {first} and another all of {last}. "
+            "hp does not re-interleave fused weights yet. Replicate the boundary with an override "
+            f"(its output is then whole, not partial), e.g.\n  - match: {fqn!r}\n    params: "
+            f"{{{whole}}}\n"
+            "    out_src: {"
+            f"{', '.join(f'{o}: {{tp: replicate}}' for o in (spec.out_src or {'output': None}))}}}"
+            "\n"
             "or plan with tp=1."
         )
 
@@ -149,9 +152,9 @@ def _check_axes(fqn: str, spec: ModuleShardingSpec, mesh: MeshSpec) -> None:
         for axis in named:
             if axis.startswith("dp"):
                 raise MeshAxisError(
-                    f"{fqn}.{where}: places on the data-parallel axis {axis!r}. dp stays outside the "
-                    "plan (FSDP/DDP own it); a plan describes one data-parallel slice. Remove the "
-                    f"{axis!r} entry."
+                    f"{fqn}.{where}: places on the data-parallel axis {axis!r}. dp stays outside "
+                    "the plan (FSDP/DDP own it); a plan describes one data-parallel slice. Remove "
+                    f"the {axis!r} entry."
                 )
             if axis == "ep" and spec._ep_size > 1:
                 continue  # the derived expert mesh (edp, ep)
@@ -160,9 +163,9 @@ def _check_axes(fqn: str, spec: ModuleShardingSpec, mesh: MeshSpec) -> None:
                 best = [] if axis in CANONICAL_AXES else close_matches(axis, mesh.axis_names, n=1)
                 hint = f" Did you mean {best[0]!r}?" if best else ""
                 raise MeshAxisError(
-                    f"{fqn}.{where}: axis {axis!r} is not a dimension of the mesh {mesh}.{hint} Add the "
-                    f"axis to the mesh, or guard the override with 'when: {axis}' so it applies only "
-                    "when that axis is active."
+                    f"{fqn}.{where}: axis {axis!r} is not a dimension of the mesh {mesh}.{hint} "
+                    f"Add the axis to the mesh, or guard the override with 'when: {axis}' so it "
+                    "applies only when that axis is active."
                 )
 
 
@@ -190,21 +193,22 @@ def _check_params(model: nn.Module, fqn: str, spec: ModuleShardingSpec, mesh: Me
         for axis, placement in named.items():
             if isinstance(placement, Partial):
                 raise PlanningError(
-                    f"{fqn}.params.{rel}.{axis}: a parameter cannot be 'partial'; use shard(N) or replicate."
+                    f"{fqn}.params.{rel}.{axis}: a parameter cannot be 'partial'; use shard(N) or "
+                    "replicate."
                 )
             if not isinstance(placement, Shard):
                 continue
             size = spec._ep_size if axis == "ep" and spec._ep_size > 1 else mesh.size(axis)
             if placement.dim >= len(shape):
                 raise DivisibilityError(
-                    f"{fqn}.params.{rel}.{axis}: shard({placement.dim}) on a {len(shape)}-D parameter of "
-                    f"shape {shape}; valid dims are 0..{len(shape) - 1}."
+                    f"{fqn}.params.{rel}.{axis}: shard({placement.dim}) on a {len(shape)}-D "
+                    f"parameter of shape {shape}; valid dims are 0..{len(shape) - 1}."
                 )
             if shape[placement.dim] % size:
                 raise DivisibilityError(
                     f"{fqn}.params.{rel}.{axis}: dim {placement.dim} of shape {shape} has size "
-                    f"{shape[placement.dim]}, which {axis}={size} does not divide. Choose a {axis} size "
-                    f"that divides {shape[placement.dim]}, or replicate this parameter."
+                    f"{shape[placement.dim]}, which {axis}={size} does not divide. Choose a {axis} "
+                    f"size that divides {shape[placement.dim]}, or replicate this parameter."
                 )
 
 
@@ -252,16 +256,16 @@ def _check_heads(model: nn.Module, fqn: str, spec: ModuleShardingSpec, mesh: Mes
         if heads % tp:
             kind = "query" if rel.rpartition(".")[0].rpartition(".")[2] in _Q_NAMES else "key/value"
             raise DivisibilityError(
-                f"{fqn}: {heads} {kind} heads ({rel}: {tuple(p.shape)}, head_dim {hd}) cannot be split "
-                f"over tp={tp}. Each rank must hold whole heads: choose a tp size that divides {heads}, "
-                f"or replicate {rel} with an override."
+                f"{fqn}: {heads} {kind} heads ({rel}: {tuple(p.shape)}, head_dim {hd}) cannot be "
+                f"split over tp={tp}. Each rank must hold whole heads: choose a tp size that "
+                f"divides {heads}, or replicate {rel} with an override."
             )
 
 
 def compute_tp_local_attrs(
     model: nn.Module, fqn: str, spec: ModuleShardingSpec, mesh: MeshSpec
 ) -> dict[str, tuple[int, int]] | None:
-    """Head-count attributes (when q/k/v are tp-sharded) plus ``tp_divide_attrs`` → (global, local)."""
+    """Head-count attributes (if q/k/v are tp-sharded) and ``tp_divide_attrs`` → (global, local)."""
     tp = mesh.size("tp")
     module = _module(model, fqn)
     names: list[str] = []
@@ -287,8 +291,8 @@ def compute_tp_local_attrs(
         value = getattr(module, attr)
         if isinstance(value, bool) or not isinstance(value, int):
             raise PlanningError(
-                f"{fqn}.tp_divide_attrs: {attr!r} is {type(value).__name__} {value!r}; only integer "
-                "attributes can be divided by the tp size."
+                f"{fqn}.tp_divide_attrs: {attr!r} is {type(value).__name__} {value!r}; only "
+                "integer attributes can be divided by the tp size."
             )
         if attr not in names:
             names.append(attr)
@@ -351,9 +355,9 @@ def lint_plan(
             _check_fused(fqn, spec, roles, mesh)
         if spec.region_dispatch is True and not spec.has_injection:
             raise PlanningError(
-                f"{fqn}: region_dispatch=True without an injection is redundant (dispatching is the "
-                "default for ordinary boundaries). Remove it, or set region_dispatch: false if the "
-                "module's own forward communicates."
+                f"{fqn}: region_dispatch=True without an injection is redundant (dispatching is "
+                "the default for ordinary boundaries). Remove it, or set region_dispatch: false "
+                "if the module's own forward communicates."
             )
         _check_axes(fqn, spec, mesh)
         _check_params(model, fqn, spec, mesh)
@@ -389,8 +393,9 @@ def _check_input_names(model: nn.Module, fqn: str, spec: ModuleShardingSpec) -> 
             best = close_matches(name, named, n=1)
             hint = f" Did you mean {best[0]!r}?" if best else ""
             raise PlanningError(
-                f"{fqn}.{field}: {name!r} is not a parameter of {type(_module(model, fqn)).__name__}.forward"
-                f"{sig}.{hint} Name each input as the forward does."
+                f"{fqn}.{field}: {name!r} is not a parameter of "
+                f"{type(_module(model, fqn)).__name__}.forward{sig}.{hint} Name each input as the "
+                "forward does."
             )
 
 
@@ -421,9 +426,9 @@ def _check_coverage(
         if len(layouts) > 1:
             where = ", ".join(f"{n} {_fmt(named)}" for n, named in hits)
             raise CoverageError(
-                f"parameter {name} is declared by more than one boundary with different placements: "
-                f"{where}. A parameter has one layout; declare it in exactly one boundary (tied weights "
-                "must agree)."
+                f"parameter {name} is declared by more than one boundary with different "
+                f"placements: {where}. A parameter has one layout; declare it in exactly one "
+                "boundary (tied weights must agree)."
             )
         names = [n for n, _ in hits]
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -437,7 +442,7 @@ def _check_coverage(
             f" and {len(uncovered) - 8} more" if len(uncovered) > 8 else ""
         )
         raise CoverageError(
-            f"trainable parameter(s) {listing} are not declared by any boundary, so apply would not "
-            "know their layout. Add them to the 'params' of the boundary that owns them (an override "
-            "with params: {NAME: {tp: replicate}} keeps them whole)."
+            f"trainable parameter(s) {listing} are not declared by any boundary, so apply would "
+            "not know their layout. Add them to the 'params' of the boundary that owns them (an "
+            "override with params: {NAME: {tp: replicate}} keeps them whole)."
         )

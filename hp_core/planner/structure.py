@@ -265,7 +265,8 @@ def check_unclaimed(structure: ModelStructure, modules: Mapping[str, ModuleShard
     mod = structure.unclaimed[missing[0]][0]
     rel = missing[0][len(mod) + 1 :] if mod else missing[0]
     raise UncoveredParameterError(
-        f"no boundary template claims these parameters, so hp cannot know their layout:\n{lines}{more}\n"
+        "no boundary template claims these parameters, so hp cannot know their layout:\n"
+        f"{lines}{more}\n"
         "Declare them in an override; to keep one whole without wrapping its module's forward:\n"
         f"  - match: {mod!r}\n    is_boundary: false\n    params: {{{rel}: {{tp: replicate}}}}\n"
         "or register a RoleRule for your architecture through a plugin (docs/plugins.md)."

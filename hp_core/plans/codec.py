@@ -45,17 +45,19 @@ _MODULE_KEYS = (*USER_FIELDS, "_internal")
 
 
 def plan_from_dict(data: Any) -> ShardingPlan:
-    """Build a plan from the document form (inverse of :func:`plan_to_dict`), validating every value."""
+    """A plan from the document form (inverse of :func:`plan_to_dict`), every value validated."""
     err = PlanYAMLError
     if not isinstance(data, Mapping):
         raise err(
-            f"plan: expected a mapping with keys {', '.join(_PLAN_KEYS)}, got {tname(data)}. Example:\n{_TOP_EXAMPLE}"
+            f"plan: expected a mapping with keys {', '.join(_PLAN_KEYS)}, got {tname(data)}. "
+            f"Example:\n{_TOP_EXAMPLE}"
         )
     check_keys(data, "plan", err, _PLAN_KEYS)
     for key in ("version", "mesh", "modules"):
         if key not in data:
             raise err(
-                f"{key}: missing required top-level key. A plan document looks like:\n{_TOP_EXAMPLE}"
+                f"{key}: missing required top-level key. A plan document looks like:\n"
+                f"{_TOP_EXAMPLE}"
             )
     if data["version"] != PLAN_FORMAT_VERSION or not is_int(data["version"]):
         raise err(
@@ -84,7 +86,8 @@ def plan_from_dict(data: Any) -> ShardingPlan:
     raw_modules = data["modules"]
     if not isinstance(raw_modules, Mapping):
         raise err(
-            f"modules: expected a mapping of module FQN to its spec, got {tname(raw_modules)} {raw_modules!r}."
+            f"modules: expected a mapping of module FQN to its spec, got {tname(raw_modules)} "
+            f"{raw_modules!r}."
         )
     modules: dict[str, ModuleShardingSpec] = {}
     for fqn, raw in raw_modules.items():
@@ -100,7 +103,8 @@ def plan_from_dict(data: Any) -> ShardingPlan:
             path,
             err,
             _MODULE_KEYS,
-            internal_hint="internal fields go under the module's '_internal:' mapping, without the underscore.",
+            internal_hint="internal fields go under the module's '_internal:' mapping, without the "
+            "underscore.",
         )
         spec = build_spec(raw, path, err, USER_FIELDS)
         if "_internal" in raw:

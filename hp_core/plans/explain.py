@@ -169,8 +169,8 @@ def _boundary_lines(fqn: str, spec: ModuleShardingSpec, plan: ShardingPlan) -> l
             )
     if spec._needs_cp_attn and "cp" in plan.mesh_axis_names and spec.inner_wrapper is None:
         lines.append(
-            "attention under cp: needs a CP inner wrapper, none set yet (e.g. inner_wrapper: sdpa_hf "
-            "from hp-plugin-cp)"
+            "attention under cp: needs a CP inner wrapper, none set yet (e.g. inner_wrapper: "
+            "sdpa_hf from hp-plugin-cp)"
         )
     if spec._is_terminal:
         lines.append("terminal: its output is the model's logits")
@@ -205,7 +205,8 @@ def explain(plan: ShardingPlan, report: Any = None) -> str:
     out = [
         f"hp plan: {_mesh_text(plan)}; sequence parallel {_on_off(plan.sequence_parallel)}; "
         f"loss parallel {_on_off(plan.loss_parallel)}; ep_size {plan.ep_size}",
-        f"{len(plan.modules)} modules planned ({n_boundaries} boundaries); fingerprint {fingerprint}",
+        f"{len(plan.modules)} modules planned ({n_boundaries} boundaries); fingerprint "
+        f"{fingerprint}",
     ]
     for fqn, spec in plan.modules.items():
         out.append("")
@@ -232,8 +233,8 @@ def explain(plan: ShardingPlan, report: Any = None) -> str:
             out += [f"{_INDENT * 2}{op} on {axis}: {n}" for op, axis, n in rows]
     for axis in checks:
         out.append(
-            f"{_INDENT}(forward all_reduce on {axis} includes 1 input check: the ranks compare their "
-            "input shapes before the first collective; apply(check_inputs=False) drops it)"
+            f"{_INDENT}(forward all_reduce on {axis} includes 1 input check: the ranks compare "
+            "their input shapes before the first collective; apply(check_inputs=False) drops it)"
         )
     if plan.loss_parallel:
         out.append(
@@ -258,11 +259,14 @@ def explain(plan: ShardingPlan, report: Any = None) -> str:
             what = f"the {n} gradient(s) the verifier found partial over {axis}"
         elif axis == "tp":
             what = (
-                f"the {len(sp_grad_params(plan.modules))} gradient(s) of tp-replicated parameters that see "
-                "only this rank's sequence shard (hp plan --verify finds any others)"
+                f"the {len(sp_grad_params(plan.modules))} gradient(s) of tp-replicated parameters "
+                "that see only this rank's sequence shard (hp plan --verify finds any others)"
             )
         else:
-            what = f"the gradients of parameters replicated on {axis} that see only this rank's share of the data"
+            what = (
+                f"the gradients of parameters replicated on {axis} that see only this rank's "
+                "share of the data"
+            )
         out.append(
             f"{_INDENT}(backward all_reduce on {axis} includes one bucketed reduction of {what})"
         )

@@ -52,8 +52,8 @@ def check_shape(
             raise err(f"{path}[{i}]: expected a positive integer axis size, got {n!r}.")
     if len(shape) != len(names):
         raise err(
-            f"{path}: {len(shape)} size(s) {list(shape)} for {len(names)} axis name(s) {list(names)}; "
-            "give one size per axis, in the same order."
+            f"{path}: {len(shape)} size(s) {list(shape)} for {len(names)} axis name(s) "
+            f"{list(names)}; give one size per axis, in the same order."
         )
     return tuple(int(n) for n in shape)
 
@@ -81,7 +81,8 @@ class ShardingPlan:
         cls = "ShardingPlan"
         if not isinstance(self.modules, Mapping):
             raise PlanError(
-                f"{cls}.modules: expected a dict of module FQN to ModuleShardingSpec, got {self.modules!r}."
+                f"{cls}.modules: expected a dict of module FQN to ModuleShardingSpec, got "
+                f"{self.modules!r}."
             )
         modules: dict[str, ModuleShardingSpec] = {}
         for fqn, spec in self.modules.items():
@@ -89,7 +90,8 @@ class ShardingPlan:
                 raise PlanError(f"{cls}.modules: keys must be module FQN strings, got {fqn!r}.")
             if not isinstance(spec, ModuleShardingSpec):
                 raise PlanError(
-                    f"{cls}.modules[{fqn!r}]: expected a ModuleShardingSpec, got {tname(spec)} {spec!r}."
+                    f"{cls}.modules[{fqn!r}]: expected a ModuleShardingSpec, got {tname(spec)} "
+                    f"{spec!r}."
                 )
             modules[fqn] = spec
         self.modules = modules

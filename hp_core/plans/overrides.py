@@ -92,12 +92,14 @@ class OverrideEntry:
             raise OverrideError(f"OverrideEntry.source: expected a string, got {self.source!r}.")
         if not isinstance(self.match, str):
             raise OverrideError(
-                f"{where}.match: expected a module FQN or glob string, got {tname(self.match)} {self.match!r}."
+                f"{where}.match: expected a module FQN or glob string, got {tname(self.match)} "
+                f"{self.match!r}."
             )
         if not isinstance(self.spec, ModuleShardingSpec):
             raise OverrideError(
                 f"{where}: expected a ModuleShardingSpec, got {tname(self.spec)} {self.spec!r}. "
-                "Write ModuleShardingSpec(...) in Python, or an entry with match: and spec fields in YAML."
+                "Write ModuleShardingSpec(...) in Python, or an entry with match: and spec fields "
+                "in YAML."
             )
         if self.spec.skip_source_lowering is not None:
             raise OverrideError(f"{where}.skip_source_lowering: {_SKIP_LOWERING_MSG}")
@@ -125,7 +127,8 @@ def _entry_from_mapping(raw: Any, path: str) -> OverrideEntry:
     err = OverrideError
     if not isinstance(raw, Mapping):
         raise err(
-            f"{path}: expected a mapping with a 'match' key, got {tname(raw)} {raw!r}. An entry looks like:\n{_ENTRY_EXAMPLE}"
+            f"{path}: expected a mapping with a 'match' key, got {tname(raw)} {raw!r}. An entry "
+            f"looks like:\n{_ENTRY_EXAMPLE}"
         )
     check_keys(
         raw,
@@ -171,8 +174,8 @@ def _entries_from_document(doc: Any, name: str) -> list[OverrideEntry]:
         if isinstance(items, str) and name == "<string>" and "\n" not in items.strip():
             hint = " (If this was meant as a file path: no such file exists.)"
         raise err(
-            f"overrides: expected a list of entries or {{overrides: [...]}}, got {tname(items)} {items!r}."
-            f"{hint} An entry looks like:\n{_ENTRY_EXAMPLE}"
+            f"overrides: expected a list of entries or {{overrides: [...]}}, got {tname(items)} "
+            f"{items!r}.{hint} An entry looks like:\n{_ENTRY_EXAMPLE}"
         )
     entries = [_entry_from_mapping(item, f"overrides[{i}]") for i, item in enumerate(items)]
     _check_duplicates(entries)
@@ -214,15 +217,16 @@ def load_overrides(text_or_path_or_list: OverridesLike) -> list[OverrideEntry]:
                 )
             if not isinstance(spec, ModuleShardingSpec):
                 raise OverrideError(
-                    f"{path}: expected a ModuleShardingSpec, got {tname(spec)} {spec!r}. In Python write "
-                    f"{{{key!r}: ModuleShardingSpec(...)}}; for dict entries use a list: "
+                    f"{path}: expected a ModuleShardingSpec, got {tname(spec)} {spec!r}. In Python "
+                    f"write {{{key!r}: ModuleShardingSpec(...)}}; for dict entries use a list: "
                     f"[{{'match': {key!r}, ...}}]."
                 )
             entries.append(OverrideEntry(key, spec, None, source=path))
         return entries
     if not isinstance(src, Iterable):
         hint = (
-            " Key a spec by the module it overrides: {'model.layers.0.mlp': ModuleShardingSpec(...)}."
+            " Key a spec by the module it overrides: {'model.layers.0.mlp': "
+            "ModuleShardingSpec(...)}."
             if isinstance(src, ModuleShardingSpec)
             else ""
         )
@@ -277,13 +281,13 @@ def _check_duplicates(entries: Sequence[OverrideEntry]) -> None:
         a, b = first.source or f"overrides[{j}]", entry.source or f"overrides[{i}]"
         cond = f"when: {entry.when}" if entry.when is not None else "no 'when'"
         raise DuplicateOverrideError(
-            f"{a} and {b} are both exact overrides for module {entry.match!r} ({cond}); the second would "
-            "silently replace every field the first also sets.\n"
+            f"{a} and {b} are both exact overrides for module {entry.match!r} ({cond}); the second "
+            "would silently replace every field the first also sets.\n"
             f"  {a} (entry {j}): {_entry_text(first)}\n"
             f"  {b} (entry {i}): {_entry_text(entry)}\n"
-            f"Fix: merge them into one entry for {entry.match!r} (for a field both set, keep the value you "
-            "want). Entries with different 'when:' conditions may name the same module; those that apply "
-            "merge in list order."
+            f"Fix: merge them into one entry for {entry.match!r} (for a field both set, keep the "
+            "value you want). Entries with different 'when:' conditions may name the same module; "
+            "those that apply merge in list order."
         )
 
 
@@ -305,7 +309,7 @@ def overrides_to_list(entries: OverridesLike) -> list[dict[str, Any]]:
 
 
 def dump_overrides(entries: OverridesLike) -> str:
-    """Override entries as a YAML ``{overrides: [...]}`` document that :func:`load_overrides` reads back."""
+    """Override entries as a YAML ``{overrides: [...]}`` document, for :func:`load_overrides`."""
     return yaml_dump({"overrides": overrides_to_list(entries)}, OverrideError)
 
 
@@ -313,12 +317,12 @@ def dump_overrides(entries: OverridesLike) -> str:
 
 
 def is_glob(pattern: str) -> bool:
-    """Whether an override key is a glob (contains ``*``, ``?`` or ``[``) rather than an exact FQN."""
+    """Whether an override key is a glob (has ``*``, ``?`` or ``[``) rather than an exact FQN."""
     return any(c in pattern for c in "*?[")
 
 
 def compile_glob(pattern: str, *, path: str = "match") -> re.Pattern[str]:
-    """Translate an FQN glob into a regex for ``fullmatch``: ``*`` (crosses dots), ``?``, ``[...]``, ``[!...]``."""
+    """An FQN glob as a ``fullmatch`` regex: ``*`` (crosses dots), ``?``, ``[...]``, ``[!...]``."""
     out: list[str] = []
     i, n = 0, len(pattern)
     while i < n:
@@ -341,9 +345,7 @@ def compile_glob(pattern: str, *, path: str = "match") -> re.Pattern[str]:
                 out.append(re.escape(c))
                 continue
             body, i = pattern[i:j], j + 1
-            negate = body.startswith("!")
-            if negate:
-                body = body[1:]
+            negate, body = body.startswith("!"), body.removeprefix("!")
             chars = [
                 "-" if ch == "-" and 0 < k < len(body) - 1 else re.escape(ch)
                 for k, ch in enumerate(body)
@@ -410,7 +412,8 @@ def _validate_entry(
         )
         raise OverrideError(
             f"{source}.match: {entry.match!r} is not a module of the model.{hint} An exact key "
-            "must name a module from model.named_modules(); use a glob (*, ?, [...]) to match several."
+            "must name a module from model.named_modules(); use a glob (*, ?, [...]) to match "
+            "several."
         )
     return None
 
@@ -440,7 +443,8 @@ def resolve_overrides(
     for fqn, spec in derived.items():
         if fqn not in module_set:
             raise PlanError(
-                f"derived boundary {fqn!r} is not in module_names; pass model.named_modules() names."
+                f"derived boundary {fqn!r} is not in module_names; pass model.named_modules() "
+                "names."
             )
         if not isinstance(spec, ModuleShardingSpec):
             raise PlanError(f"derived[{fqn!r}]: expected a ModuleShardingSpec, got {tname(spec)}.")
@@ -459,7 +463,8 @@ def resolve_overrides(
         source = entry.source or "overrides"
         if entry.when is not None and entry.when not in active_set:
             notes.append(
-                f"{source}: skipped ({entry.match!r} when: {entry.when}; {entry.when} is not active)"
+                f"{source}: skipped ({entry.match!r} when: {entry.when}; {entry.when} is not "
+                "active)"
             )
             continue
         if pattern is None:

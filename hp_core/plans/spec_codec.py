@@ -198,7 +198,8 @@ def check_keys(
     for key in raw:
         if not isinstance(key, str):
             raise err(
-                f"{path}: keys must be strings, got {tname(key)} {key!r}. Valid keys: {', '.join(valid)}."
+                f"{path}: keys must be strings, got {tname(key)} {key!r}. Valid keys: "
+                f"{', '.join(valid)}."
             )
         if key in valid:
             continue
@@ -207,7 +208,8 @@ def check_keys(
         if internal_hint and key.startswith("_"):
             raise err(f"{path}.{key}: {internal_hint}")
         raise err(
-            f"{path}: unknown key {key!r}.{did_you_mean(key, valid)} Valid keys: {', '.join(valid)}."
+            f"{path}: unknown key {key!r}.{did_you_mean(key, valid)} Valid keys: "
+            f"{', '.join(valid)}."
         )
 
 
@@ -307,7 +309,8 @@ def _parse_injection(raw: Any, path: str, err: type[PlanError]) -> Any:
     if isinstance(raw, str):
         if not raw.strip():
             raise err(
-                f"{path}: an empty string names no registry item. Write a registry name or {{_target_: ...}}."
+                f"{path}: an empty string names no registry item. Write a registry name or "
+                "{_target_: ...}."
             )
         return raw
     if isinstance(raw, Target):
@@ -319,8 +322,8 @@ def _parse_injection(raw: Any, path: str, err: type[PlanError]) -> Any:
             )
             hint = f" {typo!r} looks like a misspelling of '_target_'." if typo else ""
             raise err(
-                f"{path}: a mapping here must name what it refers to with _target_.{hint} "
-                f"Write {{_target_: NAME_OR_DOTTED_PATH, config_key: value, ...}}, got {dict(raw)!r}."
+                f"{path}: a mapping here must name what it refers to with _target_.{hint} Write "
+                f"{{_target_: NAME_OR_DOTTED_PATH, config_key: value, ...}}, got {dict(raw)!r}."
             )
         try:
             return Target.from_dict(raw, path=path)
@@ -400,7 +403,8 @@ def apply_internals(spec: ModuleShardingSpec, raw: Any, path: str) -> None:
             if value is not None:
                 if not isinstance(value, Mapping):
                     raise err(
-                        f"{where}: expected a mapping of attribute name to [global, local], got {value!r}."
+                        f"{where}: expected a mapping of attribute name to [global, local], got "
+                        f"{value!r}."
                     )
                 parsed = {}
                 for attr, pair in value.items():
@@ -410,7 +414,8 @@ def apply_internals(spec: ModuleShardingSpec, raw: Any, path: str) -> None:
                         and all(is_int(x) for x in pair)
                     ):
                         raise err(
-                            f"{where}.{attr}: expected a pair of integers [global, local], got {pair!r}."
+                            f"{where}.{attr}: expected a pair of integers [global, local], got "
+                            f"{pair!r}."
                         )
                     parsed[attr] = (pair[0], pair[1])
         elif key == "deferred_bias_params":
@@ -428,7 +433,8 @@ def apply_internals(spec: ModuleShardingSpec, raw: Any, path: str) -> None:
             for stacked, sources in value.items():
                 if not isinstance(stacked, str) or isinstance(sources, str):
                     raise err(
-                        f"{where}.{stacked}: expected a list of source parameter paths, got {sources!r}."
+                        f"{where}.{stacked}: expected a list of source parameter paths, got "
+                        f"{sources!r}."
                     )
                 parsed[stacked] = _parse_names(sources, f"{where}.{stacked}", err)
         else:  # ep_size

@@ -45,7 +45,8 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[An
                 None,
                 None,
                 f"duplicate key {key!r} (first at line {first.start_mark.line + 1}); YAML would "
-                "silently keep only the last one, so hp refuses the document. Remove or merge one of them",
+                "silently keep only the last one, so hp refuses the document. Remove or merge one "
+                "of them",
                 key_node.start_mark,
             )
         seen[key] = key_node
@@ -127,7 +128,7 @@ def dump_plan(plan: ShardingPlan) -> str:
 
 
 def load_plan(text_or_path: str | os.PathLike[str]) -> ShardingPlan:
-    """Read a plan from YAML text or a ``.yaml``/``.yml``/``.json`` file written by :func:`dump_plan`."""
+    """Read a plan from YAML text or a ``.yaml``/``.yml``/``.json`` file from :func:`dump_plan`."""
     if not isinstance(text_or_path, (str, os.PathLike)):
         hint = (
             " (it is one already: use it as is, or plan.copy())"
@@ -135,8 +136,9 @@ def load_plan(text_or_path: str | os.PathLike[str]) -> ShardingPlan:
             else ""
         )
         raise PlanTypeError(
-            f"a plan: expected YAML text or a file path, got {tname(text_or_path)} {short(text_or_path)} "
-            f"(load_plan takes a str or an os.PathLike){hint}. For a dict, use hp_core.plans.plan_from_dict."
+            f"a plan: expected YAML text or a file path, got {tname(text_or_path)} "
+            f"{short(text_or_path)} (load_plan takes a str or an os.PathLike){hint}. For a dict, "
+            "use hp_core.plans.plan_from_dict."
         )
     text, name, is_file = read_source(text_or_path, "a plan")
     data = yaml_load(text, name)

@@ -90,18 +90,21 @@ class UndeclaredCommunicationError(HpError, ValueError):
             " while ExplicitRedistributionContext was active", ""
         )
         hint = (
-            f" Replicated in this region next to sharded parameters: {', '.join(suspects)} — the usual culprits."
+            (
+                f" Replicated in this region next to sharded parameters: {', '.join(suspects)} "
+                "— the usual culprits."
+            )
             if suspects
             else ""
         )
         super().__init__(
-            f"{fqn} ({module_type}): in its {phase}, DTensor had to redistribute a tensor inside the region: "
-            f"{op}.\nThe contract declares no communication there, and production (local shards, no "
-            "DTensor) would compute something else. Usually a parameter's layout does not fit the "
-            "activation it meets (a full-width norm on a sharded projection, a tensor kept whole while "
-            f"heads are split, a projection left replicated next to a sharded one).{hint} Declare that "
-            "parameter's layout, or keep the boundary whole on tp (correct, at the cost of replicated "
-            f"compute):\n{fix}"
+            f"{fqn} ({module_type}): in its {phase}, DTensor had to redistribute a tensor inside "
+            f"the region: {op}.\nThe contract declares no communication there, and production "
+            "(local shards, no DTensor) would compute something else. Usually a parameter's "
+            "layout does not fit the activation it meets (a full-width norm on a sharded "
+            "projection, a tensor kept whole while heads are split, a projection left replicated "
+            f"next to a sharded one).{hint} Declare that parameter's layout, or keep the boundary "
+            f"whole on tp (correct, at the cost of replicated compute):\n{fix}"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -112,7 +115,7 @@ class UndeclaredCommunicationError(HpError, ValueError):
 
 
 def suspects(spec: ModuleShardingSpec, axis: str = "tp") -> tuple[str, ...]:
-    """A region's parameters replicated on ``axis`` while others are sharded there (not deferred biases)."""
+    """A region's parameters replicated on ``axis`` next to sharded ones (not deferred biases)."""
     params = spec.params if isinstance(spec.params, dict) else {}
     if not any(isinstance(n.get(axis), Shard) for n in params.values()):
         return ()

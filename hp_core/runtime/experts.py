@@ -193,14 +193,15 @@ def _spanned_axes(fqn: str, ep: int, mesh: MeshSpec) -> tuple[str, ...]:
 def expert_layout(
     fqn: str, spec: ModuleShardingSpec, plan: ShardingPlan, mesh: MeshSpec, ranks: tuple[int, ...]
 ) -> ExpertLayout:
-    """Fold the dense region for ``spec._ep_size``; raise what cannot work (no process group needed)."""
+    """Fold the dense region for ``spec._ep_size``; raise what cannot work (no process group)."""
     ep = spec._ep_size
     world = len(ranks)
     if world % ep:
         divisors = [d for d in range(2, world + 1) if world % d == 0]
         raise ExpertParallelError(
-            f"{fqn}: ep_size={ep} does not divide the dense region's {world} ranks (mesh {mesh}); the "
-            f"expert mesh (edp, ep) folds those ranks into groups of ep. Plan with ep_size in {divisors}."
+            f"{fqn}: ep_size={ep} does not divide the dense region's {world} ranks (mesh {mesh}); "
+            "the expert mesh (edp, ep) folds those ranks into groups of ep. Plan with ep_size in "
+            f"{divisors}."
         )
     spanned = _spanned_axes(fqn, ep, mesh)
     sharded = data_axes(spec)  # the block's tokens
@@ -220,11 +221,12 @@ def expert_layout(
         raise ExpertParallelError(
             f"{fqn}: the expert group of ep={ep} spans the {axis!r} axis, along which this block's "
             f"tokens are replicated (its input {name!r} is whole on {axis}), so every token would "
-            f"reach its experts {mesh.size(axis)} times. Plan with sequence_parallel=True, or shard "
-            "the block's tokens with an override:\n"
+            f"reach its experts {mesh.size(axis)} times. Plan with sequence_parallel=True, or "
+            "shard the block's tokens with an override:\n"
             + override_entries(
                 expert_matches(plan, fqn),
-                f"    when: ep\n    in_dst: {{{name}: {{{axis}: shard(1)}}}}\n    out_src: {{output: {{{axis}: shard(1)}}}}\n",
+                f"    when: ep\n    in_dst: {{{name}: {{{axis}: shard(1)}}}}\n    out_src: "
+                f"{{output: {{{axis}: shard(1)}}}}\n",
             ).rstrip("\n")
         )
     names, sizes = mesh.axis_names, mesh.sizes
@@ -254,7 +256,7 @@ def _param(module: nn.Module, rel: str) -> nn.Parameter | None:
 
 
 def _container(source: str, stacked: str) -> tuple[str, str]:
-    """``("experts", "w1.weight")`` for source ``experts.3.w1.weight`` stacked as ``experts.w1.weight``."""
+    """``("experts", "w1.weight")`` for ``experts.3.w1.weight`` stacked as ``experts.w1.weight``."""
     s, t = source.split("."), stacked.split(".")
     for k in range(len(t)):
         if s[:k] == t[:k] and s[k].isdigit() and s[k + 1 :] == t[k:]:
@@ -278,44 +280,48 @@ def check_expert_boundary(fqn: str, spec: ModuleShardingSpec, module: nn.Module)
     modules can be stacked whole."""
     if spec.region_dispatch is not False:
         raise ExpertParallelError(
-            f"{fqn}: an expert-parallel compute communicates (all-to-all over the expert group), so "
-            "it runs on local tensors: declare region_dispatch: false."
+            f"{fqn}: an expert-parallel compute communicates (all-to-all over the expert group), "
+            "so it runs on local tensors: declare region_dispatch: false."
         )
     for rel, named in (spec.params or {}).items():
         if "ep" in named:
             extra = {a: p for a, p in named.items() if a != "ep" and not isinstance(p, Replicate)}
             if extra:
                 raise ExpertParallelError(
-                    f"{fqn}.params.{rel}: an expert parameter lives on the expert mesh (edp, ep) and can "
-                    f"only be placed on ep; it also has {extra}. Declare it as {{ep: shard(0)}}."
+                    f"{fqn}.params.{rel}: an expert parameter lives on the expert mesh (edp, ep) "
+                    f"and can only be placed on ep; it also has {extra}. Declare it as {{ep: "
+                    "shard(0)}."
                 )
     for container, stacks in _stacks_by_container(spec).items():
         try:
             holder = module.get_submodule(container)
         except AttributeError:
             raise ExpertParallelError(
-                f"{fqn}: _ep_stack names {container!r}, which {type(module).__name__} does not have."
+                f"{fqn}: _ep_stack names {container!r}, which {type(module).__name__} does not "
+                "have."
             ) from None
         listed = {src for sources in stacks.values() for src in sources}
         own = {f"{container}.{n}" for n, _ in holder.named_parameters()}
         missing = sorted(listed - own)
         if missing:
             raise ExpertParallelError(
-                f"{fqn}: per-expert parameter(s) {missing[:4]} of _ep_stack do not exist in the model."
+                f"{fqn}: per-expert parameter(s) {missing[:4]} of _ep_stack do not exist in the "
+                "model."
             )
         rest = sorted(own - listed)
         buffers = [f"{container}.{n}" for n, _ in holder.named_buffers()]
         if rest or buffers:
             raise ExpertParallelError(
-                f"{fqn}: the per-expert modules under {container!r} hold {rest + buffers} besides the stacked "
-                "projections; stacking would drop them. Declare them in _ep_stack, or keep the experts "
-                "replicated (ep_size=1)."
+                f"{fqn}: the per-expert modules under {container!r} hold {rest + buffers} besides "
+                "the stacked projections; stacking would drop them. Declare them in _ep_stack, or "
+                "keep the experts replicated (ep_size=1)."
             )
         for stacked, sources in stacks.items():
             shapes = {tuple(p.shape) for src in sources if (p := _param(module, src)) is not None}
             if len(shapes) != 1:
                 raise ExpertParallelError(
-                    f"{fqn}: the experts' {stacked} have different shapes {sorted(shapes)}; they cannot be stacked."
+                    f"{fqn}: the experts' {stacked} have different shapes {sorted(shapes)}; they "
+                    "cannot be stacked."
                 )
 
 
@@ -388,7 +394,7 @@ class ShardedExperts:
 def shard_expert_parameters(
     model: nn.Module, plan: ShardingPlan, mode: str, experts: Mapping[int, ExpertGroups]
 ) -> ShardedExperts:
-    """Stack per-expert parameters, then keep this rank's experts (collective; the model is untouched).
+    """Stack per-expert parameters, then keep this rank's experts (collective; model untouched).
 
     production: local ``[E / ep, ...]`` shards as plain parameters; validate: DTensors on
     the expert mesh, ``(Replicate(), Shard(0))`` on ``(edp, ep)``.

@@ -90,7 +90,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _like(
     ref: torch.Tensor, value: torch.Tensor, placements: Sequence[Any], axis: str
 ) -> torch.Tensor:
-    """``value`` as a gradient of ``ref``'s kind: a DTensor whose placement on ``axis`` is now summed."""
+    """``value`` as a gradient of ``ref``'s kind: a DTensor whose ``axis`` placement is summed."""
     if not isinstance(ref, DTensor):
         return value
     names = list(ref.device_mesh.mesh_dim_names or ())
@@ -128,7 +128,7 @@ class _Bucket:
         self.waiting = set(range(len(self.entries)))
 
     def whole_already(self, p: torch.Tensor | None) -> bool:
-        """A DTensor gradient that is no longer partial here: something (FSDP2) already summed it."""
+        """A DTensor gradient no longer partial here: something (FSDP2) already summed it."""
         g = None if p is None else p.grad
         if not isinstance(g, DTensor):
             return False
@@ -239,7 +239,7 @@ class GradReducer:
     def build(
         cls, model: nn.Module, reductions: Iterable[GradReduction], mesh: DeviceMesh, mode: str
     ) -> GradReducer:
-        """Group the reductions into buckets by process group (in the given order, identical on every rank)."""
+        """Bucket the reductions by process group (in the given order, identical on every rank)."""
         by_key: dict[str, tuple[Any, list[_Entry]]] = {}
         seen_params: dict[str, int] = {}
         for r in reductions:
@@ -295,7 +295,7 @@ class GradReducer:
         self._objects = {}
 
     def _watch_outputs(self, out: Any) -> None:
-        """The first gradient of backward reaches a model output: queue the end-of-backward reduction."""
+        """Backward's first gradient reaches a model output: queue the end-of-backward reduction."""
         if not self._armed:
             return
         for t in tensors_in(out):
@@ -376,7 +376,7 @@ class GradReducer:
         self._arm_buckets()
 
     def groups(self) -> list[str]:
-        """The process groups this reducer sums over (axis names, expert labels), in bucket order."""
+        """The process groups this reducer sums over (axis names, expert labels), bucket order."""
         return list(dict.fromkeys(b.key for b in self.buckets))
 
     def flush(self) -> None:
@@ -403,9 +403,10 @@ class GradReducer:
                 dims = list(g.device_mesh.mesh_dim_names or ())
                 if b.key in dims and not isinstance(g.placements[dims.index(b.key)], Partial):
                     raise UnreducedGradientError(
-                        f"{e.name}: hp's verifier derived a gradient partial on {b.key!r}, but DTensor "
-                        f"propagation made it {tuple(g.placements)}; summing it would multiply it by the "
-                        f"{b.key} size. This is a bug in hp's verifier: please report it."
+                        f"{e.name}: hp's verifier derived a gradient partial on {b.key!r}, but "
+                        f"DTensor propagation made it {tuple(g.placements)}; summing it would "
+                        f"multiply it by the {b.key} size. This is a bug in hp's verifier: please "
+                        "report it."
                     )
 
     def _check_reduced(self) -> None:
@@ -415,10 +416,10 @@ class GradReducer:
             g = None if p is None else p.grad
             if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
                 raise UnreducedGradientError(
-                    f"{e.name}: its gradient is {tuple(g.placements)} after backward: a partial sum that "
-                    "no reduction of the plan sums. The plan's layouts say this gradient is whole, but "
-                    "the computation splits it; declare the boundary's layouts so that hp knows (or "
-                    "report it if the verifier passed this plan)."
+                    f"{e.name}: its gradient is {tuple(g.placements)} after backward: a partial "
+                    "sum that no reduction of the plan sums. The plan's layouts say this gradient "
+                    "is whole, but the computation splits it; declare the boundary's layouts so "
+                    "that hp knows (or report it if the verifier passed this plan)."
                 )
 
 

@@ -193,21 +193,24 @@ class InputGuard:
                 shapes = ", ".join(f"{n} {list(s)} {d}" for n, s, d in seen[:4]) or "no tensors"
                 if self.same_values[axis]:
                     raise InputMismatchError(
-                        f"{self.model_name}.forward: the ranks of one {axis} group were called with different "
-                        f"inputs (this rank: {shapes}). Every rank of a {axis} group computes on the same batch "
-                        f"— hp splits it itself — so give them identical inputs: split data over the data-"
-                        "parallel axis only (e.g. a DistributedSampler over mesh['dp'], not over the whole "
-                        "world; a Trainer/accelerate that wraps the model in DDP over every rank does this)."
+                        f"{self.model_name}.forward: the ranks of one {axis} group were called "
+                        f"with different inputs (this rank: {shapes}). Every rank of a {axis} "
+                        "group computes on the same batch — hp splits it itself — so give them "
+                        "identical inputs: split data over the data-parallel axis only (e.g. a "
+                        "DistributedSampler over mesh['dp'], not over the whole world; a "
+                        "Trainer/accelerate that wraps the model in DDP over every rank does "
+                        "this)."
                     )
                 raise InputMismatchError(
-                    f"{self.model_name}.forward: the ranks of one {axis} group were called with inputs of "
-                    f"different shapes or dtypes (this rank: {shapes}). Each takes its own part of the same "
-                    f"batch along {axis}: give every rank an equal part (shard_batch_for_cp pads to a multiple)."
+                    f"{self.model_name}.forward: the ranks of one {axis} group were called with "
+                    f"inputs of different shapes or dtypes (this rank: {shapes}). Each takes its "
+                    f"own part of the same batch along {axis}: give every rank an equal part "
+                    "(shard_batch_for_cp pads to a multiple)."
                 )
         self._check_sequence(args, kwargs)
 
     def _check_sequence(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The sequence must divide where the plan splits it: say so before the first layer's collective."""
+        """The sequence must divide where the plan splits it: say so before the first collective."""
         if self.split is None:
             return
         where, axes, divisor = self.split
@@ -222,12 +225,17 @@ class InputGuard:
             return
         decode = not torch.is_grad_enabled() and n < divisor
         raise InputLayoutError(
-            f"{where}: it splits the sequence over {axes} (sequence parallelism), but this batch has "
-            f"{n} positions (input shape {tuple(ids.shape)}). "
+            f"{where}: it splits the sequence over {axes} (sequence parallelism), but this batch "
+            f"has {n} positions (input shape {tuple(ids.shape)}). "
             + (
-                "Decoding one token at a time (generate() with a KV cache) cannot be split: apply a plan "
-                "made with sequence_parallel=False for generation."
+                (
+                    "Decoding one token at a time (generate() with a KV cache) cannot be split: "
+                    "apply a plan made with sequence_parallel=False for generation."
+                )
                 if decode
-                else f"Pad the sequence to a multiple of {divisor} (mask the padding: attention_mask 0, labels -100)."
+                else (
+                    f"Pad the sequence to a multiple of {divisor} (mask the padding: "
+                    "attention_mask 0, labels -100)."
+                )
             )
         )

@@ -3,9 +3,10 @@
 In order: every collective (the input guard's groups, the random streams' seed, the
 sharded parameter copies) → hooks → parameters swapped in → boundaries (with their inner
 wraps) → tp-local attributes → derived gradient reductions → loss. After the collectives
-nothing communicates, so a failure on one rank leaves no other rank blocked. ``install`` assumes preflight (and the verifier)
-passed; it is also what the verifier runs on its meta-device copies, with no
-gradient reductions and the injected compute replaced by the module's own.
+nothing communicates, so a failure on one rank leaves no other rank blocked. ``install``
+assumes preflight (and the verifier) passed; it is also what the verifier runs on its
+meta-device copies, with no gradient reductions and the injected compute replaced by the
+module's own.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ __all__ = ["InputLayoutError", "Redistribution", "dense_mesh", "same_placement",
 
 
 class InputLayoutError(HpError, ValueError):
-    """An input that the plan's layouts cannot split (an uneven shard), refused before any collective."""
+    """An input the plan's layouts cannot split (an uneven shard), refused before any collective."""
 
 
 def dense_mesh(mesh: Any) -> Any:
@@ -121,13 +121,19 @@ class Redistribution:
             if n % size:
                 decode = not torch.is_grad_enabled() and n < size
                 raise InputLayoutError(
-                    f"{self.where}: this tensor has {n} positions along dim {dim}, which {axis}={size} cannot "
-                    f"split evenly (shape {tuple(x.shape)}). "
+                    f"{self.where}: this tensor has {n} positions along dim {dim}, which "
+                    f"{axis}={size} cannot split evenly (shape {tuple(x.shape)}). "
                     + (
-                        "Decoding one token at a time (generate() with a KV cache) cannot be split by sequence "
-                        "parallelism: apply a plan with sequence_parallel=False for generation."
+                        (
+                            "Decoding one token at a time (generate() with a KV cache) cannot be "
+                            "split by sequence parallelism: apply a plan with "
+                            "sequence_parallel=False for generation."
+                        )
                         if decode
-                        else f"Pad it to a multiple of {size} (mask the padding: attention_mask 0, labels -100)."
+                        else (
+                            f"Pad it to a multiple of {size} (mask the padding: "
+                            "attention_mask 0, labels -100)."
+                        )
                     )
                 )
 
@@ -157,7 +163,7 @@ class Redistribution:
         return self.to_dtensor(x).to_local(grad_placements=self.grad)
 
     def exit_dtensor(self, dt: DTensor) -> torch.Tensor:
-        """Validate: a DTensor the region produced (already checked against ``src``) → local ``dst``."""
+        """Validate: a DTensor the region made (already checked against ``src``) → local ``dst``."""
         if tuple(dt.placements) == self.dst:
             return dt.to_local()
         return dt.redistribute(self.mesh, self.dst).to_local()

@@ -1,4 +1,7 @@
-"""The tensors inside a forward's inputs or outputs: nested tuples, lists, dicts and HF ``ModelOutput``s."""
+"""The tensors inside a forward's inputs or outputs.
+
+They nest in tuples, lists, dicts and HF ``ModelOutput``s.
+"""
 
 from __future__ import annotations
 

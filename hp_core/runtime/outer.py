@@ -85,10 +85,12 @@ class OuterWrapperCheck:
                     else "the dp group (a mesh with a dp axis)"
                 )
                 raise WrappedOverModelParallelRanksError(
-                    f"{self.model_name} is wrapped in DistributedDataParallel over ranks {sorted(ranks)}, which "
-                    f"include rank(s) {shared} of this rank's {axis} group: DDP would broadcast and average "
-                    f"shards that differ by design, and train wrongly without an error. Wrap it over the "
-                    f"data-parallel ranks only: DistributedDataParallel(model, process_group={dp}), or use "
-                    "FSDP2 (fully_shard(model, mesh=mesh['dp'])). With HF Trainer use hp_core.hf_trainer.HpTrainer(..., mesh=mesh) (docs/training.md)."
+                    f"{self.model_name} is wrapped in DistributedDataParallel over ranks "
+                    f"{sorted(ranks)}, which include rank(s) {shared} of this rank's {axis} group: "
+                    "DDP would broadcast and average shards that differ by design, and train "
+                    "wrongly without an error. Wrap it over the data-parallel ranks only: "
+                    f"DistributedDataParallel(model, process_group={dp}), or use FSDP2 "
+                    "(fully_shard(model, mesh=mesh['dp'])). With HF Trainer use "
+                    "hp_core.hf_trainer.HpTrainer(..., mesh=mesh) (docs/training.md)."
                 )
         self.checked.add(id(wrapper))

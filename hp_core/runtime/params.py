@@ -2,9 +2,10 @@
 
 Validate keeps the DTensor parameters; production keeps only the local shard, as a
 plain ``nn.Parameter``, for good. The copies are made first and swapped in afterwards, so
-the caller's parameters (objects and values) survive until the install commits. Tied parameters (one Parameter reachable under two
-names) are sharded once and stay tied. Meta tensors stay meta. Expert parameters of an
-expert-parallel boundary go to the derived expert mesh instead (``hp_core.runtime.experts``).
+the caller's parameters (objects and values) survive until the install commits. Tied
+parameters (one Parameter reachable under two names) are sharded once and stay tied. Meta
+tensors stay meta. Expert parameters of an expert-parallel boundary go to the derived
+expert mesh instead (``hp_core.runtime.experts``).
 """
 
 from __future__ import annotations
@@ -139,8 +140,8 @@ def shard_parameters(
         if fqn in outside and any(not isinstance(p, Replicate) for p in named.values()):
             # Used by the model's own code between boundaries, where only local tensors flow.
             raise ParameterPlacementError(
-                f"{fqn}.{rel}: its module is not inside any boundary, so it runs on local tensors in "
-                f"the model's own code and cannot be sharded ({named}). Make {fqn!r} a boundary "
+                f"{fqn}.{rel}: its module is not inside any boundary, so it runs on local tensors "
+                f"in the model's own code and cannot be sharded ({named}). Make {fqn!r} a boundary "
                 "(is_boundary: true, with in/out layouts), or keep the parameter replicated."
             )
         # Outside any boundary it stays a plain (replicated) tensor in both modes.

@@ -112,10 +112,11 @@ def contract_partial_axes(
             sharded = sorted(r for r, o in others.items() if isinstance(o.get(axis), Shard))
             raise AmbiguousGradientError(
                 f"{fqn}.{rel}: replicated on {axis!r} in a region that runs on local tensors "
-                f"(region_dispatch=False or injected compute) next to {sharded[:3]} sharded on {axis!r}. "
-                "Whether it meets sharded values there cannot be read off the contract, and DTensor "
-                f"cannot look inside the region. Shard it on {axis!r} like its neighbours, or move it into "
-                "a boundary whose computation DTensor can check (region_dispatch unset)."
+                f"(region_dispatch=False or injected compute) next to {sharded[:3]} sharded on "
+                f"{axis!r}. Whether it meets sharded values there cannot be read off the contract, "
+                f"and DTensor cannot look inside the region. Shard it on {axis!r} like its "
+                "neighbours, or move it into a boundary whose computation DTensor can check "
+                "(region_dispatch unset)."
             )
         if axis in data:
             out.append(axis)

@@ -105,8 +105,8 @@ def _check_mesh(plan: ShardingPlan, mesh: DeviceMesh) -> None:
     missing = [a for a in planned if a not in actual]
     if missing:
         raise MeshMismatchError(
-            f"the plan was made for axes {list(planned)} but the mesh {actual} lacks {missing}. Apply "
-            "the plan on the mesh it was made for, or plan again for this mesh."
+            f"the plan was made for axes {list(planned)} but the mesh {actual} lacks {missing}. "
+            "Apply the plan on the mesh it was made for, or plan again for this mesh."
         )
     wrong = {
         a: (planned[a], actual.size(a))
@@ -127,7 +127,8 @@ def _check_modules(model: nn.Module, plan: ShardingPlan) -> dict[str, nn.Module]
             best = close_matches(fqn, modules, n=3)
             hint = f" Close matches: {best}." if best else ""
             raise PreflightError(
-                f"plan names module {fqn!r}, which the model does not have.{hint} Plan for this model."
+                f"plan names module {fqn!r}, which the model does not have.{hint} Plan for this "
+                "model."
             )
     return modules
 
@@ -139,8 +140,8 @@ def _bind_compute(
     compute = resolved.bind({"module": module, "ctx": ctx}, source=src)
     if not callable(compute):
         raise PreflightError(
-            f"{fqn}: the @local_compute factory {resolved.name!r} returned {compute!r}; it must return "
-            "compute_fn(module, *forward_args)."
+            f"{fqn}: the @local_compute factory {resolved.name!r} returned {compute!r}; it must "
+            "return compute_fn(module, *forward_args)."
         )
     check_forward_compatible(compute, module.forward, leading=1, source=src)
     return compute
@@ -164,19 +165,19 @@ def _resolve(
             else ("inner_wrapper", "inner_target")
         )
         raise PreflightError(
-            f"{fqn}: {have} is set but {lack} is not; an inner wrap needs both (which submodule, and "
-            f"what replaces its forward). Add {lack}, e.g. inner_target: self."
+            f"{fqn}: {have} is set but {lack} is not; an inner wrap needs both (which submodule, "
+            f"and what replaces its forward). Add {lack}, e.g. inner_target: self."
         )
     if spec.has_injection and spec.region_dispatch is None:
         raise PreflightError(
-            f"{fqn}: injected compute must declare region_dispatch explicitly: true if it is plain torch "
-            "ops (validate dispatches DTensors through it), false if it communicates or uses custom "
-            "kernels (it then runs on local tensors)."
+            f"{fqn}: injected compute must declare region_dispatch explicitly: true if it is plain "
+            "torch ops (validate dispatches DTensors through it), false if it communicates or "
+            "uses custom kernels (it then runs on local tensors)."
         )
     if spec.region_dispatch is True and not spec.has_injection:
         raise PreflightError(
-            f"{fqn}: region_dispatch=True without an injection is redundant; remove it (or set false "
-            "if the module's own forward communicates)."
+            f"{fqn}: region_dispatch=True without an injection is redundant; remove it (or set "
+            "false if the module's own forward communicates)."
         )
     if spec.inner_wrapper is not None:
         target = spec.inner_target
@@ -187,13 +188,15 @@ def _resolve(
                 best = close_matches(str(target), children, n=1)
                 hint = f" Did you mean {best[0]!r}?" if best else ""
                 raise PreflightError(
-                    f"{fqn}: inner_target {target!r} is not a child module of {type(module).__name__}.{hint} "
-                    f"Children: {children}; use 'self' for the module itself."
+                    f"{fqn}: inner_target {target!r} is not a child module of "
+                    f"{type(module).__name__}.{hint} Children: {children}; use 'self' for the "
+                    "module itself."
                 )
             if spec.inner_out_src is None:
                 raise PreflightError(
-                    f"{fqn}: inner_target {target!r} is a child, so inner_out_src must say the layout of "
-                    "its output ('first_input', or a placement mapping such as {tp: shard(1)})."
+                    f"{fqn}: inner_target {target!r} is a child, so inner_out_src must say the "
+                    "layout of its output ('first_input', or a placement mapping such as {tp: "
+                    "shard(1)})."
                 )
         resolved = resolve_injection(
             spec.inner_wrapper, "inner_wrapper", source=f"{src}.inner_wrapper"
@@ -201,14 +204,16 @@ def _resolve(
         meta = _registry_meta(spec.inner_wrapper)
         if meta.get("needs_cp") and not cp_active:
             raise PreflightError(
-                f"{fqn}: inner wrapper {resolved.name!r} is a context-parallel wrapper, but the mesh has no "
-                "active cp axis. Add cp to the mesh, or guard the override with 'when: cp'."
+                f"{fqn}: inner wrapper {resolved.name!r} is a context-parallel wrapper, but the "
+                "mesh has no active cp axis. Add cp to the mesh, or guard the override with "
+                "'when: cp'."
             )
         required = meta.get("region_dispatch")
         if required is not None and spec.region_dispatch is not required:
             raise PreflightError(
-                f"{fqn}: inner wrapper {resolved.name!r} requires region_dispatch: {str(required).lower()} "
-                f"(it {'communicates' if required is False else 'is plain torch ops'}); the plan has "
+                f"{fqn}: inner wrapper {resolved.name!r} requires region_dispatch: "
+                f"{str(required).lower()} (it "
+                f"{'communicates' if required is False else 'is plain torch ops'}); the plan has "
                 f"{spec.region_dispatch}."
             )
         result.inner_wrapper, result.inner_target = resolved, target
@@ -229,26 +234,33 @@ def _resolve(
     ):
         raise PreflightError(
             f"{fqn}: attention under cp={ctx.size('cp')} needs a context-parallel attention "
-            "wrapper (each rank holds only part of the sequence, so keys and values must be gathered). "
-            f"Install hp-plugin-cp and add to your overrides:\n{_yaml_cp_fix(fqn)}"
+            "wrapper (each rank holds only part of the sequence, so keys and values must be "
+            f"gathered). Install hp-plugin-cp and add to your overrides:\n{_yaml_cp_fix(fqn)}"
         )
     if spec._ep_size > 1 and spec.local_compute_fn is None:
         # The model's architecture first, then the block's own class name.
         candidates = (*archs, type(module).__name__)
         name = next((n for n in map(suggest_compute_factory, candidates) if n), None)
         hint = (
-            f"(the factory registered for {candidates[0]}; hp plugins lists the factories installed.)"
+            (
+                f"(the factory registered for {candidates[0]}; hp plugins lists the factories "
+                "installed.)"
+            )
             if name
-            else f"(no installed plugin registers a factory for {candidates[0]}: install hp-plugin-moe, "
-            "or write your own @local_compute factory; hp plugins lists the factories installed.)"
+            else (
+                f"(no installed plugin registers a factory for {candidates[0]}: install "
+                "hp-plugin-moe, or write your own @local_compute factory; hp plugins lists the "
+                "factories installed.)"
+            )
         )
         entries = override_entries(
             expert_matches(plan, fqn),
             f"    local_compute_fn: {name or 'FACTORY'}\n    region_dispatch: false\n",
         )
         raise PreflightError(
-            f"{fqn}: experts are sharded over ep={spec._ep_size} but no compute is declared; the MoE "
-            f"block needs an expert-parallel compute that dispatches tokens with all-to-all. Add:\n{entries}{hint}"
+            f"{fqn}: experts are sharded over ep={spec._ep_size} but no compute is declared; the "
+            "MoE block needs an expert-parallel compute that dispatches tokens with all-to-all. "
+            f"Add:\n{entries}{hint}"
         )
     if spec._ep_size > 1:
         check_expert_boundary(fqn, spec, module)
@@ -269,15 +281,15 @@ def _check_attrs(model: nn.Module, plan: ShardingPlan) -> None:
             value = getattr(module, attr, None)
             if value != glob:
                 raise PreflightError(
-                    f"{fqn}.{attr} is {value!r} but the plan expects {glob} (it divides it by tp). Was the "
-                    "plan made for another model, or was the model already parallelized?"
+                    f"{fqn}.{attr} is {value!r} but the plan expects {glob} (it divides it by tp). "
+                    "Was the plan made for another model, or was the model already parallelized?"
                 )
 
 
 def fingerprint_of(
     plan: Any, mode: str, report: Any = None, extra: Mapping[str, str] | None = None
 ) -> dict[str, str]:
-    """Everything that decides which collectives a rank will issue, by name (compared across ranks)."""
+    """Everything deciding which collectives a rank will issue, by name (compared across ranks)."""
     out = {
         "plan": plan.fingerprint()
         if isinstance(plan, ShardingPlan)
@@ -318,26 +330,29 @@ def _exchange(
     if failed:
         rank, v = next(iter(failed.items()))
         raise PlanMismatchError(
-            f"apply() failed its preflight on rank(s) {sorted(failed)} (rank {rank}: {v.error}); no rank touched its model."
+            f"apply() failed its preflight on rank(s) {sorted(failed)} (rank {rank}: {v.error}); "
+            "no rank touched its model."
         )
     differ = mismatches(verdicts)
     if "mode" in differ:
         raise PlanMismatchError(
-            f"ranks called apply() with different modes (by rank: {differ['mode']}); production and validate "
-            "issue different collectives. Pass the same mode on every rank."
+            f"ranks called apply() with different modes (by rank: {differ['mode']}); production "
+            "and validate issue different collectives. Pass the same mode on every rank."
         )
     if "plan" in differ:
         by_rank = {r: fp[:12] for r, fp in differ["plan"].items()}
         raise PlanMismatchError(
-            f"ranks hold different plans (fingerprints by rank: {by_rank}). Every rank must apply the same "
-            "plan, or the collectives it implies would deadlock: build the plan identically on every rank "
-            "(same model config, mesh, overrides and hp/plugin versions) or load one frozen artifact."
+            f"ranks hold different plans (fingerprints by rank: {by_rank}). Every rank must apply "
+            "the same plan, or the collectives it implies would deadlock: build the plan "
+            "identically on every rank (same model config, mesh, overrides and hp/plugin "
+            "versions) or load one frozen artifact."
         )
     if differ:
         detail = "; ".join(f"{name} by rank: {values}" for name, values in differ.items())
         raise PlanMismatchError(
-            f"ranks called apply() with different settings ({detail}). These change which collectives a "
-            "rank issues; give every rank the same arguments, environment and installed plugins."
+            f"ranks called apply() with different settings ({detail}). These change which "
+            "collectives a rank issues; give every rank the same arguments, environment and "
+            "installed plugins."
         )
 
 
@@ -356,17 +371,18 @@ def _expert_layouts(
             world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
             if len(ranks) != world:
                 raise ExpertParallelError(
-                    f"{fqn}: expert parallelism derives its expert mesh from the dense region, which must span "
-                    f"every rank of the job; the mesh has {len(ranks)} of {world} ranks. Apply on a mesh "
-                    "over the whole world."
+                    f"{fqn}: expert parallelism derives its expert mesh from the dense region, "
+                    f"which must span every rank of the job; the mesh has {len(ranks)} of {world} "
+                    "ranks. Apply on a mesh over the whole world."
                 )
         layout = expert_layout(fqn, spec, plan, MeshSpec.from_any(mesh), ranks)
         other = layouts.setdefault(spec._ep_size, layout)
         if other != layout:
             raise ExpertParallelError(
-                f"{fqn}: its tokens are laid out differently from those of {spec_of[spec._ep_size]} "
-                f"(another block with ep={spec._ep_size}), so their experts' replicas would need different "
-                "gradient reductions. Give every expert-parallel block the same in_dst."
+                f"{fqn}: its tokens are laid out differently from those of "
+                f"{spec_of[spec._ep_size]} (another block with ep={spec._ep_size}), so their "
+                "experts' replicas would need different gradient reductions. Give every "
+                "expert-parallel block the same in_dst."
             )
         spec_of.setdefault(spec._ep_size, fqn)
     return layouts
@@ -393,7 +409,8 @@ def _bind_experts(
             raise
         except Exception as e:  # the factory refused the module: name the boundary
             raise PreflightError(
-                f"{fqn}: the @local_compute factory {inj.local_compute.name!r} refused this module: {e}"
+                f"{fqn}: the @local_compute factory {inj.local_compute.name!r} refused this "
+                f"module: {e}"
             ) from e
 
 
@@ -404,7 +421,8 @@ def check_locally(
     result = PreflightResult({})
     if not isinstance(model, nn.Module):
         raise PreflightError(
-            f"apply(model, ...): model must be a torch.nn.Module, got {type(model).__name__} {model!r:.60}."
+            f"apply(model, ...): model must be a torch.nn.Module, got {type(model).__name__} "
+            f"{model!r:.60}."
         )
     if mode not in MODES:
         raise PreflightError(f"apply(mode={mode!r}): mode must be one of {MODES}.")
@@ -414,7 +432,8 @@ def check_locally(
         )
     if getattr(model, "_hp_applied", None) is not None:
         raise PreflightError(
-            f"this {type(model).__name__} was already parallelized by hp; apply a plan to an unsharded model."
+            f"this {type(model).__name__} was already parallelized by hp; apply a plan to an "
+            "unsharded model."
         )
     if plan.loss_parallel and not hasattr(type(model), "loss_function"):
         raise PreflightError(

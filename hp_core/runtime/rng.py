@@ -1,4 +1,4 @@
-"""Randomness under tensor parallelism: the same draws where values are replicated, others where sharded.
+"""Randomness under tp: the same draws where values are replicated, others where sharded.
 
 A dropout on a tp-replicated value must draw the same mask on every tp rank, or the
 replicas drift apart; a dropout on a tp-sharded value (attention probabilities of this

@@ -40,7 +40,7 @@ _calls = itertools.count()
 
 
 class RankTimeoutError(HpError, RuntimeError):
-    """Some ranks did not reach an exchange of ``apply`` in time (dead, hung, or never called it)."""
+    """Some ranks did not reach an exchange of ``apply`` in time (dead, hung, or not calling it)."""
 
 
 class ApplyFailedError(HpError, RuntimeError):
@@ -133,10 +133,10 @@ class VerdictExchange:
             if not missing:  # they arrived just now
                 return [Verdict.loads(store.get(k)) for k in keys]
             raise RankTimeoutError(
-                f"apply() on rank {self.rank}: rank(s) {missing} did not reach the {phase!r} exchange within "
-                f"{self.timeout:g} s (dead, hung, or not calling apply() with the others). Check those ranks' "
-                f"logs; if they are only slow (e.g. loading weights), raise the limit: apply(..., timeout=SECONDS) "
-                f"or {_ENV}=SECONDS."
+                f"apply() on rank {self.rank}: rank(s) {missing} did not reach the {phase!r} "
+                f"exchange within {self.timeout:g} s (dead, hung, or not calling apply() with the "
+                "others). Check those ranks' logs; if they are only slow (e.g. loading weights), "
+                f"raise the limit: apply(..., timeout=SECONDS) or {_ENV}=SECONDS."
             ) from None
         return [Verdict.loads(store.get(k)) for k in keys]
 

@@ -123,8 +123,8 @@ class VocabParallelLookup:
         if max_norm is not None or scale_grad_by_freq:
             raise VocabLookupError(
                 f"{self.fqn}: {type(self.module).__name__} looks up with max_norm={max_norm} / "
-                f"scale_grad_by_freq={scale_grad_by_freq}, which act on the whole vocabulary and cannot "
-                f"run on a vocabulary shard. Keep the embedding whole on {self.axis}:\n"
+                f"scale_grad_by_freq={scale_grad_by_freq}, which act on the whole vocabulary and "
+                f"cannot run on a vocabulary shard. Keep the embedding whole on {self.axis}:\n"
                 f"  - match: {self.fqn!r}\n    params: {{weight: {{{self.axis}: replicate}}}}\n"
                 f"    out_src: {{output: {{{self.axis}: replicate}}}}"
             )
@@ -189,8 +189,9 @@ class VocabParallelLookup:
         if not mode.fired:
             raise VocabLookupError(
                 f"{self.fqn}: the forward of {type(self.module).__name__} never called "
-                "torch.nn.functional.embedding on its weight, so hp cannot make its lookup vocab-parallel "
-                f"(its weight is sharded by vocabulary rows on {self.axis}). Keep the embedding whole:\n"
+                "torch.nn.functional.embedding on its weight, so hp cannot make its lookup "
+                f"vocab-parallel (its weight is sharded by vocabulary rows on {self.axis}). Keep "
+                "the embedding whole:\n"
                 f"  - match: {self.fqn!r}\n    params: {{weight: {{{self.axis}: replicate}}}}\n"
                 f"    out_src: {{output: {{{self.axis}: replicate}}}}"
             )

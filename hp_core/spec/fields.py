@@ -168,7 +168,8 @@ class SpecField:
             return
         if not self.key or self.key == MATCH_KEY:
             raise ValueError(
-                f"{row}: a frozen field needs a meta key other than {MATCH_KEY!r}, got {self.key!r}."
+                f"{row}: a frozen field needs a meta key other than {MATCH_KEY!r}, got "
+                f"{self.key!r}."
             )
         if self.freeze not in FREEZE_KINDS:
             raise ValueError(

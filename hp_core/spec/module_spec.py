@@ -97,7 +97,8 @@ def _norm_named(raw: Any, path: str) -> NamedPlacement:
 def _norm_map(raw: Any, path: str) -> PlacementMap:
     if not isinstance(raw, Mapping):
         raise SpecValidationError(
-            f"{path}: expected a mapping of name to {{axis: placement}}, or 'auto'/'none', got {raw!r}."
+            f"{path}: expected a mapping of name to {{axis: placement}}, or 'auto'/'none', got "
+            f"{raw!r}."
         )
     out: PlacementMap = {}
     for name, named in raw.items():

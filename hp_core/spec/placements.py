@@ -86,7 +86,10 @@ def check_lowerable(
         what = (
             f"Partial({p.reduce_op!r})"
             if type(p) is Partial
-            else f"{type(p).__name__} (a Partial subclass, reduce op {getattr(p, 'reduce_op', '?')!r})"
+            else (
+                f"{type(p).__name__} (a Partial subclass, reduce op "
+                f"{getattr(p, 'reduce_op', '?')!r})"
+            )
         )
         raise UnsupportedPartialError(
             f"{path}{where}: {what} is not supported; only partial(sum) is. {_PARTIAL_FIX}"
@@ -131,8 +134,9 @@ def parse_placement(raw: str | Placement, *, path: str = "placement") -> Placeme
                 else "Write the dimension with 0-9."
             )
             raise PlacementSyntaxError(
-                f"{path}: {raw!r} is not a placement: {digits!r} {'is not an ASCII digit' if len(digits) == 1 else 'are not ASCII digits'}, "
-                f"and placements take the digits 0-9 only. {fix} Grammar: {PLACEMENT_GRAMMAR}."
+                f"{path}: {raw!r} is not a placement: {digits!r} "
+                f"{'is not an ASCII digit' if len(digits) == 1 else 'are not ASCII digits'}, and "
+                f"placements take the digits 0-9 only. {fix} Grammar: {PLACEMENT_GRAMMAR}."
             )
         raise PlacementSyntaxError(
             f"{path}: {raw!r} is not a placement. Grammar: {PLACEMENT_GRAMMAR}. "
@@ -144,14 +148,15 @@ def parse_placement(raw: str | Placement, *, path: str = "placement") -> Placeme
         op = m.group(3)
         if op is not None and op.lower() != "sum":
             raise UnsupportedPartialError(
-                f"{path}: {raw!r}: partial({op}) is not supported; only partial(sum) is. {_PARTIAL_FIX} "
-                f"Grammar: {PLACEMENT_GRAMMAR}."
+                f"{path}: {raw!r}: partial({op}) is not supported; only partial(sum) is. "
+                f"{_PARTIAL_FIX} Grammar: {PLACEMENT_GRAMMAR}."
             )
         return Partial()
     dim = int(m.group(4))
     if dim > 64:  # torch refuses dims past a C int; no tensor has this many dimensions anyway
         raise PlacementSyntaxError(
-            f"{path}: {raw!r}: dimension {dim} is out of range; a tensor dimension is a small number (0, 1, ...)."
+            f"{path}: {raw!r}: dimension {dim} is out of range; a tensor dimension is a small "
+            "number (0, 1, ...)."
         )
     return Shard(dim)
 

@@ -98,7 +98,8 @@ def _worker(
                 pickle.dumps(value)
             except Exception as e:
                 raise TypeError(
-                    f"task result of type {type(value).__name__} cannot be sent back (not picklable): {e}"
+                    f"task result of type {type(value).__name__} cannot be sent back (not "
+                    f"picklable): {e}"
                 ) from None
             results.put((rank, task_id, True, value, None))
         except BaseException as e:  # report everything, including assertion failures
@@ -163,7 +164,8 @@ class World:
                     codes = {r: self._procs[r].exitcode for r in dead}
                     self.close()
                     raise WorldError(
-                        f"world of {self.world_size}: rank(s) {dead} died (exit codes {codes}) during {what}."
+                        f"world of {self.world_size}: rank(s) {dead} died (exit codes {codes}) "
+                        f"during {what}."
                     ) from None
 
     def run(

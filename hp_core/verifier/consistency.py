@@ -31,16 +31,17 @@ def check_modes_agree(
         other = prod.get(fqn)
         if other is not None and rec.shapes != other.shapes:
             raise ProductionDiffersError(
-                f"{fqn}: production mode produces local output shapes {other.shapes} where validate mode "
-                f"produces {rec.shapes}: the module reads a size from its attributes or its inputs that the "
-                "plan shards (declare it in tp_divide_attrs), or an output's declared layout is wrong."
+                f"{fqn}: production mode produces local output shapes {other.shapes} where "
+                f"validate mode produces {rec.shapes}: the module reads a size from its attributes "
+                "or its inputs that the plan shards (declare it in tp_divide_attrs), or an "
+                "output's declared layout is wrong."
             )
 
 
 def _local_shape(
     shape: tuple[int, ...], layout: Mapping[str, Any], sizes: Mapping[str, int]
 ) -> tuple[int, ...] | None:
-    """The local shape of a tensor of global ``shape`` in ``layout`` (None if a split does not divide)."""
+    """The local shape of a tensor of global ``shape`` in ``layout`` (None if a split is uneven)."""
     out = list(shape)
     for axis, p in layout.items():
         n = sizes.get(str(axis), 1)
@@ -70,11 +71,12 @@ def arrival_check(
             want, got = _local_shape(shape, layout, sizes), local.get(name)
             if got is not None and want != got:
                 raise LayoutMismatchError(
-                    f"{fqn}: its input {name!r} arrives with local shape {got} on each rank, but its in_src "
-                    f"{_fmt(layout)} makes the unsharded model's {shape} into {want}. What arrives is in "
-                    "another layout than the contract declares: the boundary before it (or the model's code "
-                    "between them) produces something else. Declare the layout that arrives, or make the "
-                    "producer's out_dst give the declared one."
+                    f"{fqn}: its input {name!r} arrives with local shape {got} on each rank, but "
+                    f"its in_src {_fmt(layout)} makes the unsharded model's {shape} into {want}. "
+                    "What arrives is in another layout than the contract declares: the boundary "
+                    "before it (or the model's code between them) produces something else. "
+                    "Declare the layout that arrives, or make the producer's out_dst give the "
+                    "declared one."
                 )
 
     return check
@@ -105,8 +107,9 @@ def check_layouts(
                 want, got = _local_shape(ref.shapes[call][0], layout, sizes), rec.shapes[call][0]
                 if want != got:
                     raise LayoutMismatchError(
-                        f"{fqn}: its output {outs[0]!r} leaves with local shape {got} on each rank, but its out_dst "
-                        f"{_fmt(layout)} makes the unsharded model's {ref.shapes[call][0]} into {want}."
+                        f"{fqn}: its output {outs[0]!r} leaves with local shape {got} on each "
+                        f"rank, but its out_dst {_fmt(layout)} makes the unsharded model's "
+                        f"{ref.shapes[call][0]} into {want}."
                     )
 
 
@@ -130,9 +133,11 @@ def check_input_gradients(
                     expected = grad_is_partial(spec, axis)
                     if isinstance(p, Partial) != expected:
                         raise InputGradientError(
-                            f"{fqn}: the gradient of its input {name!r} is {'partial' if isinstance(p, Partial) else 'whole'} "
-                            f"on {axis!r} in DTensor's backward, but production's entry transition assumes it "
-                            f"{'partial' if expected else 'whole'} (it {'sums' if expected else 'does not sum'} it over "
-                            f"{axis}). The region mixes sharded and replicated paths from this input; shard the "
+                            f"{fqn}: the gradient of its input {name!r} is "
+                            f"{'partial' if isinstance(p, Partial) else 'whole'} on {axis!r} in "
+                            "DTensor's backward, but production's entry transition assumes it "
+                            f"{'partial' if expected else 'whole'} (it "
+                            f"{'sums' if expected else 'does not sum'} it over {axis}). The region "
+                            "mixes sharded and replicated paths from this input; shard the "
                             "replicated ones, or keep the boundary whole on that axis."
                         )

@@ -57,10 +57,11 @@ def _outside(
         if how == "mixed":
             raise AmbiguousGradientError(
                 f"{name}: its module runs outside every boundary, where activations are sharded on "
-                f"{axis!r} in some places and whole in others, so hp cannot tell which tokens it sees. "
-                f"Make {fqn or 'it'} a boundary that declares its input layout, e.g.:\n"
+                f"{axis!r} in some places and whole in others, so hp cannot tell which tokens it "
+                f"sees. Make {fqn or 'it'} a boundary that declares its input layout, e.g.:\n"
                 f"  - match: {fqn!r}\n    in_src: {{input: {{{axis}: replicate}}}}\n"
-                f"    out_src: {{output: {{{axis}: replicate}}}}\n    out_dst: {{output: {{{axis}: replicate}}}}"
+                f"    out_src: {{output: {{{axis}: replicate}}}}\n    out_dst: {{output: {{{axis}: "
+                "replicate}}"
             )
         if how == "sharded":
             axes.append(axis)
@@ -151,8 +152,8 @@ def _per_parameter(
             most, least = max(kinds, key=len), min(kinds, key=len)
             raise MixedGradientError(
                 f"{aliases[0]}: its gradient is partial over {list(most)} in one use and over "
-                f"{list(least) or 'nothing'} in another (names {aliases}); no single reduction makes both "
-                "right. Give its uses the same layout, or untie the weights."
+                f"{list(least) or 'nothing'} in another (names {aliases}); no single reduction "
+                "makes both right. Give its uses the same layout, or untie the weights."
             )
         if kinds and (axes := next(iter(kinds))):
             source = "propagation" if any(s == "propagation" for _, s in uses) else "contract"

@@ -37,13 +37,15 @@ def verification_mesh(
     if spec is None:
         if plan.mesh_shape is None:
             raise UnverifiableError(
-                "verify(): the plan knows only its axis names; pass the mesh sizes, e.g. verify(model, plan, 'tp=8')."
+                "verify(): the plan knows only its axis names; pass the mesh sizes, e.g. "
+                "verify(model, plan, 'tp=8')."
             )
         spec = MeshSpec(plan.mesh_axis_names, plan.mesh_shape)
     if dist.is_available() and dist.is_initialized():
         raise UnverifiableError(
-            f"verify(): a process group is already initialized, so hp cannot start a fake one for {spec}; pass "
-            "the DeviceMesh the plan will run on (verification on it communicates nothing)."
+            "verify(): a process group is already initialized, so hp cannot start a fake one for "
+            f"{spec}; pass the DeviceMesh the plan will run on (verification on it communicates "
+            "nothing)."
         )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -80,8 +82,9 @@ def default_inputs(model: nn.Module, mesh: DeviceMesh) -> tuple[tuple[Any, ...],
     if any(isinstance(m, nn.Embedding) for m in model.modules()):
         return (ids,), {}
     raise UnverifiableError(
-        f"verify(): hp cannot guess what {type(model).__name__}.forward takes; pass one rank's inputs, e.g. "
-        "report = hp_core.verify(model, plan, mesh, inputs=((x,), {})), then apply(..., verify=report)."
+        f"verify(): hp cannot guess what {type(model).__name__}.forward takes; pass one rank's "
+        "inputs, e.g. report = hp_core.verify(model, plan, mesh, inputs=((x,), {})), then "
+        "apply(..., verify=report)."
     )
 
 

@@ -50,7 +50,7 @@ __all__ = [
 
 
 def verifier_pre(pre: PreflightResult, plan: ShardingPlan) -> PreflightResult:
-    """Injections for the meta copies: pure-op ones stay, the rest give way to the module's own forward."""
+    """Injections for the meta copies: pure-op ones stay, others yield to the module's forward."""
     injections = {}
     for fqn, inj in pre.injections.items():
         keep = plan[fqn].region_dispatch is True
@@ -93,7 +93,7 @@ def _run(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], backwa
 
 
 def _region_params(model: nn.Module, plan: ShardingPlan, fqn: str) -> dict[str, Any]:
-    """Parameters a boundary's region computes with: its own and those of non-boundary specs inside it."""
+    """Parameters a boundary's region uses: its own and those of non-boundary specs inside it."""
     boundaries = [
         f
         for f, s in plan.items()
@@ -200,8 +200,9 @@ def production_pass(
         raise  # a finding of a probe, or a refusal hp's own code raised
     except Exception as e:
         raise ProductionDiffersError(
-            f"production mode fails outside every boundary, in the model's own code: {type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}. The layouts between boundaries are not what that code "
-            "expects (e.g. a sequence-sharded activation where it needs the whole sequence)."
+            "production mode fails outside every boundary, in the model's own code: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. The layouts between "
+            "boundaries are not what that code expects (e.g. a sequence-sharded activation where "
+            "it needs the whole sequence)."
         ) from e
     return records

@@ -43,7 +43,7 @@ __all__ = [
 
 
 def call_key(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """What a module's behaviour can depend on in a call: tensor shapes, dtypes, layouts, plain values."""
+    """What a module's behaviour in a call can depend on: tensor shapes, dtypes, layouts, values."""
 
     def key(v: Any) -> Any:
         if isinstance(v, DTensor):
@@ -120,7 +120,10 @@ def opaque_fallback(bf: BoundaryForward, record: BoundaryRecord) -> None:
             x = next((t for t in tensors_in((args, kwargs)) if t.is_floating_point()), None)
             if x is None:
                 raise
-            record.skipped = f"its code does not run on meta tensors ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+            record.skipped = (
+                f"its code does not run on meta tensors ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:120] if str(e) else ''})"
+            )
             return x if n_out == 1 else (x, *([None] * (n_out - 1)))
 
     bf.compute = run
@@ -146,11 +149,12 @@ class _RandomOnPartial(TorchDispatchMode):
             for t in tensors_in((args, kwargs)):
                 if isinstance(t, DTensor) and any(isinstance(p, Partial) for p in t.placements):
                     raise RandomOnPartialError(
-                        f"{self.fqn} ({self.module_type}): the random op {func} runs on a partial sum "
-                        f"(placements {tuple(t.placements)}), before the reduction that makes it whole: each "
-                        "rank would draw its own mask for a value that exists only after the sum. Move the "
-                        "dropout after the boundary's exit (it then acts on the reduced value), set its "
-                        "probability to 0, or keep the boundary whole on tp."
+                        f"{self.fqn} ({self.module_type}): the random op {func} runs on a partial "
+                        f"sum (placements {tuple(t.placements)}), before the reduction that makes "
+                        "it whole: each rank would draw its own mask for a value that exists only "
+                        "after the sum. Move the dropout after the boundary's exit (it then acts "
+                        "on the reduced value), set its probability to 0, or keep the boundary "
+                        "whole on tp."
                     )
         return func(*args, **kwargs)
 
@@ -215,9 +219,10 @@ class ValidateProbe:
             if not self.bf.dispatch:
                 raise
             raise VerificationError(
-                f"{self.bf.fqn} ({self.module_type}): DTensor propagation fails inside the region with the plan's "
-                f"layouts: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\nThe module's code does "
-                "not fit the declared layouts (production would crash or compute something else on local "
+                f"{self.bf.fqn} ({self.module_type}): DTensor propagation fails inside the region "
+                f"with the plan's layouts: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}\nThe module's code does not fit the "
+                "declared layouts (production would crash or compute something else on local "
                 "shards). Keep the boundary whole on tp:\n"
                 + keep_whole_yaml(self.bf.fqn, self.bf.spec, match=self.bf.fix_match)
             ) from e
@@ -270,12 +275,14 @@ class ProductionProbe:
             raise
         except Exception as e:
             raise ProductionDiffersError(
-                f"{self.bf.fqn} ({type(self.bf.module).__name__}): production mode fails on this rank's local shards: "
-                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
-                "Validate mode's DTensors would hide it (they re-layout on their own), so the plan does not "
-                "fit this module: a head count or size the module reads from its attributes, or a "
-                "parameter whose layout does not match the activation it meets. Declare the attribute in "
-                "tp_divide_attrs, fix the parameter's layout, or keep the boundary whole on tp:\n"
+                f"{self.bf.fqn} ({type(self.bf.module).__name__}): production mode fails on this "
+                f"rank's local shards: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}\n"
+                "Validate mode's DTensors would hide it (they re-layout on their own), so the plan "
+                "does not fit this module: a head count or size the module reads from its "
+                "attributes, or a parameter whose layout does not match the activation it meets. "
+                "Declare the attribute in tp_divide_attrs, fix the parameter's layout, or keep the "
+                "boundary whole on tp:\n"
                 + keep_whole_yaml(self.bf.fqn, self.bf.spec, match=self.bf.fix_match)
             ) from e
         if new:
@@ -285,7 +292,7 @@ class ProductionProbe:
 
 
 class ShapeRecorder:
-    """Wraps one boundary module of the *unsharded* copy: the global shapes it sees, per distinct call."""
+    """Wraps a boundary module of the *unsharded* copy: its global shapes, per distinct call."""
 
     def __init__(self, forward: Callable[..., Any], record: BoundaryRecord, spec: Any) -> None:
         self.forward = forward

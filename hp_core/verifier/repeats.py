@@ -34,7 +34,10 @@ def _plain(value: Any) -> bool:
 
 def _value_key(value: Any) -> Any:
     if callable(value) and not isinstance(value, type):
-        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+        return (
+            f"{getattr(value, '__module__', '?')}."
+            f"{getattr(value, '__qualname__', type(value).__qualname__)}"
+        )
     if isinstance(value, dict):
         return tuple(sorted((str(k), _value_key(v)) for k, v in value.items()))
     if isinstance(value, list | tuple):

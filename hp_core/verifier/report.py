@@ -84,7 +84,8 @@ class VerifyReport:
         """
         if not isinstance(text, str | bytes):
             raise ReportFormatError(
-                f"{source}: expected the report's text (from VerifyReport.dumps()), got {type(text).__name__}."
+                f"{source}: expected the report's text (from VerifyReport.dumps()), got "
+                f"{type(text).__name__}."
             )
         try:
             body = loads_json(text, source=source, error=ReportFormatInputLimitError)
@@ -100,12 +101,14 @@ class VerifyReport:
             )
         if body.get("version") != _VERSION:
             raise ReportFormatError(
-                f"{source}: report version {body.get('version')!r}; this hp reads {_VERSION}. Verify again."
+                f"{source}: report version {body.get('version')!r}; this hp reads {_VERSION}. "
+                "Verify again."
             )
         signature = body.pop("signature", None)
         if signature != "sha256:" + hashlib.sha256(_canonical(body)).hexdigest():
             raise ReportFormatError(
-                f"{source}: the report's signature does not match its content (edited or corrupt). Verify again."
+                f"{source}: the report's signature does not match its content (edited or corrupt). "
+                "Verify again."
             )
         try:
             return cls(
@@ -130,15 +133,17 @@ class VerifyReport:
 
     def summary(self) -> str:
         lines = [
-            f"verified on mesh {dict(self.mesh)} in {self.seconds:.2f} s: {len(self.checked)} boundaries checked by "
-            f"propagation, {len(self.opaque)} run on local tensors, {len(self.repeated)} repeated layers skipped",
+            f"verified on mesh {dict(self.mesh)} in {self.seconds:.2f} s: {len(self.checked)} "
+            f"boundaries checked by propagation, {len(self.opaque)} run on local tensors, "
+            f"{len(self.repeated)} repeated layers skipped",
         ]
         by_axes: dict[tuple[str, ...], list[str]] = {}
         for r in self.reductions:
             by_axes.setdefault(r.axes, []).append(r.param)
         for axes, names in by_axes.items():
             lines.append(
-                f"  partial gradients summed over {'+'.join(axes)}: {len(names)} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                f"  partial gradients summed over {'+'.join(axes)}: {len(names)} "
+                f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
             )
         for fqn, why in list(self.opaque.items())[:8]:
             lines.append(f"  not looked into: {fqn} ({why})")

@@ -106,11 +106,12 @@ def verify(
                 )
                 prod = production_pass(model, plan, dmesh, vpre, repeats, args, kwargs, val)
         except HpError:
-            raise  # a finding (VerificationError, AmbiguousGradientError, PlacementMismatchError, ...)
+            # A finding (VerificationError, AmbiguousGradientError, PlacementMismatchError, ...).
+            raise
         except Exception as e:
             raise UnverifiableError(
-                f"verify(): running {type(model).__name__} on meta tensors failed outside what hp can attribute: "
-                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                f"verify(): running {type(model).__name__} on meta tensors failed outside what hp "
+                f"can attribute: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             ) from e
         check_modes_agree(val, prod)
         if plain is not None:

@@ -20,7 +20,7 @@ S1 = Shard(1)
 
 @dataclasses.dataclass
 class TemplateContext:
-    """Everything a :class:`~hp_core.planner.templates.roles.BoundaryTemplate` needs to build a spec.
+    """Everything a :class:`~hp_core.planner.templates.roles.BoundaryTemplate` needs for a spec.
 
     Layout helpers only name axes the mesh has: ``tp`` (tensor parallel, with sequence
     parallel when ``sequence_parallel``) and ``cp`` (context parallel; activations stay

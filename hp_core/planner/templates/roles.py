@@ -72,7 +72,8 @@ class RoleRule:
             isinstance(a, str) for a in self.architectures
         ):
             raise TemplateDefinitionError(
-                f"RoleRule {self.name!r}: architectures must be a tuple of class names, got {self.architectures!r}"
+                f"RoleRule {self.name!r}: architectures must be a tuple of class names, got "
+                f"{self.architectures!r}"
             )
         object.__setattr__(self, "architectures", tuple(self.architectures))
         try:
@@ -154,7 +155,8 @@ class BoundaryTemplate:
     def __post_init__(self) -> None:
         if self.kind not in BOUNDARY_KINDS:
             raise TemplateDefinitionError(
-                f"BoundaryTemplate {self.name!r}: kind must be one of {BOUNDARY_KINDS}, got {self.kind!r}"
+                f"BoundaryTemplate {self.name!r}: kind must be one of {BOUNDARY_KINDS}, got "
+                f"{self.kind!r}"
             )
         if not callable(self.build):
             raise TemplateDefinitionError(
@@ -164,7 +166,8 @@ class BoundaryTemplate:
             isinstance(a, str) for a in self.architectures
         ):
             raise TemplateDefinitionError(
-                f"BoundaryTemplate {self.name!r}: architectures must be a tuple of class names, got {self.architectures!r}"
+                f"BoundaryTemplate {self.name!r}: architectures must be a tuple of class names, "
+                f"got {self.architectures!r}"
             )
         object.__setattr__(self, "architectures", tuple(self.architectures))
 
