@@ -33,88 +33,16 @@ from torch.overrides import TorchFunctionMode
 
 from hp_core.injection import inner_wrapper
 from hp_plugin_cp.attention import cp_flex_attention, cp_sdpa, user_mask_error
-from hp_plugin_cp.errors import CPBatchError, CPConfigError, CPMisfireError, CPUnsupportedError
-from hp_plugin_cp.layout import CP_LAYOUT_KEY, CPLayout
+from hp_plugin_cp.binding import Binding, module_name
+from hp_plugin_cp.errors import CPConfigError, CPMisfireError, CPUnsupportedError
+from hp_plugin_cp.layout import CP_LAYOUT_KEY
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
     from hp_core.context import ParallelContext
 
 __all__ = ["flex_hf", "flex_qkv", "sdpa_hf", "sdpa_qkv"]
 
 _HF_FLEX = ("transformers.integrations.flex_attention", "compile_friendly_flex_attention")
-
-
-def module_name(module: nn.Module) -> str:
-    """The module's FQN (recorded by hp's applier on inner-wrap targets) or a description."""
-    fqn = getattr(module, "_hp_fqn", None)
-    if fqn is not None:
-        return f"{fqn!r} ({type(module).__name__})"
-    layer = getattr(module, "layer_idx", None)
-    return type(module).__name__ + (f" (layer_idx={layer})" if layer is not None else "")
-
-
-class _Binding:
-    """What a wrapper learned at apply time: its module, the cp group and its config."""
-
-    def __init__(
-        self,
-        wrapper: str,
-        module: nn.Module,
-        cp_mesh: DeviceMesh | None,
-        load_balanced: bool | None,
-    ) -> None:
-        self.wrapper = wrapper
-        self.module = module
-        self.where = f"{wrapper} on {module_name(module)}"
-        if cp_mesh is None:
-            raise CPConfigError(
-                f"{self.where}: the mesh has no active cp axis.\n"
-                "A context-parallel wrapper needs cp > 1 on the mesh.\n"
-                "Fix: add cp to the mesh, or guard the override with 'when: cp'."
-            )
-        self.group = cp_mesh.get_group()
-        self.cp_size = cp_mesh.size()
-        self.cp_rank = cp_mesh.get_local_rank()
-        self.load_balanced = load_balanced
-        self._auto: dict[int, CPLayout] = {}
-
-    def layout(self, given: Any, local_len: int) -> CPLayout:
-        """The batch's layout (checked against this mesh and config) or one derived from it."""
-        if given is None:
-            if local_len not in self._auto:
-                self._auto = {
-                    local_len: CPLayout(
-                        self.cp_size,
-                        self.cp_rank,
-                        local_len * self.cp_size,
-                        bool(self.load_balanced),
-                    )
-                }
-            return self._auto[local_len]
-        if not isinstance(given, CPLayout):
-            raise CPBatchError(
-                f"{self.where}: keyword {CP_LAYOUT_KEY!r} is a {type(given).__name__}.\n"
-                f"{CP_LAYOUT_KEY!r} must be a CPLayout (from shard_batch_for_cp).\n"
-                f"Fix: pass the batch shard_batch_for_cp returned, its {CP_LAYOUT_KEY!r} unchanged."
-            )
-        if (given.cp_size, given.cp_rank) != (self.cp_size, self.cp_rank):
-            raise CPBatchError(
-                f"{self.where}: the batch was sharded for cp rank {given.cp_rank} of "
-                f"{given.cp_size}, but this rank is {self.cp_rank} of {self.cp_size}.\n"
-                "Each rank must get the chunk of its own cp rank.\n"
-                "Fix: call shard_batch_for_cp with this model's cp mesh."
-            )
-        if self.load_balanced is not None and self.load_balanced != given.load_balanced:
-            raise CPBatchError(
-                f"{self.where}: the plan says load_balanced: {str(self.load_balanced).lower()} but "
-                f"the batch was sharded with load_balanced={given.load_balanced}.\n"
-                "The wrapper and the batch must use one layout.\n"
-                "Fix: drop load_balanced from the wrapper config (it then follows the batch), or "
-                f"shard the batch with load_balanced={self.load_balanced}."
-            )
-        return given
 
 
 # --------------------------------------------------------------------- _qkv
@@ -153,7 +81,7 @@ def _is_default(value: Any, default: Any) -> bool:
         return False
 
 
-def _qkv_forward(b: _Binding, kernel: str, causal: bool | None) -> Callable[..., Any]:
+def _qkv_forward(b: Binding, kernel: str, causal: bool | None) -> Callable[..., Any]:
     original = b.module.forward
     sig = inspect.signature(original)
     params = list(sig.parameters.values())
@@ -245,7 +173,7 @@ def sdpa_qkv(
     call's, else True).
     """
     return _qkv_forward(
-        _Binding("sdpa_qkv", target_module, ctx.cp_mesh, load_balanced), "sdpa", causal
+        Binding("sdpa_qkv", target_module, ctx.cp_mesh, load_balanced), "sdpa", causal
     )
 
 
@@ -263,7 +191,7 @@ def flex_qkv(
     must be None (the wrapper builds it). Config as for :func:`sdpa_qkv`.
     """
     return _qkv_forward(
-        _Binding("flex_qkv", target_module, ctx.cp_mesh, load_balanced), "flex", causal
+        Binding("flex_qkv", target_module, ctx.cp_mesh, load_balanced), "flex", causal
     )
 
 
@@ -342,7 +270,7 @@ class _FunctionShim:
 _FLEX_SHIM = _FunctionShim(*_HF_FLEX)
 
 
-def _check_no_kv_cache(b: _Binding, kwargs: dict[str, Any]) -> None:
+def _check_no_kv_cache(b: Binding, kwargs: dict[str, Any]) -> None:
     """A filled KV cache holds local keys only, and HF then crops or extends keys silently."""
     cache = next(
         (
@@ -365,7 +293,7 @@ def _check_no_kv_cache(b: _Binding, kwargs: dict[str, Any]) -> None:
         )
 
 
-def _hf_forward(b: _Binding, kernel: str) -> Callable[..., Any]:
+def _hf_forward(b: Binding, kernel: str) -> Callable[..., Any]:
     module = b.module
     if getattr(module, "sliding_window", None) is not None:
         raise CPUnsupportedError(
@@ -493,7 +421,7 @@ def sdpa_hf(
     ``load_balanced``: None (default) follows the batch's layout (contiguous without one);
     True/False must match it.
     """
-    return _hf_forward(_Binding("sdpa_hf", target_module, ctx.cp_mesh, load_balanced), "sdpa")
+    return _hf_forward(Binding("sdpa_hf", target_module, ctx.cp_mesh, load_balanced), "sdpa")
 
 
 @inner_wrapper
@@ -514,4 +442,4 @@ def flex_hf(
             "flex_hf intercepts transformers' flex-attention call.\n"
             "Fix: install transformers, or use flex_qkv."
         ) from None
-    return _hf_forward(_Binding("flex_hf", target_module, ctx.cp_mesh, load_balanced), "flex")
+    return _hf_forward(Binding("flex_hf", target_module, ctx.cp_mesh, load_balanced), "flex")
