@@ -145,9 +145,10 @@ def _analyse(fn: Any, kind: str) -> InjectionMeta:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             star = "*" if p.kind is p.VAR_POSITIONAL else "**"
             raise InjectionDefinitionError(
-                f"{deco} {name}: '{star}{p.name}' is not allowed. Every parameter must be named "
-                f"so that typos in YAML config keys can be caught. Declare the context you need "
-                f"({', '.join(allowed)}) and each config key as an explicit parameter."
+                f"{deco} {name}: '{star}{p.name}' is not allowed. "
+                "Every parameter must be named so that typos in YAML config keys can be caught. "
+                f"Fix: declare the context you need ({', '.join(allowed)}) and each config key "
+                "as an explicit parameter."
             )
         if p.kind is p.POSITIONAL_ONLY:
             raise InjectionDefinitionError(

@@ -1,4 +1,4 @@
-"""SPEC_FIELDS: the table is SPEC §8 row by row, its views, and the reflection check."""
+"""SPEC_FIELDS: the table is docs/artifacts.md's row by row, its views, and the reflection check."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from hp_core.spec import ModuleShardingSpec
 from hp_core.spec import fields as sf
 from hp_core.spec.module_spec import table_problems
 
-# SPEC §8, copied by hand: (field, meta key, group, freeze kind, rebuild kind, post_init).
+# docs/artifacts.md's table, copied by hand:
+# (field, meta key, group, freeze kind, rebuild kind, post_init).
 SPEC_TABLE = [
     ("params", "params", "param_plan", "placement_map", "placement_map", False),
     ("in_src", "in_src", "param_plan", "named_placements", "named_placements", False),

@@ -150,7 +150,7 @@ def test_placement_digits_are_ascii_only(text, fixed):
     assert msg.startswith(f"overrides[0].params.w.tp: {text!r} is not a placement")
     assert "digits 0-9 only" in msg
     if fixed is not None:
-        assert f"Write {fixed!r}." in msg
+        assert f"Fix: write {fixed!r}." in msg
     # the same text in a spec and in a YAML override
     with pytest.raises(SpecValidationError, match=re.escape(repr(text))):
         ModuleShardingSpec(params={"w": {"tp": text}})

@@ -1,4 +1,4 @@
-"""Artifacts: freeze a plan into a signed, byte-stable file and rebuild it (SPEC §8).
+"""Artifacts: freeze a plan into a signed, byte-stable file and rebuild it (docs/artifacts.md).
 
 Upstream hyper-parallel calls this ``codegen/plan``; it generates no code.
 

@@ -9,8 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from hp_core.cli.failure import command
-from hp_core.plugins import RegisteredItem, RegistryKind
-from hp_core.plugins._manager import current_state, strict_from_env
+from hp_core.plugins import RegisteredItem, RegistryKind, current_state, strict_from_env
 
 __all__ = ["add_plugins_command", "cmd_plugins"]
 

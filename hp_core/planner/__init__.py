@@ -1,4 +1,4 @@
-"""The planner: model structure + mesh + overrides → ``ShardingPlan`` (SPEC §4).
+"""The planner: model structure + mesh + overrides → ``ShardingPlan`` (docs/plans.md).
 
 This package imports none of its modules (so importing one never pulls in the rest).
 What is where: ``plan`` — :func:`hp_core.plan` itself; ``structure`` — the model's blocks

@@ -3,7 +3,7 @@
 It registers the default parameter-role rules and boundary templates through the same
 hook third-party plugins use, so the planner sees one registry with provenance for
 every rule and template. The plugin layer loads it by module name
-(``hp_core.plugins._config.BUILTIN_PLUGIN_MODULE``), like an entry point, so the plugin
+(``hp_core.plugins.BUILTIN_PLUGIN_MODULE``), like an entry point, so the plugin
 layer imports nothing from the planner above it.
 """
 

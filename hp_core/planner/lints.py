@@ -1,4 +1,4 @@
-"""Checks of a finished plan against the model and the mesh (SPEC §4 steps 6-8).
+"""Checks of a finished plan against the model and the mesh (docs/plans.md, step 5).
 
 Each failure is a specific ``PlanningError`` whose message names the module, the rule
 and the fix.

@@ -1,4 +1,4 @@
-"""``plan(model, mesh)``: model structure + mesh + overrides → ``ShardingPlan`` (SPEC §4).
+"""``plan(model, mesh)``: model structure + mesh + overrides → ``ShardingPlan`` (docs/plans.md).
 
 Pure: it reads names, shapes and the module tree, so it works on a meta-device model
 and a mesh that is only names and sizes.

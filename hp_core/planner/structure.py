@@ -138,7 +138,7 @@ def _claim_pass(
 
 
 def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
-    """Classify every parameter and group them into blocks (SPEC §4 steps 1-2)."""
+    """Classify every parameter and group them into blocks (docs/plans.md, steps 1-2)."""
     rules = list(rules)
     archs = model_architectures(model)
     modules = dict(model.named_modules())

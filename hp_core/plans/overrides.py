@@ -2,7 +2,7 @@
 
 Overrides are lists of :class:`OverrideEntry` (from Python or YAML) that
 :func:`resolve_overrides` merges into the derived boundaries with the "unset inherits,
-set wins" rule (SPEC 2.3, :func:`hp_core.spec.merge.merge_specs`).
+set wins" rule (docs/plans.md, "Overrides"; :func:`hp_core.spec.merge.merge_specs`).
 """
 
 from __future__ import annotations
@@ -426,7 +426,7 @@ def resolve_overrides(
     active: Iterable[str],
     mesh_axis_names: Sequence[str],
 ) -> tuple[dict[str, ModuleShardingSpec], list[str]]:
-    """Merge user overrides into the derived boundaries (SPEC 2.3 "Override keys").
+    """Merge user overrides into the derived boundaries (docs/plans.md, "Overrides").
 
     Every entry is validated first (spec values, mesh axes, no dp, exact FQNs exist).
     Entries whose ``when`` axis is not in ``active`` are skipped. An exact key merges into

@@ -91,8 +91,9 @@ def yaml_load(text: str, name: str) -> Any:
         context = getattr(e, "context", None)
         detail = f"{problem} ({context})" if context else problem
         raise PlanYAMLError(
-            f"{where}: invalid YAML: {detail}. Fix the document at that line "
-            "(indentation, a missing ':' or an unclosed bracket or quote are the usual causes)."
+            f"{where}: invalid YAML: {detail}. "
+            "Fix: correct the document at that line (indentation, a missing ':' or an unclosed "
+            "bracket or quote are the usual causes)."
         ) from None
 
 

@@ -1,4 +1,4 @@
-"""The runtime mechanisms ``hp_core.apply`` installs on a model (SPEC §5).
+"""The runtime mechanisms ``hp_core.apply`` installs on a model (docs/plans.md, "Applying").
 
 This package imports none of its modules, so a runtime module importing another never
 pulls in the applier. What is where:

@@ -1,4 +1,4 @@
-"""Preflight: everything ``apply`` can check without touching the model (SPEC §5).
+"""Preflight: everything ``apply`` can check without touching the model (docs/plans.md, "Applying").
 
 Runs on every rank; the ranks then exchange their plan fingerprint and their verdict
 in one collective, so a divergent plan or a rank-local failure is an error on every

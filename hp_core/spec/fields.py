@@ -3,8 +3,8 @@
 Every other classification is derived from it: the dataclass's validation and merge rule
 (:mod:`hp_core.spec.module_spec`, :mod:`hp_core.spec.merge`), the plan document's YAML
 codec (:mod:`hp_core.plans.spec_codec`) and freeze/rebuild (:mod:`hp_core.artifact`). The
-first six columns are SPEC §8 (upstream hyper-parallel's names) and their row order is the
-key order of a frozen entry:
+first six columns are the table in docs/artifacts.md (upstream hyper-parallel's names)
+and their row order is the key order of a frozen entry:
 
 - ``name``: the attribute (a leading underscore marks a planner-derived or runtime one);
 - ``key``: its key in a frozen artifact (None for exempt rows);
@@ -220,7 +220,7 @@ def _derived(
 
 _PM, _NP, _OV = "placement_map", "named_placements", "contract"
 
-#: SPEC §8, row by row and in this order.
+#: The table in docs/artifacts.md, row by row and in this order.
 SPEC_FIELDS: tuple[SpecField, ...] = (
     _user(
         "params",

@@ -1,4 +1,4 @@
-"""The merge rule: a user override into a derived spec, "unset inherits, set wins" (SPEC 2.3).
+"""The merge rule: a user override into a derived spec, "unset inherits, set wins" (docs/plans.md).
 
 Each field merges by the ``merge`` column of its row in
 :data:`~hp_core.spec.fields.SPEC_FIELDS`; planner-derived facts come from the derived spec.
@@ -48,7 +48,7 @@ def _merge_contract(
 def merge_specs(
     derived: ModuleShardingSpec, override: ModuleShardingSpec, *, fqn: str = "<module>"
 ) -> tuple[ModuleShardingSpec, list[str]]:
-    """Merge a user override into a derived spec: "unset inherits, set wins" (SPEC 2.3).
+    """Merge a user override into a derived spec: "unset inherits, set wins" (docs/plans.md).
 
     Returns a new spec and a list of notes naming what the override dropped. Neither
     input is mutated.

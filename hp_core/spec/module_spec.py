@@ -218,7 +218,7 @@ def _derived_attribute(row: SpecField) -> property:
 @keyword_checked
 @dataclasses.dataclass
 class ModuleShardingSpec:
-    """The contract of one module boundary (SPEC 2.2).
+    """The contract of one module boundary (docs/concepts.md).
 
     ``None`` in a contract field means "not declared": on merge it inherits the derived
     value. Explicit values, including ``{}``, replace the whole field. ``derived`` holds
@@ -282,7 +282,7 @@ class ModuleShardingSpec:
         return []
 
 
-# ``spec._tp_local_attr_plan``, ``spec._ep_size``, ...: the SPEC §8 names of derived facts.
+# ``spec._tp_local_attr_plan``, ``spec._ep_size``, ...: derived facts (docs/artifacts.md names).
 for _row in DERIVED_FIELDS:
     setattr(ModuleShardingSpec, _row.name, _derived_attribute(_row))
 del _row

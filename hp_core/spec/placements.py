@@ -129,9 +129,9 @@ def parse_placement(raw: str | Placement, *, path: str = "placement") -> Placeme
         if found is not None:
             digits, ascii_text = found
             fix = (
-                f"Write {ascii_text!r}."
+                f"Fix: write {ascii_text!r}."
                 if ascii_text is not None
-                else "Write the dimension with 0-9."
+                else "Fix: write the dimension with 0-9."
             )
             raise PlacementSyntaxError(
                 f"{path}: {raw!r} is not a placement: {digits!r} "

@@ -81,7 +81,7 @@ def test_reduce_cp_gradients_without_gradients_is_a_no_op():
 
 def test_flex_hf_without_transformers_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers.integrations.flex_attention", None)
-    with pytest.raises(CPConfigError, match="Install transformers, or use flex_qkv"):
+    with pytest.raises(CPConfigError, match="Fix: install transformers, or use flex_qkv"):
         flex_hf(
             target_module=nn.Linear(2, 2), ctx=ParallelContext(("cp",), (2,), cp_mesh=_cp_rank())
         )

@@ -56,7 +56,7 @@ def test_shard_then_unshard_is_the_identity(lb):
 def test_indivisible_sequence_names_the_multiple_to_pad_to(seq, lb, chunks):
     with pytest.raises(
         CPBatchError,
-        match=rf"length {seq} is not divisible by {chunks}.*pad_to_multiple_of={chunks}",
+        match=rf"(?s)length {seq} is not divisible by {chunks}\..*pad_to_multiple_of={chunks}",
     ):
         shard_sequence(torch.zeros(1, seq), 1, 0, 2, load_balanced=lb)
 

@@ -287,7 +287,8 @@ def test_router_options_that_would_do_nothing_are_refused():
     block = PerExpertMoE()
     del block.top_k
     with pytest.raises(
-        MoEConfigError, match=r"has no integer top_k attribute .* Set the config key top_k: N"
+        MoEConfigError,
+        match=r"(?s)has no integer top_k attribute .*\nFix: set the config key top_k: N",
     ):
         moe.routed_only(module=block, **CTX)
     assert moe.routed_only(module=block, **CTX, top_k=1).options.top_k == 1

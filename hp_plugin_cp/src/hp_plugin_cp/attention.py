@@ -28,7 +28,9 @@ def expand_kv_heads(x: torch.Tensor, q_heads: int, *, where: str) -> torch.Tenso
         return x
     if q_heads % kv_heads:
         raise CPBatchError(
-            f"{where}: {q_heads} query heads are not a multiple of {kv_heads} key/value heads."
+            f"{where}: {q_heads} query heads are not a multiple of {kv_heads} key/value heads.\n"
+            "Grouped-query attention repeats each key/value head for a whole group of queries.\n"
+            "Fix: pass the q, k and v of one attention call, unchanged."
         )
     rep = q_heads // kv_heads
     b, _, s, d = x.shape
@@ -38,20 +40,25 @@ def expand_kv_heads(x: torch.Tensor, q_heads: int, *, where: str) -> torch.Tenso
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout, where: str) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise CPBatchError(
-            f"{where}: CP attention takes q, k, v in the SDPA layout [batch, heads, seq, head_dim]; got "
-            f"shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}."
+            f"{where}: q, k, v have shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}.\n"
+            "CP attention takes q, k, v in the SDPA layout [batch, heads, seq, head_dim].\n"
+            "Fix: transpose them to [batch, heads, seq, head_dim] before the attention call, as "
+            "torch's scaled_dot_product_attention takes them."
         )
     if k.shape[-2] != q.shape[-2] or v.shape[-2] != q.shape[-2]:
         raise CPUnsupportedError(
-            f"{where}: queries and keys must cover the same local chunk (got {q.shape[-2]} queries, "
-            f"{k.shape[-2]} keys). CP attention is for training and prefill without a KV cache; "
-            "call the model with use_cache=False."
+            f"{where}: {q.shape[-2]} queries but {k.shape[-2]} keys.\n"
+            "Queries and keys must cover the same local chunk: CP attention is for training and "
+            "prefill without a KV cache.\n"
+            "Fix: call the model with use_cache=False."
         )
     if q.shape[-2] != layout.local_len:
         raise CPBatchError(
-            f"{where}: the attention sees {q.shape[-2]} local positions but the batch was sharded into "
-            f"chunks of {layout.local_len} ({layout.seq_len} tokens over cp={layout.cp_size}). Shard every "
-            "sequence input with the same shard_batch_for_cp call."
+            f"{where}: the attention sees {q.shape[-2]} local positions but the batch was sharded "
+            f"into chunks of {layout.local_len} ({layout.seq_len} tokens over "
+            f"cp={layout.cp_size}).\n"
+            "Every sequence input must be sharded into the same chunks.\n"
+            "Fix: shard every sequence input with the same shard_batch_for_cp call."
         )
 
 
@@ -118,8 +125,9 @@ def _block_mask(
     if user is not None:
         if user.dim() != 2:
             raise CPUnsupportedError(
-                f"{where}: flex CP attention takes a 2-D padding mask [batch, seq]; for other masks use "
-                "the sdpa wrappers."
+                f"{where}: the batch's attention mask has shape {tuple(user.shape)}.\n"
+                "Flex CP attention takes a 2-D padding mask [batch, seq] only.\n"
+                "Fix: use the sdpa wrappers (sdpa_hf / sdpa_qkv) for other masks."
             )
         pad = narrow_mask(user.to(device), q_pos, k_pos, layout.seq_len, where=where)[:, 0, 0, :]
     if not causal and pad is None:
@@ -184,16 +192,19 @@ def cp_flex_attention(
         )
     except NotImplementedError as e:
         raise CPUnsupportedError(
-            f"{where}: torch {torch.__version__} cannot run flex attention here: {e} "
-            "On CPU, flex attention is forward-only: run it under torch.no_grad() (evaluation), or "
-            "train with the sdpa_hf / sdpa_qkv wrappers, or on a GPU."
+            f"{where}: torch {torch.__version__} cannot run flex attention here: {e}\n"
+            "On CPU, flex attention is forward-only.\n"
+            "Fix: run it under torch.no_grad() (evaluation), or train with the sdpa_hf / "
+            "sdpa_qkv wrappers, or on a GPU."
         ) from e
 
 
 def user_mask_error(where: str, shape: tuple[int, ...]) -> CPMaskError:
     """The error for a mask computed inside a wrapped module from its local chunk."""
     return CPMaskError(
-        f"{where}: the attention call carried a mask of shape {shape} computed from the local chunk; "
-        "it cannot describe the other ranks' keys. Pass the global mask through the batch "
-        "(shard_batch_for_cp(..., attention_mask)) instead."
+        f"{where}: the attention call carried a mask of shape {shape} computed from the local "
+        "chunk.\n"
+        "A mask of the local chunk cannot describe the other ranks' keys.\n"
+        "Fix: pass the global mask through the batch (shard_batch_for_cp(..., attention_mask)) "
+        "instead."
     )

@@ -72,11 +72,15 @@ def shard_batch_for_cp(
     """
     if not isinstance(batch, Mapping):
         raise CPBatchError(
-            f"shard_batch_for_cp: batch must be a mapping of model inputs, got {type(batch).__name__}."
+            f"shard_batch_for_cp: batch is a {type(batch).__name__}.\n"
+            "batch must be a mapping of model inputs.\n"
+            "Fix: pass a dict such as {'input_ids': ..., 'labels': ..., 'attention_mask': ...}."
         )
     if CP_LAYOUT_KEY in batch:
         raise CPBatchError(
-            f"shard_batch_for_cp: batch already has {CP_LAYOUT_KEY!r}: it is sharded already; shard the unsharded batch once."
+            f"shard_batch_for_cp: batch already has {CP_LAYOUT_KEY!r}: it is sharded already.\n"
+            "A batch is sharded once; sharding a chunk again would lose tokens.\n"
+            "Fix: shard the unsharded batch, once."
         )
     cp_size, rank = int(cp_mesh.size()), int(cp_mesh.get_local_rank())
     source = next(
@@ -84,7 +88,10 @@ def shard_batch_for_cp(
     )
     if source is None:
         raise CPBatchError(
-            "shard_batch_for_cp: the batch needs input_ids or inputs_embeds (a tensor) to know the sequence length."
+            f"shard_batch_for_cp: the batch has no input_ids or inputs_embeds tensor "
+            f"(keys: {sorted(map(str, batch))}).\n"
+            "The batch needs input_ids or inputs_embeds (a tensor) to know the sequence length.\n"
+            "Fix: include input_ids (or inputs_embeds) in the batch."
         )
     ref = batch[source]
     seq_len = ref.shape[seq_dim]
@@ -109,8 +116,11 @@ def shard_batch_for_cp(
         dim = value.dim() - 1 if key == "position_ids" else seq_dim
         if value.dim() <= dim or value.shape[dim] != seq_len:
             raise CPBatchError(
-                f"shard_batch_for_cp: batch[{key!r}] has shape {tuple(value.shape)}, but dim {dim} should be the "
-                f"sequence ({seq_len} tokens, from batch[{source!r}])."
+                f"shard_batch_for_cp: batch[{key!r}] has shape {tuple(value.shape)}, but dim {dim} "
+                f"should be the sequence ({seq_len} tokens, from batch[{source!r}]).\n"
+                "Every sequence input of one batch covers the same tokens.\n"
+                f"Fix: give batch[{key!r}] the sequence length {seq_len} in dim {dim} (pad or "
+                "truncate it with the other inputs), or leave it out of the batch."
             )
         out[key] = shard_sequence(value, dim, rank, cp_size, load_balanced=load_balanced)
     mask = batch.get("attention_mask")
@@ -122,8 +132,11 @@ def shard_batch_for_cp(
         ):
             shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
             raise CPBatchError(
-                f"shard_batch_for_cp: attention_mask must be a padding mask [batch, {seq_len}] or a 4-D mask "
-                f"[batch, heads, {seq_len}, {seq_len}] over the whole sequence, got {shape}."
+                f"shard_batch_for_cp: batch['attention_mask'] has shape {shape}.\n"
+                f"attention_mask must be a padding mask [batch, {seq_len}] or a 4-D mask "
+                f"[batch, heads, {seq_len}, {seq_len}] over the whole sequence.\n"
+                "Fix: pass the mask of the whole, unsharded sequence (the tokenizer's "
+                "attention_mask)."
             )
     out[CP_LAYOUT_KEY] = CPLayout(cp_size, rank, seq_len, load_balanced, mask)
     return out

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hp_core.collectives import Collective, all_gather_along
+from hp_plugin_cp.errors import CPBatchError
 
 __all__ = ["all_gather_kv", "cp_attention_collectives"]
 
@@ -29,9 +30,13 @@ def all_gather_kv(
     last. Returns ``[..., cp * L, Dk]`` and ``[..., cp * L, Dv]`` in rank order.
     """
     if key.shape[:-1] != value.shape[:-1]:
-        raise ValueError(
-            f"all_gather_kv: key {tuple(key.shape)} and value {tuple(value.shape)} must agree on every "
-            "dim but the last (batch, heads, sequence) to travel in one packed collective."
+        raise CPBatchError(
+            f"all_gather_kv: key {tuple(key.shape)} and value {tuple(value.shape)} differ in a dim "
+            "other than the last.\n"
+            "Key and value must agree on batch, heads and sequence to travel in one packed "
+            "collective.\n"
+            "Fix: pass the key and value of one attention call, both in the SDPA layout "
+            "[batch, heads, seq, head_dim]."
         )
     packed = torch.cat([key, value], dim=-1)
     gathered = all_gather_along(packed, seq_dim % packed.dim(), group, grad_partial=True)

@@ -51,9 +51,11 @@ def local_length(seq_len: int, cp_size: int, *, load_balanced: bool, what: str =
         )
         fix = -(-max(seq_len, 1) // chunks) * chunks
         raise CPBatchError(
-            f"{what} length {seq_len} is not divisible by {chunks} ({scheme}). Pad the batch to a "
-            f"multiple of {chunks} (e.g. to {fix}: a tokenizer/collator with pad_to_multiple_of={chunks}) "
-            "and mark the padding with attention_mask = 0 and labels = -100."
+            f"{what}: length {seq_len} is not divisible by {chunks}.\n"
+            f"The sequence must split evenly: {scheme}.\n"
+            f"Fix: pad the batch to a multiple of {chunks} (e.g. to {fix}: a tokenizer/collator "
+            f"with pad_to_multiple_of={chunks}) and mark the padding with attention_mask = 0 and "
+            "labels = -100."
         )
     return seq_len // cp_size
 
@@ -71,8 +73,9 @@ def chunk_positions(
         return torch.arange(rank * local_len, (rank + 1) * local_len, device=device)
     if local_len % 2:
         raise CPBatchError(
-            f"load-balanced CP needs an even local length (two half chunks per rank), got {local_len}. "
-            f"Pad the sequence to a multiple of 2 * cp = {2 * cp_size}."
+            f"chunk_positions: local length {local_len} is odd.\n"
+            "Load-balanced CP needs an even local length (two half chunks per rank).\n"
+            f"Fix: pad the sequence to a multiple of 2 * cp = {2 * cp_size}."
         )
     half = local_len // 2
     tail = 2 * cp_size - 1 - rank
@@ -135,8 +138,9 @@ def narrow_mask(
     if mask.dim() == 2:
         if mask.shape[-1] != seq_len:
             raise CPMaskError(
-                f"{where}: a 2-D padding mask must cover the whole sequence ({seq_len} tokens), got shape "
-                f"{tuple(mask.shape)}. Pass the unsharded attention_mask to shard_batch_for_cp."
+                f"{where}: the 2-D padding mask has shape {tuple(mask.shape)}.\n"
+                f"A 2-D padding mask must cover the whole sequence ({seq_len} tokens).\n"
+                "Fix: pass the unsharded attention_mask to shard_batch_for_cp."
             )
         return (mask != 0).index_select(-1, k_pos.to(mask.device))[:, None, None, :]
     if (
@@ -145,9 +149,11 @@ def narrow_mask(
         or mask.shape[-2] not in (1, local_len, seq_len)
     ):
         raise CPMaskError(
-            f"{where}: expected a padding mask [batch, {seq_len}] or a 4-D mask [batch, heads, {seq_len} "
-            f"(or {local_len} local rows), {seq_len}] over the global keys, got shape {tuple(mask.shape)}. "
-            "A mask built from the local chunk cannot hide the other ranks' keys."
+            f"{where}: the attention mask has shape {tuple(mask.shape)}.\n"
+            f"Expected a padding mask [batch, {seq_len}] or a 4-D mask [batch, heads, {seq_len} "
+            f"(or {local_len} local rows), {seq_len}] over the global keys: a mask built from the "
+            "local chunk cannot hide the other ranks' keys.\n"
+            "Fix: pass the mask of the whole sequence to shard_batch_for_cp(batch, cp_mesh)."
         )
     if mask.shape[-2] == seq_len and seq_len != local_len:
         mask = mask.index_select(-2, q_pos.to(mask.device))
@@ -156,7 +162,8 @@ def narrow_mask(
 
 
 def combine_masks(user: torch.Tensor | None, causal: torch.Tensor | None) -> torch.Tensor | None:
-    """``user AND causal`` for boolean masks; an additive float mask gets ``-inf`` where causal hides."""
+    """``user AND causal`` for boolean masks; an additive float mask gets ``-inf`` where causal
+    hides."""
     if user is None:
         return causal
     if causal is None:
@@ -184,7 +191,12 @@ class CPLayout:
 
     def __post_init__(self) -> None:
         if not 0 <= self.cp_rank < self.cp_size:
-            raise CPBatchError(f"CPLayout: cp_rank {self.cp_rank} is outside [0, {self.cp_size}).")
+            raise CPBatchError(
+                f"CPLayout: cp_rank {self.cp_rank} is outside [0, {self.cp_size}).\n"
+                "A rank's index on the cp axis is below the axis size.\n"
+                "Fix: build the layout with shard_batch_for_cp(batch, cp_mesh), which takes the "
+                "rank from the mesh."
+            )
         local_length(self.seq_len, self.cp_size, load_balanced=self.load_balanced)
 
     @property

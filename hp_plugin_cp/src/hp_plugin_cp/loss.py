@@ -58,8 +58,10 @@ class CPCausalLMLoss:
         kwargs.pop(CP_LAYOUT_KEY, None)
         if shift_labels is None:
             raise CPBatchError(
-                "CP loss: labels must be shifted before the sequence is sharded (shift_labels), or the token "
-                "at every chunk edge loses its label. Build the batch with shard_batch_for_cp(batch, cp_mesh)."
+                "CP loss (model.loss_function): the call got no shift_labels.\n"
+                "Labels must be shifted before the sequence is sharded, or the token at every "
+                "chunk edge loses its label.\n"
+                "Fix: build the batch with shard_batch_for_cp(batch, cp_mesh)."
             )
         if num_items_in_batch is not None:
             share = self.base(
@@ -94,8 +96,9 @@ def enable_cp_loss(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     """
     if not hasattr(type(model), "loss_function"):
         raise CPBatchError(
-            f"enable_cp_loss: {type(model).__name__} computes no loss through 'loss_function' (HF causal LMs "
-            "do); reduce your own loss with reduce_loss_over_cp(loss, cp_mesh)."
+            f"enable_cp_loss: {type(model).__name__} computes no loss through 'loss_function'.\n"
+            "enable_cp_loss wraps an HF causal LM's loss_function.\n"
+            "Fix: reduce your own loss with reduce_loss_over_cp(loss, cp_mesh)."
         )
     current = model.loss_function
     if not isinstance(current, CPCausalLMLoss):

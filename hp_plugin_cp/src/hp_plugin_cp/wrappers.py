@@ -33,81 +33,16 @@ from torch.overrides import TorchFunctionMode
 
 from hp_core.injection import inner_wrapper
 from hp_plugin_cp.attention import cp_flex_attention, cp_sdpa, user_mask_error
-from hp_plugin_cp.errors import CPBatchError, CPConfigError, CPMisfireError, CPUnsupportedError
-from hp_plugin_cp.layout import CP_LAYOUT_KEY, CPLayout
+from hp_plugin_cp.binding import Binding, module_name
+from hp_plugin_cp.errors import CPConfigError, CPMisfireError, CPUnsupportedError
+from hp_plugin_cp.layout import CP_LAYOUT_KEY
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
     from hp_core.context import ParallelContext
 
 __all__ = ["flex_hf", "flex_qkv", "sdpa_hf", "sdpa_qkv"]
 
 _HF_FLEX = ("transformers.integrations.flex_attention", "compile_friendly_flex_attention")
-
-
-def module_name(module: nn.Module) -> str:
-    """The module's FQN (recorded by hp's applier on inner-wrap targets) or a description."""
-    fqn = getattr(module, "_hp_fqn", None)
-    if fqn is not None:
-        return f"{fqn!r} ({type(module).__name__})"
-    layer = getattr(module, "layer_idx", None)
-    return type(module).__name__ + (f" (layer_idx={layer})" if layer is not None else "")
-
-
-class _Binding:
-    """What a wrapper learned at apply time: its module, the cp group and its config."""
-
-    def __init__(
-        self,
-        wrapper: str,
-        module: nn.Module,
-        cp_mesh: DeviceMesh | None,
-        load_balanced: bool | None,
-    ) -> None:
-        self.wrapper = wrapper
-        self.module = module
-        self.where = f"{wrapper} on {module_name(module)}"
-        if cp_mesh is None:
-            raise CPConfigError(
-                f"{self.where}: this context-parallel wrapper needs an active cp axis (cp > 1 on the "
-                "mesh). Add cp to the mesh, or guard the override with 'when: cp'."
-            )
-        self.group = cp_mesh.get_group()
-        self.cp_size = cp_mesh.size()
-        self.cp_rank = cp_mesh.get_local_rank()
-        self.load_balanced = load_balanced
-        self._auto: dict[int, CPLayout] = {}
-
-    def layout(self, given: Any, local_len: int) -> CPLayout:
-        """The batch's layout (checked against this mesh and config) or one derived from it."""
-        if given is None:
-            if local_len not in self._auto:
-                self._auto = {
-                    local_len: CPLayout(
-                        self.cp_size,
-                        self.cp_rank,
-                        local_len * self.cp_size,
-                        bool(self.load_balanced),
-                    )
-                }
-            return self._auto[local_len]
-        if not isinstance(given, CPLayout):
-            raise CPBatchError(
-                f"{self.where}: keyword {CP_LAYOUT_KEY!r} must be a CPLayout (from shard_batch_for_cp), got {type(given).__name__}."
-            )
-        if (given.cp_size, given.cp_rank) != (self.cp_size, self.cp_rank):
-            raise CPBatchError(
-                f"{self.where}: the batch was sharded for cp rank {given.cp_rank} of {given.cp_size}, but this "
-                f"rank is {self.cp_rank} of {self.cp_size}. Call shard_batch_for_cp with this model's cp mesh."
-            )
-        if self.load_balanced is not None and self.load_balanced != given.load_balanced:
-            raise CPBatchError(
-                f"{self.where}: the plan says load_balanced: {str(self.load_balanced).lower()} but the batch was "
-                f"sharded with load_balanced={given.load_balanced}. Use one layout: drop load_balanced from "
-                "the wrapper config (it then follows the batch) or shard the batch to match."
-            )
-        return given
 
 
 # --------------------------------------------------------------------- _qkv
@@ -146,16 +81,17 @@ def _is_default(value: Any, default: Any) -> bool:
         return False
 
 
-def _qkv_forward(b: _Binding, kernel: str, causal: bool | None) -> Callable[..., Any]:
+def _qkv_forward(b: Binding, kernel: str, causal: bool | None) -> Callable[..., Any]:
     original = b.module.forward
     sig = inspect.signature(original)
     params = list(sig.parameters.values())
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < 3:
         raise CPConfigError(
-            f"{b.where}: a {b.wrapper} target must be called as (q, k, v, ...), but its forward{sig} has "
-            f"{len(positional)} positional parameter(s). Point inner_target at the attention core that "
-            "takes q, k, v, or use sdpa_hf / flex_hf for an HF-style attention module."
+            f"{b.where}: its forward{sig} has {len(positional)} positional parameter(s).\n"
+            f"A {b.wrapper} target must be called as (q, k, v, ...).\n"
+            "Fix: point inner_target at the attention core that takes q, k, v, or use "
+            "sdpa_hf / flex_hf for an HF-style attention module."
         )
     q_name, k_name, v_name = positional[:3]
     known = _SDPA_ARGS if kernel == "sdpa" else _FLEX_ARGS
@@ -171,8 +107,10 @@ def _qkv_forward(b: _Binding, kernel: str, causal: bool | None) -> Callable[...,
             if role is None:
                 if not _is_default(value, defaults.get(name)):
                     raise CPUnsupportedError(
-                        f"{b.where}: argument {name!r} of the wrapped forward is not understood by the CP "
-                        f"wrapper (it knows {sorted(known)}); it would be silently dropped. Leave it at its default."
+                        f"{b.where}: argument {name!r} of the wrapped forward is not understood "
+                        f"by the CP wrapper (it knows {sorted(known)}).\n"
+                        "An argument the wrapper does not know would be silently dropped.\n"
+                        f"Fix: leave {name!r} at its default."
                     )
                 continue
             opts[role] = value
@@ -196,8 +134,10 @@ def _qkv_forward(b: _Binding, kernel: str, causal: bool | None) -> Callable[...,
             )
         if opts.get("block_mask") is not None:
             raise CPUnsupportedError(
-                f"{b.where}: a BlockMask built for the local chunk cannot hide the other ranks' keys; pass "
-                "block_mask=None and let the wrapper build the causal mask (config key 'causal')."
+                f"{b.where}: the call carried a BlockMask built for the local chunk.\n"
+                "A mask of the local chunk cannot hide the other ranks' keys.\n"
+                "Fix: pass block_mask=None and let the wrapper build the causal mask "
+                "(config key 'causal')."
             )
         returns = {k_: opts[k_] for k_ in ("return_lse", "return_aux") if opts.get(k_)}
         return cp_flex_attention(
@@ -233,7 +173,7 @@ def sdpa_qkv(
     call's, else True).
     """
     return _qkv_forward(
-        _Binding("sdpa_qkv", target_module, ctx.cp_mesh, load_balanced), "sdpa", causal
+        Binding("sdpa_qkv", target_module, ctx.cp_mesh, load_balanced), "sdpa", causal
     )
 
 
@@ -251,7 +191,7 @@ def flex_qkv(
     must be None (the wrapper builds it). Config as for :func:`sdpa_qkv`.
     """
     return _qkv_forward(
-        _Binding("flex_qkv", target_module, ctx.cp_mesh, load_balanced), "flex", causal
+        Binding("flex_qkv", target_module, ctx.cp_mesh, load_balanced), "flex", causal
     )
 
 
@@ -330,7 +270,7 @@ class _FunctionShim:
 _FLEX_SHIM = _FunctionShim(*_HF_FLEX)
 
 
-def _check_no_kv_cache(b: _Binding, kwargs: dict[str, Any]) -> None:
+def _check_no_kv_cache(b: Binding, kwargs: dict[str, Any]) -> None:
     """A filled KV cache holds local keys only, and HF then crops or extends keys silently."""
     cache = next(
         (
@@ -346,18 +286,21 @@ def _check_no_kv_cache(b: _Binding, kwargs: dict[str, Any]) -> None:
     layer = getattr(b.module, "layer_idx", None)
     if (length(layer) if layer is not None else length()) > 0:
         raise CPUnsupportedError(
-            f"{b.where}: a KV cache with earlier tokens was passed; CP attention is for training and "
-            "prefill over whole sequences (each rank's cache would hold only its own chunk). Call the "
-            "model with use_cache=False, or decode without CP."
+            f"{b.where}: a KV cache with earlier tokens was passed.\n"
+            "CP attention is for training and prefill over whole sequences (each rank's cache "
+            "would hold only its own chunk).\n"
+            "Fix: call the model with use_cache=False, or decode without CP."
         )
 
 
-def _hf_forward(b: _Binding, kernel: str) -> Callable[..., Any]:
+def _hf_forward(b: Binding, kernel: str) -> Callable[..., Any]:
     module = b.module
     if getattr(module, "sliding_window", None) is not None:
         raise CPUnsupportedError(
-            f"{b.where}: sliding-window attention (sliding_window={module.sliding_window}) is not supported "
-            "by the CP wrappers; disable it in the config or leave this layer out of the override."
+            f"{b.where}: sliding-window attention (sliding_window={module.sliding_window}).\n"
+            "The CP wrappers do not support sliding-window attention.\n"
+            "Fix: disable sliding_window in the model config, or leave this layer out of the "
+            "override."
         )
     original = module.forward
     sig = inspect.signature(original)
@@ -375,7 +318,8 @@ def _hf_forward(b: _Binding, kernel: str) -> Callable[..., Any]:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         given = kwargs.pop(CP_LAYOUT_KEY, None)
-        # The model-level mask was made from the local chunk only: drop it, the layout has the global one.
+        # The model-level mask was made from the local chunk only: drop it, the layout has the
+        # global one.
         model_mask = kwargs.pop("attention_mask", None)
         if mask_pos is not None and mask_pos < len(args):
             model_mask, args = args[mask_pos], (*args[:mask_pos], None, *args[mask_pos + 1 :])
@@ -450,13 +394,16 @@ def _hf_forward(b: _Binding, kernel: str) -> Callable[..., Any]:
             out = original(*args, **kwargs)
         if calls == 0:
             impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
-            hint = f" The model's attn_implementation is {impl!r};" if impl is not None else ""
+            hint = f" The model's attn_implementation is {impl!r}." if impl is not None else ""
             want = "sdpa" if kernel == "sdpa" else "flex_attention"
             raise CPMisfireError(
-                f"{b.where}: the forward of {type(module).__name__} finished without calling {called}, so "
-                f"nothing was gathered over cp and its output would be silently wrong.{hint} build the model "
-                f"with attn_implementation={want!r}, or use the wrapper that matches its kernel "
-                f"({'flex_hf' if kernel == 'sdpa' else 'sdpa_hf'}), or sdpa_qkv on its attention core."
+                f"{b.where}: the forward of {type(module).__name__} finished without calling "
+                f"{called}.\n"
+                "Nothing was gathered over cp, so its output would be silently wrong."
+                f"{hint}\n"
+                f"Fix: build the model with attn_implementation={want!r}, or use the wrapper that "
+                f"matches its kernel ({'flex_hf' if kernel == 'sdpa' else 'sdpa_hf'}), or sdpa_qkv "
+                "on its attention core."
             )
         return out
 
@@ -474,7 +421,7 @@ def sdpa_hf(
     ``load_balanced``: None (default) follows the batch's layout (contiguous without one);
     True/False must match it.
     """
-    return _hf_forward(_Binding("sdpa_hf", target_module, ctx.cp_mesh, load_balanced), "sdpa")
+    return _hf_forward(Binding("sdpa_hf", target_module, ctx.cp_mesh, load_balanced), "sdpa")
 
 
 @inner_wrapper
@@ -491,7 +438,8 @@ def flex_hf(
         importlib.import_module(_HF_FLEX[0])
     except ImportError as e:
         raise CPConfigError(
-            f"flex_hf on {module_name(target_module)}: it intercepts transformers' flex-attention call, "
-            f"but {_HF_FLEX[0]} cannot be imported ({e}). Install transformers, or use flex_qkv."
+            f"flex_hf on {module_name(target_module)}: {_HF_FLEX[0]} cannot be imported ({e}).\n"
+            "flex_hf intercepts transformers' flex-attention call.\n"
+            "Fix: install transformers, or use flex_qkv."
         ) from None
-    return _hf_forward(_Binding("flex_hf", target_module, ctx.cp_mesh, load_balanced), "flex")
+    return _hf_forward(Binding("flex_hf", target_module, ctx.cp_mesh, load_balanced), "flex")

@@ -78,8 +78,10 @@ def _check_shared(arch: Archetype, module: nn.Module) -> None:
             raise interface_error(
                 arch.name,
                 module,
-                f"it lacks {', '.join(repr(m) for m in missing)}, which the {arch.name} archetype ({arch.summary}) needs.",
-                f"use the factory for this block's layout ({_FACTORY_FOR_SHARED[present]!r}), e.g. local_compute_fn: "
+                f"it lacks {', '.join(repr(m) for m in missing)}, which the {arch.name} "
+                f"archetype ({arch.summary}) needs.",
+                "use the factory for this block's layout "
+                f"({_FACTORY_FOR_SHARED[present]!r}), e.g. local_compute_fn: "
                 f"{_FACTORY_FOR_SHARED[present]}.",
             )
         return
@@ -89,7 +91,8 @@ def _check_shared(arch: Archetype, module: nn.Module) -> None:
         raise interface_error(
             arch.name,
             module,
-            f"it has shared experts ({', '.join(found)}), which {arch.name} ({arch.summary}) would silently drop.",
+            f"it has shared experts ({', '.join(found)}), which {arch.name} ({arch.summary}) "
+            "would silently drop.",
             f"use local_compute_fn: {_FACTORY_FOR_SHARED[kind]}.",
         )
 
@@ -102,8 +105,9 @@ def _ep_group(arch: str, ep_mesh: DeviceMesh | None, num_experts: int) -> Proces
     ep = sub.size()
     if num_experts % ep:
         raise MoEConfigError(
-            f"{arch}: {num_experts} experts cannot be split over ep={ep} ranks; plan with an ep_size that "
-            f"divides {num_experts}."
+            f"{arch}: {num_experts} experts cannot be split over ep={ep} ranks.\n"
+            "Each ep rank holds the same number of whole experts.\n"
+            f"Fix: plan with an ep_size that divides {num_experts}."
         )
     return sub.get_group() if ep > 1 else None
 
@@ -143,7 +147,8 @@ class ExpertParallelMoE:
 
     def __repr__(self) -> str:
         return (
-            f"ExpertParallelMoE({self.arch.name}, experts={self.experts.num_experts} {self.experts.kind}, "
+            f"ExpertParallelMoE({self.arch.name}, "
+            f"experts={self.experts.num_experts} {self.experts.kind}, "
             f"ep={self.dispatcher.ep}, router={self.router_name})"
         )
 
@@ -157,8 +162,10 @@ class ExpertParallelMoE:
                 and value is not self.__signature__.parameters[name].default
             ):
                 raise MoERuntimeError(
-                    f"{self.arch.name}: {type(module).__name__} was called with {name}={value!r}; the MoE compute "
-                    f"routes {self.input_name!r} only. Call it without {name!r}, or write a factory that uses it."
+                    f"{self.arch.name}: {type(module).__name__} was called with {name}={value!r}; "
+                    f"the MoE compute routes {self.input_name!r} only.\n"
+                    "An input the compute does not route would be silently ignored.\n"
+                    f"Fix: call it without {name!r}, or write a factory that uses it."
                 )
         return bound.arguments[self.input_name]
 
@@ -168,9 +175,12 @@ class ExpertParallelMoE:
         w = self.experts.local(module)
         if w.num_local != len(counts):
             raise MoERuntimeError(
-                f"{self.arch.name}: {type(module).__name__} holds {w.num_local} experts on this rank, but the "
-                f"compute was bound for {len(counts)} (= {self.experts.num_experts} experts / ep={self.dispatcher.ep}). "
-                "Apply the plan the factory was bound with; do not reshard the experts afterwards."
+                f"{self.arch.name}: {type(module).__name__} holds {w.num_local} experts on this "
+                f"rank, but the compute was bound for {len(counts)} (= "
+                f"{self.experts.num_experts} experts / ep={self.dispatcher.ep}).\n"
+                "The experts must stay sharded as the factory was bound.\n"
+                "Fix: apply the plan the factory was bound with; do not reshard the experts "
+                "afterwards."
             )
         # Every local expert runs, even on zero rows, so every expert weight gets a gradient.
         return torch.cat([w.apply(j, part) for j, part in enumerate(rows.split(counts))])
@@ -201,8 +211,9 @@ def _check_capacity(arch: str, capacity_factor: Any) -> float | None:
         or capacity_factor <= 0
     ):
         raise MoEConfigError(
-            f"{arch}: capacity_factor must be a positive number (or null for no capacity limit), got "
-            f"{capacity_factor!r}."
+            f"{arch}: capacity_factor is {capacity_factor!r}.\n"
+            "capacity_factor must be a positive number (or null for no capacity limit).\n"
+            "Fix: set capacity_factor: 1.25 (say), or capacity_factor: null."
         )
     return float(capacity_factor)
 
@@ -221,7 +232,12 @@ def build_compute(
     """Check ``module`` against the archetype and build its compute (the body of every factory)."""
     arch = ARCHETYPES[arch_name]
     if not isinstance(module, nn.Module):
-        raise MoEConfigError(f"{arch_name}: needs the MoE block as 'module'; got {module!r}.")
+        raise MoEConfigError(
+            f"{arch_name}: module is {module!r}.\n"
+            f"{arch_name} needs the MoE block as 'module'.\n"
+            f"Fix: name {arch_name} as the MoE block's local_compute_fn in the plan (hp passes the "
+            "block), or call it with module=<the MoE block>."
+        )
     find_router(arch_name, module)
     experts = find_experts(arch_name, module)
     _check_shared(arch, module)
@@ -244,7 +260,9 @@ def build_compute(
         or not 0 <= jitter_noise < 1
     ):
         raise MoEConfigError(
-            f"{arch_name}: jitter_noise must be a number in [0, 1), got {jitter_noise!r}."
+            f"{arch_name}: jitter_noise is {jitter_noise!r}.\n"
+            "jitter_noise must be a number in [0, 1).\n"
+            "Fix: set jitter_noise: 0.01 (say), or 0 for none."
         )
     else:
         jitter = float(jitter_noise)

@@ -142,10 +142,13 @@ class ExpertWeights:
                 stacked = [_local(getattr(experts, n).weight) for n in self.names]
                 bias = [_local(getattr(experts, n).bias) if self.bias else None for n in self.names]
             except AttributeError:
+                stacked_names = ", ".join(f"{self.path}.{n}.weight" for n in self.names)
                 raise MoERuntimeError(
-                    f"{type(module).__name__}.{self.path} is neither the per-expert ModuleList the factory was "
-                    f"bound to nor its stacked form ({', '.join(f'{self.path}.{n}.weight' for n in self.names)}); "
-                    "was it replaced after apply?"
+                    f"{type(module).__name__}.{self.path} is neither the per-expert ModuleList "
+                    f"the factory was bound to nor its stacked form ({stacked_names}).\n"
+                    "The experts must keep the structure the factory was bound to.\n"
+                    "Fix: do not replace the experts after apply(); plan and apply the changed "
+                    "model again instead."
                 ) from None
         return LocalExpertWeights(
             None, stacked[0], stacked[1], stacked[2], (bias[0], bias[1], bias[2]), self.act
@@ -195,8 +198,10 @@ def find_experts(factory: str, module: nn.Module) -> ExpertWeights:
         raise interface_error(
             factory,
             module,
-            f"its experts are a ModuleList of {type(first).__name__}, which lacks SwiGLU Linears named {options}.",
-            "rename the expert projections, or write a @local_compute factory for this expert layout.",
+            f"its experts are a ModuleList of {type(first).__name__}, which lacks SwiGLU Linears "
+            f"named {options}.",
+            "rename the expert projections, or write a @local_compute factory for this expert "
+            "layout.",
         )
     own = dict(experts.named_parameters(recurse=False))
     gu, down = own.get("gate_up_proj"), own.get("down_proj")
@@ -220,8 +225,8 @@ def find_experts(factory: str, module: nn.Module) -> ExpertWeights:
     raise interface_error(
         factory,
         module,
-        f"its 'experts' ({type(experts).__name__}) is neither batched (3-D gate_up_proj and down_proj "
-        "parameters) nor a ModuleList of per-expert SwiGLU modules.",
+        f"its 'experts' ({type(experts).__name__}) is neither batched (3-D gate_up_proj and "
+        "down_proj parameters) nor a ModuleList of per-expert SwiGLU modules.",
         "write a @local_compute factory for this expert layout.",
     )
 
@@ -240,8 +245,10 @@ def forward_signature(module: nn.Module) -> inspect.Signature:
         params[0].POSITIONAL_OR_KEYWORD,
     ):
         raise MoEInterfaceError(
-            f"{type(module).__name__}.forward{inspect.signature(module.forward)} does not take the hidden "
-            "states as its first positional parameter; the MoE compute needs forward(hidden_states, ...)."
+            f"{type(module).__name__}.forward{inspect.signature(module.forward)} does not take "
+            "the hidden states as its first positional parameter.\n"
+            "The MoE compute needs forward(hidden_states, ...).\n"
+            "Fix: write a @local_compute factory for this block's forward."
         )
     required = [
         p.name
@@ -250,7 +257,9 @@ def forward_signature(module: nn.Module) -> inspect.Signature:
     ]
     if required:
         raise MoEInterfaceError(
-            f"{type(module).__name__}.forward takes required input(s) {required} besides {params[0].name!r}; "
-            "the MoE compute routes the hidden states only. Write a @local_compute factory that uses them."
+            f"{type(module).__name__}.forward takes required input(s) {required} besides "
+            f"{params[0].name!r}.\n"
+            "The MoE compute routes the hidden states only.\n"
+            "Fix: write a @local_compute factory that uses them."
         )
     return sig

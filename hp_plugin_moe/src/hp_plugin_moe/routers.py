@@ -69,7 +69,8 @@ def hf_topk(
         raise interface_error(
             "router adapter hf_topk",
             module,
-            f"its router {type(router).__name__} returned {type(out).__name__}, not (logits, weights, experts).",
+            f"its router {type(router).__name__} returned {type(out).__name__}, not "
+            "(logits, weights, experts).",
             "use router: softmax_topk (a router that returns logits) or another router adapter.",
         )
     return out[1], out[2]
@@ -78,7 +79,8 @@ def hf_topk(
 def softmax_topk(
     module: nn.Module, hidden: torch.Tensor, options: RouterOptions
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A router that returns logits (e.g. an ``nn.Linear`` gate): softmax, top-k, optional renorm."""
+    """A router that returns logits (e.g. an ``nn.Linear`` gate): softmax, top-k, optional
+    renorm."""
     _name, router = find_router("softmax_topk", module)
     logits = router(hidden)
     probs = F.softmax(logits, dim=-1, dtype=torch.float)
@@ -109,7 +111,8 @@ def sigmoid_group_topk(
             "router adapter sigmoid_group_topk",
             module,
             "it lacks a router weight, e_score_correction_bias, num_group (n_group) or topk_group.",
-            "use the router adapter that matches this router (hf_topk for transformers' DeepSeek-V3 router).",
+            "use the router adapter that matches this router (hf_topk for transformers' "
+            "DeepSeek-V3 router).",
         )
     scaling = _attr(module, router, "routed_scaling_factor") or 1.0
     logits = F.linear(hidden.float(), weight.float())
@@ -153,7 +156,11 @@ def auto_router(module: nn.Module, factory: str) -> str:
 def resolve_router(name: str, module: nn.Module, factory: str) -> tuple[str, RouterAdapter]:
     """The adapter for ``name`` (``"auto"``, a registry name, or a built-in name)."""
     if not isinstance(name, str):
-        raise MoEConfigError(f"{factory}: router must be a router adapter name, got {name!r}.")
+        raise MoEConfigError(
+            f"{factory}: router is {name!r}.\n"
+            "router must be a router adapter name.\n"
+            "Fix: set router: auto, or a registered adapter name such as softmax_topk."
+        )
     if name == "auto":
         name = auto_router(module, factory)
     if name not in ROUTER_ADAPTER_REGISTRY and name in BUILTIN_ROUTERS:
@@ -173,21 +180,24 @@ def router_options(
     normalize: bool | None,
     default_normalize: bool,
 ) -> RouterOptions:
-    """Resolve ``top_k`` / ``normalize`` for a computing adapter (config, then module attributes)."""
+    """Resolve ``top_k`` / ``normalize`` for a computing adapter (config, then module
+    attributes)."""
     if router_name not in COMPUTING:
         given = [k for k, v in (("top_k", top_k), ("norm_topk_prob", normalize)) if v is not None]
         if given:
             raise MoEConfigError(
-                f"{factory}: config key(s) {given} do nothing with router {router_name!r}, whose router module "
-                "chooses the experts itself; remove them, or pick a computing router (softmax_topk)."
+                f"{factory}: config key(s) {given} do nothing with router {router_name!r}.\n"
+                f"With {router_name!r} the router module chooses the experts itself.\n"
+                "Fix: remove them, or pick a computing router (softmax_topk)."
             )
         return RouterOptions()
     _name, router = find_router(factory, module)
     k = top_k if top_k is not None else _attr(module, router, "top_k", "num_experts_per_tok")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise MoEConfigError(
-            f"{factory}: router {router_name!r} needs the number of experts per token; {type(module).__name__} "
-            f"has no integer top_k attribute (got {k!r}). Set the config key top_k: N."
+            f"{factory}: {type(module).__name__} has no integer top_k attribute (got {k!r}).\n"
+            f"Router {router_name!r} needs the number of experts per token.\n"
+            "Fix: set the config key top_k: N."
         )
     norm = normalize if normalize is not None else _attr(module, router, "norm_topk_prob")
     return RouterOptions(top_k=k, normalize=default_normalize if norm is None else bool(norm))
