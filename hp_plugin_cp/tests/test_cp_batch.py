@@ -1,4 +1,4 @@
-"""``shard_batch_for_cp``: what each rank gets (in-process; the helper itself never communicates)."""
+"""``shard_batch_for_cp``: what each rank gets (in-process; the helper never communicates)."""
 
 from __future__ import annotations
 

@@ -119,7 +119,8 @@ def test_cp_wrapper_without_cp_axis(refusals):
     # back and raises ApplyFailedError naming the wrapper's own error.
     direct = refusals["no_cp_axis_direct_callable"]
     assert direct.startswith(
-        "ApplyFailedError: apply() failed on rank 0 in phase 'boundaries at model.layers.0.self_attn'"
+        "ApplyFailedError: apply() failed on rank 0 in phase 'boundaries at "
+        "model.layers.0.self_attn'"
     ), direct
     assert "CPConfigError: sdpa_hf on 'model.layers.0.self_attn' (LlamaAttention)" in direct, direct
     assert refusals["when_cp_skipped_on_tp"] == "no error"

@@ -1,4 +1,5 @@
-"""The four CP wrappers reach hp through the plugin hook; without the plugin, CP plans fail clearly."""
+"""The four CP wrappers reach hp through the plugin hook; without the plugin CP plans fail
+clearly."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The ``cp`` training adapter: registered through the hook, selected on a cp plan, delegating to the helpers."""
+"""The ``cp`` training adapter: registered through the hook, selected on a cp plan, delegating
+to the helpers."""
 
 from __future__ import annotations
 

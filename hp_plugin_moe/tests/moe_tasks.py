@@ -81,10 +81,11 @@ def deepseek_v3(seed: int = 0, **config: Any) -> nn.Module:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     values = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, n_group=2,
-        topk_group=1, num_experts_per_tok=2, first_k_dense_replace=0, q_lora_rank=32, kv_lora_rank=16,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=256,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
+        first_k_dense_replace=0, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=256,
         tie_word_embeddings=False, dtype="float32", attn_implementation="sdpa",
     )  # fmt: skip
     values.update(config)
@@ -200,7 +201,7 @@ def train_compare(
     blocked: Sequence[int] = (),
     **config: Any,
 ) -> dict[str, Any]:
-    """Single device vs production vs validate: loss, logits and every gradient, for ``steps`` steps.
+    """Single device vs production vs validate: loss, logits, every gradient, ``steps`` steps.
 
     Excesses are NaN-safe (inf for NaN/inf); ``not_stepped`` lists, per model, the
     parameters with a gradient that an optimizer step did not move (or made non-finite)

@@ -81,7 +81,10 @@ class Backbone(nn.Module):
 
 
 class ToyMoELM(nn.Module):
-    """``model.embed_tokens / model.layers.N.{post_attention_layernorm, mlp} / model.norm / lm_head``."""
+    """A toy MoE causal LM.
+
+    ``model.embed_tokens / model.layers.N.{post_attention_layernorm, mlp} / model.norm / lm_head``
+    """
 
     def __init__(self, layers: int = 2, experts: int = 4, bias: bool = False) -> None:
         super().__init__()

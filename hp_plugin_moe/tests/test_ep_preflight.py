@@ -67,8 +67,8 @@ def test_expert_count_not_divisible_by_ep(errors):
     e = _one(errors, "experts_not_divisible")
     assert e["type"] == "PreflightError"
     assert (
-        "model.layers.0.mlp.params.experts.gate_up_proj.ep: dim 0 of shape (3, 64, 64) has size 3, which ep=2 does not divide"
-        in e["message"]
+        "model.layers.0.mlp.params.experts.gate_up_proj.ep: dim 0 of shape (3, 64, 64) has size "
+        "3, which ep=2 does not divide" in e["message"]
     )
 
 
@@ -104,8 +104,8 @@ def test_factory_without_the_decorator(errors):
     e = _one(errors, "undecorated")
     assert e["type"] == "InjectionDefinitionError"
     assert (
-        "moe_tasks.not_decorated (from plan['model.layers.0.mlp'].local_compute_fn) is not decorated with @local_compute"
-        in e["message"]
+        "moe_tasks.not_decorated (from plan['model.layers.0.mlp'].local_compute_fn) is not "
+        "decorated with @local_compute" in e["message"]
     )
 
 
@@ -123,11 +123,12 @@ def test_factory_for_the_wrong_archetype_lists_the_real_children(errors):
     assert e["type"] == "PreflightError" and e["cause"] == "MoEInterfaceError"
     msg = e["message"]
     assert msg.startswith(
-        "model.layers.0.mlp: the @local_compute factory 'mixtral' refused this module: mixtral cannot drive Qwen2MoeSparseMoeBlock"
+        "model.layers.0.mlp: the @local_compute factory 'mixtral' refused this module: mixtral "
+        "cannot drive Qwen2MoeSparseMoeBlock"
     )
     assert (
-        "children: gate (Qwen2MoeTopKRouter), experts (Qwen2MoeExperts), shared_expert (Qwen2MoeMLP), shared_expert_gate (Linear)"
-        in msg
+        "children: gate (Qwen2MoeTopKRouter), experts (Qwen2MoeExperts), shared_expert "
+        "(Qwen2MoeMLP), shared_expert_gate (Linear)" in msg
     )
     assert "experts.gate_up_proj (4, 64, 64)" in msg
     assert "Fix: use local_compute_fn: qwen2moe." in msg

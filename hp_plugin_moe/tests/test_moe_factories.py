@@ -49,8 +49,9 @@ def _block(family: str, **config) -> torch.nn.Module:
             "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
         }[family]
         cfg = getattr(transformers, cls[0])(
-            vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+            vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+            num_experts_per_tok=2,
         )  # fmt: skip
         torch.manual_seed(0)
         return getattr(transformers, cls[1])(cfg).model.layers[0].mlp
@@ -211,7 +212,8 @@ def test_interface_errors_name_what_is_missing():
     block.gate = torch.nn.Linear(4, 1)
     with pytest.raises(
         MoEInterfaceError,
-        match=r"its experts are a ModuleList of Linear, which lacks SwiGLU Linears named gate_proj/up_proj/down_proj or w1/w3/w2",
+        match=r"its experts are a ModuleList of Linear, which lacks SwiGLU Linears "
+        r"named gate_proj/up_proj/down_proj or w1/w3/w2",
     ) as exc:
         moe.routed_only(module=block, **CTX)
     assert "parameters: experts.0.weight (4, 4), experts.0.bias (4,), gate.weight (1, 4)" in str(
@@ -418,7 +420,8 @@ def test_config_keys_of_each_factory():
 def test_describe_module_truncates_long_parameter_lists():
     text = moe.describe_module(PerExpertMoE(experts=8))
     assert text.startswith(
-        "  children: gate (Linear), experts (ModuleList)\n  parameters: gate.weight (8, 64), experts.0.gate_proj.weight (32, 64)"
+        "  children: gate (Linear), experts (ModuleList)\n  parameters: gate.weight (8, 64), "
+        "experts.0.gate_proj.weight (32, 64)"
     )
     assert text.endswith(", ... and 13 more")
     assert (
