@@ -19,7 +19,7 @@ from hp_core.planner.templates.roles import Role
 from hp_core.plans.errors import ArgumentTypeError, PlanError
 from hp_core.spec.axes import CANONICAL_AXES
 from hp_core.spec.keywords import close_matches
-from hp_core.spec.module_spec import ModuleShardingSpec
+from hp_core.spec.module_spec import ModuleShardingSpec, layout_map
 from hp_core.spec.placements import format_placement
 
 __all__ = [
@@ -110,7 +110,7 @@ def _check_fused(
             f"would give one rank all of {first} and another all of {last}. hp does not re-interleave "
             "fused weights yet. Replicate the boundary with an override (its output is then whole, "
             f"not partial), e.g.\n  - match: {fqn!r}\n    params: {{{whole}}}\n"
-            f"    out_src: {{{', '.join(f'{o}: {{tp: replicate}}' for o in (spec.out_src or {'output': None}))}}}\n"
+            f"    out_src: {{{', '.join(f'{o}: {{tp: replicate}}' for o in (layout_map(spec.out_src) or ['output']))}}}\n"
             "or plan with tp=1."
         )
 

@@ -184,6 +184,7 @@ class _Bucket:
             if p is None:
                 continue
             n = _local(p).numel() if p.grad is None else _local(p.grad).numel()
+            assert self.flat is not None  # reduced above, or by the early start of .work
             reduced = self.flat[offset : offset + n]
             offset += n
             if not self.whole_already(p):
@@ -244,7 +245,7 @@ class GradReducer:
         seen_params: dict[str, int] = {}
         for r in reductions:
             owner, attr = _owner(model, r.param)
-            p = owner._parameters.get(attr)
+            p: torch.Tensor | None = owner._parameters.get(attr)
             if p is None or not p.requires_grad:
                 continue
             entry = _Entry(r.param, owner, attr, r.source)
@@ -395,6 +396,7 @@ class GradReducer:
                 if (
                     e.source != "propagation"
                     or not isinstance(g, DTensor)
+                    or not isinstance(p, DTensor)  # a DTensor gradient's parameter is one
                     or p.device_mesh is not g.device_mesh
                 ):
                     continue

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from hp_core.errors import HpError
+from hp_core.mesh import mesh_axes
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -116,7 +117,7 @@ class VocabParallelLookup:
         self.mesh = mesh
         self.axis = axis
         self.mode = mode
-        self.axis_index = list(mesh.mesh_dim_names).index(axis)
+        self.axis_index = list(mesh_axes(mesh)).index(axis)
         self.__signature__ = inspect.signature(forward)
 
     def _check_options(self, max_norm: Any, scale_grad_by_freq: bool) -> None:
@@ -263,6 +264,8 @@ class VocabParallelCausalLMLoss:
         **kwargs: Any,
     ) -> torch.Tensor:
         if shift_labels is None:
+            if labels is None:  # as F.pad(None) would: HF passes one of the two
+                raise TypeError("vocab-parallel loss: pass labels or shift_labels")
             padded = F.pad(labels, (0, 1), value=ignore_index)
             shift_labels = padded[..., 1:].contiguous()
         per_token = vocab_parallel_cross_entropy(

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from hp_core.runtime.experts import expert_placements
 from hp_core.runtime.layouts import to_placements
+from hp_core.spec.module_spec import layout_map
 from hp_core.testing.gather import (
     DEFAULT_EXPERT_PARAMS,
     REPLICA_TOL,
@@ -154,11 +155,11 @@ def full_grads(model: nn.Module, mesh: Any) -> dict[str, torch.Tensor]:
     the runtime is gathered with the same wrong table; :func:`gather_full_grads` does not.
     """
     state = getattr(model, "_hp_applied", None)
-    layouts: dict[int, tuple[dict, Any]] = {}
+    layouts: dict[int, tuple[dict | None, Any]] = {}
     if state is not None:
         for fqn, spec in state.plan.items():
             module = model.get_submodule(fqn) if fqn else model
-            for rel, named in (spec.params or {}).items():
+            for rel, named in layout_map(spec.params).items():
                 path, _, name = rel.rpartition(".")
                 owner = module.get_submodule(path) if path else module
                 p = owner._parameters.get(name)
@@ -171,11 +172,11 @@ def full_grads(model: nn.Module, mesh: Any) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         if p.grad is not None:
-            named, on = layouts.get(id(p), (None, mesh))
-            if named is not None and on is not mesh:
-                out[name] = full_expert_tensor(p.grad, named, on)
+            layout, on = layouts.get(id(p), (None, mesh))
+            if layout is not None and on is not mesh:
+                out[name] = full_expert_tensor(p.grad, layout, on)
             else:
-                out[name] = full_tensor(p.grad, named, mesh)
+                out[name] = full_tensor(p.grad, layout, mesh)
     return out
 
 
