@@ -39,6 +39,7 @@ from hp_core.runtime.journal import Journal
 from hp_core.runtime.nested import tensors_in
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["BUCKET_BYTES", "GradReducer", "GradReduction", "UnreducedGradientError"]
@@ -64,7 +65,7 @@ class GradReduction:
     param: str
     axes: tuple[str, ...]
     source: str = "propagation"
-    group: Any = dataclasses.field(default=None, compare=False)
+    group: ProcessGroup | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass
@@ -104,7 +105,7 @@ def _like(
 class _Bucket:
     """Parameters reduced together over one process group."""
 
-    def __init__(self, key: str, group: Any, entries: list[_Entry]) -> None:
+    def __init__(self, key: str, group: ProcessGroup, entries: list[_Entry]) -> None:
         self.key = key
         self.group = group
         self.entries = entries

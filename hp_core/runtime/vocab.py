@@ -24,6 +24,7 @@ from hp_core.errors import HpError
 from hp_core.mesh import mesh_axes
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
@@ -201,7 +202,7 @@ class VocabParallelLookup:
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, group: Any
+        ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, group: ProcessGroup
     ) -> torch.Tensor:
         vocab_local = logits.shape[-1]
         start = dist.get_rank(group) * vocab_local
@@ -236,7 +237,7 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, group: Any, *, ignore_index: int = -100
+    logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup, *, ignore_index: int = -100
 ) -> torch.Tensor:
     """Per-token cross-entropy from this rank's slice of the vocabulary (0 where ignored)."""
     return _VocabParallelCE.apply(logits, target, ignore_index, group)
@@ -250,7 +251,7 @@ class VocabParallelCausalLMLoss:
     ``num_items_in_batch`` when that is passed.
     """
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: ProcessGroup) -> None:
         self.group = group
 
     def __call__(

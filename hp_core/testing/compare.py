@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,6 +37,9 @@ from hp_core.testing.gather import (
     gather_full_grads,
     is_data_axis,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "DEFAULT_EXPERT_PARAMS",
@@ -135,7 +138,7 @@ def run_excess(
 # ------------------------------------------------------------------ table-driven gatherers
 
 
-def full_tensor(t: torch.Tensor, placements_by_axis: dict | None, mesh: Any) -> torch.Tensor:
+def full_tensor(t: torch.Tensor, placements_by_axis: dict | None, mesh: DeviceMesh) -> torch.Tensor:
     """The whole tensor behind a local shard (or a DTensor), on every rank."""
     if isinstance(t, DTensor):
         return t.full_tensor()
@@ -145,7 +148,7 @@ def full_tensor(t: torch.Tensor, placements_by_axis: dict | None, mesh: Any) -> 
     return DTensor.from_local(t, mesh, placements, run_check=False).full_tensor()
 
 
-def full_grads(model: nn.Module, mesh: Any) -> dict[str, torch.Tensor]:
+def full_grads(model: nn.Module, mesh: DeviceMesh) -> dict[str, torch.Tensor]:
     """Every parameter's gradient, unsharded, keyed by its (deduplicated) name.
 
     Expert parameters of expert-parallel boundaries are gathered over their expert mesh
@@ -180,7 +183,7 @@ def full_grads(model: nn.Module, mesh: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def full_expert_tensor(t: torch.Tensor, named: dict, expert_mesh: Any) -> torch.Tensor:
+def full_expert_tensor(t: torch.Tensor, named: dict, expert_mesh: DeviceMesh) -> torch.Tensor:
     """The whole tensor behind this rank's experts (a local ``[E / ep, ...]`` shard or DTensor)."""
     if isinstance(t, DTensor):
         return t.full_tensor()
