@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.hp-installed
 DISTS  := pyproject.toml hp_plugin_cp/pyproject.toml hp_plugin_moe/pyproject.toml plugins/hp-plugin-phi3/pyproject.toml
 
-.PHONY: demo test lint venv clean bench
+.PHONY: demo test lint typecheck venv clean bench
 
 venv: $(STAMP)
 
@@ -31,7 +31,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
 
-test: $(STAMP) lint
+# mypy over hp_core and the three plugin packages, as configured in pyproject.toml [tool.mypy].
+typecheck: $(STAMP)
+	$(BIN)/mypy --config-file pyproject.toml
+
+test: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest --cov=hp_core --cov=hp_plugin_cp --cov=hp_plugin_moe \
 		--cov-report=term-missing:skip-covered --cov-report=json:.coverage.json
 	$(BIN)/python tools/check_coverage.py .coverage.json
@@ -45,4 +49,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/collectives.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .coverage .coverage.json
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .coverage .coverage.json

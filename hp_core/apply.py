@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata as importlib_metadata
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import nn
@@ -51,6 +51,12 @@ class VerificationRequiredError(PreflightError, HpError):
     """``apply(verify=False)`` without a report: hp cannot know which gradients to sum."""
 
 
+def _report(pre: PreflightResult) -> VerifyReport:
+    """The report the checks of preflight produced (refuse() raises instead of returning)."""
+    assert pre.report is not None
+    return pre.report
+
+
 def _verifier(
     model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, verify: VerifyArg
 ) -> Callable[[PreflightResult], VerifyReport | None]:
@@ -70,7 +76,7 @@ def _verifier(
         return check
     if verify is False:
 
-        def refuse(_pre: PreflightResult) -> None:
+        def refuse(_pre: PreflightResult) -> NoReturn:
             raise VerificationRequiredError(
                 "apply(verify=False): the verifier is what derives which gradients are partial "
                 "sums, so hp "
@@ -143,7 +149,7 @@ def apply(
             mode,
             pre,
             journal,
-            reductions=pre.report.reductions,
+            reductions=_report(pre).reductions,
             check_inputs=check_inputs,
             fallback=fallback[0],
         )

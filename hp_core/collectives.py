@@ -38,6 +38,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 if TYPE_CHECKING:  # a type only: this module stays a leaf of torch alone
+    from torch.distributed import ProcessGroup
+
     from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = [
@@ -95,11 +97,11 @@ class Transition:
 # ----------------------------------------------------------------- the collectives
 
 
-def _world(group: Any) -> int:
+def _world(group: ProcessGroup) -> int:
     return dist.get_world_size(group)
 
 
-def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+def _gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     n = _world(group)
     if n == 1:
         return x
@@ -112,7 +114,7 @@ def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     return torch.cat(out.chunk(n, dim=0), dim=dim)
 
 
-def _scatter_sum(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+def _scatter_sum(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     n = _world(group)
     if n == 1:
         return x
@@ -125,7 +127,7 @@ def _scatter_sum(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     return out
 
 
-def _sum(x: torch.Tensor, group: Any) -> torch.Tensor:
+def _sum(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     if _world(group) == 1:
         return x
     x = x.clone(memory_format=torch.contiguous_format)
@@ -134,7 +136,7 @@ def _sum(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x
 
 
-def _chunk(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+def _chunk(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     n = _world(group)
     if n == 1:
         return x
@@ -142,7 +144,7 @@ def _chunk(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 
 
 def _exchange(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup
 ) -> torch.Tensor:
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     if not x.is_meta:
@@ -153,7 +155,7 @@ def _exchange(
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, dim: int, group: Any, grad_partial: bool
+        ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup, grad_partial: bool
     ) -> torch.Tensor:
         ctx.dim, ctx.group, ctx.grad_partial = dim, group, grad_partial
         return _gather(x, dim, group)
@@ -167,7 +169,7 @@ class _AllGather(torch.autograd.Function):
 
 class _Slice(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _chunk(x, dim, group)
 
@@ -178,7 +180,7 @@ class _Slice(torch.autograd.Function):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _scatter_sum(x, dim, group)
 
@@ -191,7 +193,7 @@ class _AllReduce(torch.autograd.Function):
     """Forward: sum partials; backward: identity (each rank holds the whole gradient)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         return _sum(x, group)
 
     @staticmethod
@@ -203,7 +205,7 @@ class _CopyToRegion(torch.autograd.Function):
     """Forward: identity; backward: sum the partial gradients of a replicated input."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
         return x
 
@@ -217,7 +219,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any
+        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup
     ) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         return _exchange(x, out_splits, in_splits, group)
@@ -228,7 +230,9 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
-def all_gather_along(x: torch.Tensor, dim: int, group: Any, *, grad_partial: bool) -> torch.Tensor:
+def all_gather_along(
+    x: torch.Tensor, dim: int, group: ProcessGroup, *, grad_partial: bool
+) -> torch.Tensor:
     """shard(dim) → replicate: every rank's ``x`` concatenated along ``dim`` in rank order.
 
     Backward: reduce-scatter (sum) if the gradient is partial (every rank's computation
@@ -237,28 +241,28 @@ def all_gather_along(x: torch.Tensor, dim: int, group: Any, *, grad_partial: boo
     return _AllGather.apply(x, dim % x.dim(), group, grad_partial)
 
 
-def slice_along(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+def slice_along(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     """replicate → shard(dim): keep this rank's chunk. Backward: all-gather."""
     return _Slice.apply(x, dim, group)
 
 
-def reduce_scatter_along(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+def reduce_scatter_along(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     """partial → shard(dim). Backward: all-gather."""
     return _ReduceScatter.apply(x, dim, group)
 
 
-def all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """partial → replicate: the sum over ``group``. Backward: identity (a loss's shares)."""
     return _AllReduce.apply(x, group)
 
 
-def copy_to_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+def copy_to_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """replicate → replicate with a partial gradient: identity forward, all-reduce backward."""
     return _CopyToRegion.apply(x, group)
 
 
 def all_to_all(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup
 ) -> torch.Tensor:
     """Differentiable all-to-all of the rows of ``x`` with uneven splits.
 

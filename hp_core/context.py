@@ -163,7 +163,7 @@ class ParallelContext:
     def guard_axes(self) -> frozenset[str]:
         """The values of ``when:`` that hold here (``tp``, ``cp``, ``ep``; ``sp`` when sequence
         parallelism is on)."""
-        active = {a for a in ("tp", "cp") if a in self.active_axes}
+        active: set[str] = {a for a in ("tp", "cp") if a in self.active_axes}
         if self.ep_size > 1:
             active.add("ep")
         if self.sequence_parallel:

@@ -18,7 +18,7 @@ import socket
 import sys
 import traceback
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,11 @@ from hp_core.plugins import INNER_WRAPPER_REGISTRY, suggest_compute_factory
 from hp_core.presets import build_model
 from hp_core.testing.probe import CollectiveCounter
 from hp_core.training import TrainingAdapters
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hp_core.mesh import MeshLike
 
 __all__ = [
     "DemoSetup",
@@ -192,7 +197,7 @@ def default_setup(
     return DemoSetup(model, dims, ep, overrides, steps, batch, seq, tuple(notes))
 
 
-def plan_for(setup: DemoSetup, model: Any, mesh: Any) -> Any:
+def plan_for(setup: DemoSetup, model: Any, mesh: DeviceMesh | MeshLike) -> Any:
     """The demo's plan of ``model`` for ``mesh``: ``setup``'s ep size and overrides."""
     return plan_model(model, mesh, ep_size=setup.ep, overrides=setup.overrides or None)
 

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from transformers import Trainer
 
 from hp_core.errors import HpError
+from hp_core.mesh import mesh_axes
 from hp_core.runtime.clip import clip_grad_norm_
 
 if TYPE_CHECKING:
@@ -61,8 +62,13 @@ class HpTrainer(Trainer):
                 "hp_core.apply(model, plan, mesh) first, or use transformers.Trainer."
             )
 
+    def _applied(self) -> nn.Module:
+        model = self.model
+        assert model is not None  # __init__ refused a model hp did not apply to
+        return model
+
     def _size(self, axis: str) -> int:
-        names = list(self.hp_mesh.mesh_dim_names)
+        names = list(mesh_axes(self.hp_mesh))
         return int(self.hp_mesh.shape[names.index(axis)]) if axis in names else 1
 
     # ------------------------------------------------------------------ ranks that share a batch
@@ -90,7 +96,7 @@ class HpTrainer(Trainer):
             raise HpTrainerError("HpTrainer: training requires a train_dataset.")
         dataset = self.train_dataset
         dp = self.hp_mesh["dp"]
-        sampler = DistributedSampler(
+        sampler: DistributedSampler[Any] = DistributedSampler(
             dataset,
             num_replicas=dp.size(),
             rank=dp.get_local_rank(),
@@ -109,9 +115,9 @@ class HpTrainer(Trainer):
 
     # ------------------------------------------------------------------ clipping
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
-        return clip_grad_norm_(self.model, self.args.max_grad_norm)
+        return clip_grad_norm_(self._applied(), self.args.max_grad_norm)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> float:
         if grad_norm is None:
-            grad_norm = clip_grad_norm_(self.model, float("inf"))
+            grad_norm = clip_grad_norm_(self._applied(), float("inf"))
         return float(grad_norm)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias, TypeGuard
 
 from hp_core.errors import HpError
 from hp_core.spec.keywords import close_matches, keyword_checked
@@ -22,6 +22,8 @@ __all__ = [
     "MeshSpec",
     "MeshSpecError",
     "is_data_axis",
+    "is_device_mesh",
+    "mesh_axes",
 ]
 
 #: A mesh described without a process group: a ``MeshSpec``, ``{axis: size}`` or ``"tp=4,cp=2"``.
@@ -40,6 +42,26 @@ def is_data_axis(axis: str) -> bool:
 
 class MeshSpecError(HpError, ValueError):
     """A mesh description that cannot be understood."""
+
+
+_UNNAMED = (
+    "the DeviceMesh has no mesh_dim_names; hp addresses axes by name. Create it with "
+    "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))."
+)
+
+
+def is_device_mesh(mesh: object) -> TypeGuard[DeviceMesh]:
+    """Whether ``mesh`` is a ``DeviceMesh`` (recognized by its process groups, so that test
+    doubles and subclasses count too)."""
+    return hasattr(mesh, "get_group")
+
+
+def mesh_axes(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The axis names of a ``DeviceMesh``: torch types them optional, hp requires them."""
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise MeshSpecError(_UNNAMED)
+    return tuple(names)
 
 
 @keyword_checked
@@ -102,10 +124,7 @@ class MeshSpec:
         shape = getattr(mesh, "shape", None)
         if shape is not None and hasattr(mesh, "get_group"):
             if names is None:
-                raise MeshSpecError(
-                    "the DeviceMesh has no mesh_dim_names; hp addresses axes by name. Create it "
-                    "with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))."
-                )
+                raise MeshSpecError(_UNNAMED)
             return cls(tuple(names), tuple(int(s) for s in shape))
         raise MeshSpecError(
             "expected a DeviceMesh, a MeshSpec, a {axis: size} mapping or 'tp=4,cp=2', got "

@@ -163,8 +163,8 @@ def loads_json(
         raise too_deep_for_python(cls, source, limits) from None
     if refused:
         found = _find_refused(doc)
-        path, marker = ([], refused[0]) if found is None else (found[0], found[1])
-        where = format_path(path)
+        at, marker = ([], refused[0]) if found is None else (found[0], found[1])
+        where = format_path(at)
         message = f"{located(source, where)}: {marker.why}."
         raise refusal(cls, message, source=source, path=where or None)
     return doc

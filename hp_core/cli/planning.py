@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.text import Text
@@ -38,6 +38,11 @@ ALLOW_MISSING_HELP = (
     "warn instead of refusing (exit 2) when the plan names an inner wrapper or compute factory "
     "that no installed plugin provides (hp_core.apply still refuses such a plan)"
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hp_core.mesh import MeshLike
 _DOING = {"plan": "planning", "freeze": "freezing"}
 
 
@@ -137,7 +142,7 @@ def plan_from_args(args: argparse.Namespace, err: Console) -> tuple[Any, Any]:
     return result, model
 
 
-def verify_plan(model: Any, planned: Any, mesh: Any, err: Console) -> Any:
+def verify_plan(model: Any, planned: Any, mesh: DeviceMesh | MeshLike, err: Console) -> Any:
     """``hp_core.verify(model, planned, mesh)`` on the meta-device model; returns the report.
 
     Raises :class:`CommandFailed` (exit 1) with the refusal's message; prints hp's own

@@ -19,7 +19,7 @@ from hp_core.planner.templates.roles import Role
 from hp_core.plans.errors import ArgumentTypeError, PlanError
 from hp_core.spec.axes import CANONICAL_AXES
 from hp_core.spec.keywords import close_matches
-from hp_core.spec.module_spec import ModuleShardingSpec
+from hp_core.spec.module_spec import ModuleShardingSpec, layout_map
 from hp_core.spec.placements import format_placement
 
 __all__ = [
@@ -104,6 +104,9 @@ def _check_fused(
             continue
         parts, first, last = _FUSED_PARTS[role]
         whole = ", ".join(f"{p}: {{tp: replicate}}" for p in params)
+        outputs = ", ".join(
+            f"{o}: {{tp: replicate}}" for o in layout_map(spec.out_src) or ["output"]
+        )
         raise FusedProjectionError(
             f"{fqn}.params.{rel}.tp: {rel} is a fused {parts} projection; its rows are the parts "
             f"concatenated along dim 0, so {format_placement(named['tp'])} over "
@@ -111,9 +114,7 @@ def _check_fused(
             "hp does not re-interleave fused weights yet. Replicate the boundary with an override "
             f"(its output is then whole, not partial), e.g.\n  - match: {fqn!r}\n    params: "
             f"{{{whole}}}\n"
-            "    out_src: {"
-            f"{', '.join(f'{o}: {{tp: replicate}}' for o in (spec.out_src or {'output': None}))}}}"
-            "\n"
+            f"    out_src: {{{outputs}}}\n"
             "or plan with tp=1."
         )
 

@@ -35,8 +35,8 @@ __all__ = [
 
 
 def _pairs(
-    src: Mapping[str, Mapping[str, Placement]] | None,
-    dst: Mapping[str, Mapping[str, Placement]] | None,
+    src: Mapping[str, Mapping[str, Placement]] | str | None,
+    dst: Mapping[str, Mapping[str, Placement]] | str | None,
 ):
     src = src if isinstance(src, dict) else {}
     dst = dst if isinstance(dst, dict) else {}

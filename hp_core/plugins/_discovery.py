@@ -85,7 +85,8 @@ def importing_in_this_thread() -> bool:
         from importlib import _bootstrap
 
         me = threading.get_ident()
-        for ref in list(_bootstrap._module_locks.values()):
+        # A private CPython table typeshed does not declare.
+        for ref in list(_bootstrap._module_locks.values()):  # type: ignore[attr-defined]
             lock = ref()
             if lock is not None and getattr(lock, "owner", None) == me:
                 return True

@@ -71,8 +71,8 @@ def applied_module(model: nn.Module) -> nn.Module:
     while "_hp_applied" not in seen.__dict__:
         if isinstance(seen, DistributedDataParallel):
             seen = seen.module
-        elif isinstance(getattr(seen, "_orig_mod", None), nn.Module):  # torch.compile
-            seen = seen._orig_mod
+        elif isinstance(orig := getattr(seen, "_orig_mod", None), nn.Module):  # torch.compile
+            seen = orig
         else:
             break
     return seen

@@ -32,10 +32,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hp_core.collectives import grad_is_partial
 from hp_core.errors import HpError
+from hp_core.mesh import mesh_axes
 from hp_core.runtime.fixes import keep_whole_yaml
 from hp_core.runtime.layouts import Redistribution, same_placement, to_placements
 from hp_core.runtime.partial import contract_partial_axes, is_expert_param
-from hp_core.spec.module_spec import ModuleShardingSpec
+from hp_core.spec.module_spec import ModuleShardingSpec, layout_map
 from hp_core.spec.placements import PlacementMismatchError
 
 if TYPE_CHECKING:
@@ -173,14 +174,14 @@ class BoundaryForward:
         # Randomness inside a region whose computation is sharded on tp draws per rank (rng.py).
         sharded = [
             n
-            for n in (*(spec.params or {}).values(), *(spec.in_dst or {}).values())
+            for n in (*layout_map(spec.params).values(), *layout_map(spec.in_dst).values())
             if isinstance(n.get("tp"), Shard)
         ]
         self.rng = rng if sharded and rng is not None and rng.active else None
         self.__signature__ = inspect.signature(self.original)
         self._pos = positions(self.original)
-        in_src, in_dst = spec.in_src or {}, spec.in_dst or {}
-        partial_axes = [a for a in mesh.mesh_dim_names if grad_is_partial(spec, a)]
+        in_src, in_dst = layout_map(spec.in_src), layout_map(spec.in_dst)
+        partial_axes = [a for a in mesh_axes(mesh) if grad_is_partial(spec, a)]
         self.inputs = {
             name: Redistribution(
                 in_src.get(name, in_dst.get(name)),
@@ -191,7 +192,7 @@ class BoundaryForward:
             )
             for name in dict.fromkeys([*in_src, *in_dst])
         }
-        out_src, out_dst = spec.out_src or {}, spec.out_dst or {}
+        out_src, out_dst = layout_map(spec.out_src), layout_map(spec.out_dst)
         self.out_names = spec.output_names() or list(out_dst)
         self.outputs = {
             name: Redistribution(
@@ -205,18 +206,18 @@ class BoundaryForward:
         self.expected_out = {name: to_placements(layout, mesh) for name, layout in out_src.items()}
         self.deferred = [_owner(module, rel) for rel in spec._deferred_bias_params]
         self.own_params = [
-            _owner(module, rel) for rel in (spec.params or {}) if rel not in spec._ep_stack
+            _owner(module, rel) for rel in layout_map(spec.params) if rel not in spec._ep_stack
         ]
         # Validate: local code hides from DTensor whether a replicated parameter's gradient is
         # partial, so the contract says it when the parameter is unwrapped for local code.
-        names = list(mesh.mesh_dim_names)
+        names = list(mesh_axes(mesh))
         self.local_grad_placements = {}
         if mode == "validate":
             for rel in [
                 *spec._deferred_bias_params,
-                *(r for r in (spec.params or {}) if r not in spec._ep_stack),
+                *(r for r in layout_map(spec.params) if r not in spec._ep_stack),
             ]:
-                named = (spec.params or {}).get(rel, {})
+                named = layout_map(spec.params).get(rel, {})
                 if is_expert_param(spec, named):
                     continue
                 partial = (
@@ -233,7 +234,7 @@ class BoundaryForward:
             for rel, (o, n) in zip(
                 [
                     *spec._deferred_bias_params,
-                    *(r for r in (spec.params or {}) if r not in spec._ep_stack),
+                    *(r for r in layout_map(spec.params) if r not in spec._ep_stack),
                 ],
                 [*self.deferred, *self.own_params],
                 strict=True,
@@ -301,6 +302,7 @@ class BoundaryForward:
                             self._rel_of[(id(owner), name)]
                         )
                     )
+                assert bias is not None  # _detached_biases has put it back before _exit
                 items[0] = items[0] + bias
         return self._join(items, was_tuple)
 
@@ -310,14 +312,14 @@ class BoundaryForward:
         if not isinstance(x, DTensor):
             raise PlacementMismatchError(
                 self.fqn,
-                self.spec.out_src[name],
+                layout_map(self.spec.out_src)[name],
                 f"a plain {type(x).__name__} (not a DTensor)",
                 stage,
             )
         if expected is not None and not all(
             same_placement(a, e) for a, e in zip(x.placements, expected, strict=True)
         ):
-            names = list(self.mesh.mesh_dim_names)
+            names = list(mesh_axes(self.mesh))
             actual = dict(zip(names, x.placements, strict=True))
             declared = dict(zip(names, expected, strict=True))
             raise PlacementMismatchError(self.fqn, declared, actual, stage)
@@ -338,7 +340,7 @@ class BoundaryForward:
     @contextlib.contextmanager
     def _local_params(self) -> Iterator[None]:
         """Validate, local region: the boundary's own DTensor parameters as local tensors."""
-        saved = []
+        saved: list[tuple[nn.Module, str, nn.Parameter]] = []
         for owner, name in self.own_params:
             p = owner._parameters.get(name)
             if isinstance(p, DTensor):
@@ -387,7 +389,7 @@ class BoundaryForward:
         Wrapping them explicitly (rather than only allowing implicit replication) keeps the
         tensors autograd saves for backward DTensors too.
         """
-        placements = [Replicate()] * len(self.mesh.mesh_dim_names)
+        placements = [Replicate()] * self.mesh.ndim
 
         def wrap(x: Any) -> Any:
             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
@@ -460,7 +462,7 @@ class InnerOutputCheck:
         else:
             layout = next(iter(self.declared.values()))
             expected = to_placements(layout, self.mesh)
-        names = list(self.mesh.mesh_dim_names)
+        names = list(mesh_axes(self.mesh))
         if (
             expected is None
             or not isinstance(first, DTensor)

@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from hp_core.errors import HpError
 from hp_core.runtime.applied import applied_module, finalize_grads
 from hp_core.runtime.partial import is_expert_param
+from hp_core.spec.module_spec import layout_map
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -124,7 +125,7 @@ def _declared(model: nn.Module, state: Any) -> dict[int, tuple[Any, dict[str, An
             module = model.get_submodule(fqn) if fqn else model
         except AttributeError:
             continue
-        for rel, named in (spec.params or {}).items():
+        for rel, named in layout_map(spec.params).items():
             path, _, attr = rel.rpartition(".")
             try:
                 owner = module.get_submodule(path) if path else module

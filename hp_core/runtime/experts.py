@@ -43,7 +43,7 @@ from hp_core.runtime.errors import PreflightError
 from hp_core.runtime.grads import GradReduction
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.partial import data_axes, is_expert_param
-from hp_core.spec.module_spec import ModuleShardingSpec
+from hp_core.spec.module_spec import ModuleShardingSpec, layout_map
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -217,7 +217,7 @@ def expert_layout(
     dup = [a for a in spanned if kind(a) == "replicated"]
     if dup:
         axis = dup[0]
-        name = next(iter(spec.in_dst or {"hidden_states": None}))
+        name = next(iter(layout_map(spec.in_dst) or ["hidden_states"]))
         raise ExpertParallelError(
             f"{fqn}: the expert group of ep={ep} spans the {axis!r} axis, along which this block's "
             f"tokens are replicated (its input {name!r} is whole on {axis}), so every token would "
@@ -283,7 +283,7 @@ def check_expert_boundary(fqn: str, spec: ModuleShardingSpec, module: nn.Module)
             f"{fqn}: an expert-parallel compute communicates (all-to-all over the expert group), "
             "so it runs on local tensors: declare region_dispatch: false."
         )
-    for rel, named in (spec.params or {}).items():
+    for rel, named in layout_map(spec.params).items():
         if "ep" in named:
             extra = {a: p for a, p in named.items() if a != "ep" and not isinstance(p, Replicate)}
             if extra:
@@ -403,13 +403,13 @@ def shard_expert_parameters(
     for _fqn, spec, module in _expert_boundaries(model, plan):
         emesh = experts[spec._ep_size].mesh
         stacked: dict[str, nn.Parameter] = {}
-        for rel, named in (spec.params or {}).items():
+        for rel, named in layout_map(spec.params).items():
             if not is_expert_param(spec, named):
                 continue
             sources = spec._ep_stack.get(rel)
             if sources:
-                olds = [_param(module, s) for s in sources]
-                full = torch.stack([p.detach() for p in olds if p is not None])
+                olds = [p for p in (_param(module, s) for s in sources) if p is not None]
+                full = torch.stack([p.detach() for p in olds])
                 stacked[rel] = nn.Parameter(
                     _distribute(full, emesh, expert_placements(named), mode),
                     requires_grad=olds[0].requires_grad,
@@ -449,9 +449,7 @@ def _install_stacked(
         parent = module.get_submodule(parent_path) if parent_path else module
         old = parent._modules[attr]
         parent._modules[attr] = new
-        journal.record(
-            lambda parent=parent, attr=attr, old=old: parent._modules.__setitem__(attr, old)
-        )
+        journal.record(functools.partial(parent._modules.__setitem__, attr, old))
 
 
 def expert_grad_reductions(
@@ -467,7 +465,7 @@ def expert_grad_reductions(
         if spec._ep_size <= 1 or not experts or experts[spec._ep_size].replica_group is None:
             continue
         group = experts[spec._ep_size].replica_group
-        for rel, named in (spec.params or {}).items():
+        for rel, named in layout_map(spec.params).items():
             if is_expert_param(spec, named):
                 name = f"{fqn}.{rel}" if fqn else rel
                 out.append(GradReduction(name, (f"experts(ep={spec._ep_size})",), "experts", group))

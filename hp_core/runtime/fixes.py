@@ -14,17 +14,15 @@ from collections.abc import Mapping
 from torch.distributed.tensor import Placement, Replicate
 
 from hp_core.plans.overrides import dump_overrides
-from hp_core.spec.module_spec import ModuleShardingSpec
+from hp_core.spec.module_spec import ModuleShardingSpec, PlacementMap, layout_map
 
 __all__ = ["fix_match", "keep_whole", "keep_whole_yaml"]
 
 
-def _whole(
-    layouts: Mapping[str, Mapping[str, Placement]] | None, axis: str
-) -> dict[str, dict[str, Placement]]:
+def _whole(layouts: PlacementMap | str | None, axis: str) -> dict[str, dict[str, Placement]]:
     return {
         name: {a: (Replicate() if a == axis else p) for a, p in named.items()}
-        for name, named in (layouts or {}).items()
+        for name, named in layout_map(layouts).items()
     }
 
 

@@ -39,6 +39,7 @@ from hp_core.runtime.journal import Journal
 from hp_core.runtime.nested import tensors_in
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["BUCKET_BYTES", "GradReducer", "GradReduction", "UnreducedGradientError"]
@@ -64,7 +65,7 @@ class GradReduction:
     param: str
     axes: tuple[str, ...]
     source: str = "propagation"
-    group: Any = dataclasses.field(default=None, compare=False)
+    group: ProcessGroup | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass
@@ -104,7 +105,7 @@ def _like(
 class _Bucket:
     """Parameters reduced together over one process group."""
 
-    def __init__(self, key: str, group: Any, entries: list[_Entry]) -> None:
+    def __init__(self, key: str, group: ProcessGroup, entries: list[_Entry]) -> None:
         self.key = key
         self.group = group
         self.entries = entries
@@ -184,6 +185,7 @@ class _Bucket:
             if p is None:
                 continue
             n = _local(p).numel() if p.grad is None else _local(p.grad).numel()
+            assert self.flat is not None  # reduced above, or by the early start of .work
             reduced = self.flat[offset : offset + n]
             offset += n
             if not self.whole_already(p):
@@ -244,7 +246,7 @@ class GradReducer:
         seen_params: dict[str, int] = {}
         for r in reductions:
             owner, attr = _owner(model, r.param)
-            p = owner._parameters.get(attr)
+            p: torch.Tensor | None = owner._parameters.get(attr)
             if p is None or not p.requires_grad:
                 continue
             entry = _Entry(r.param, owner, attr, r.source)
@@ -395,6 +397,7 @@ class GradReducer:
                 if (
                     e.source != "propagation"
                     or not isinstance(g, DTensor)
+                    or not isinstance(p, DTensor)  # a DTensor gradient's parameter is one
                     or p.device_mesh is not g.device_mesh
                 ):
                     continue

@@ -26,11 +26,12 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from hp_core.errors import HpError
+from hp_core.mesh import mesh_axes
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.layouts import InputLayoutError
 from hp_core.runtime.nested import tensors_in
 from hp_core.runtime.partial import activations_on, is_data_axis
-from hp_core.spec.module_spec import ModuleShardingSpec
+from hp_core.spec.module_spec import ModuleShardingSpec, layout_map
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -95,13 +96,13 @@ def _first_sequence_split(
     for fqn, spec in modules.items():
         if not spec.is_boundary:
             continue
-        for name, named in (spec.in_dst or {}).items():
-            src = (spec.in_src or {}).get(name, {})
+        for name, named in layout_map(spec.in_dst).items():
+            src = layout_map(spec.in_src).get(name, {})
             split = [
                 a
                 for a in axes
-                if isinstance(named.get(a), Shard)
-                and named[a].dim == 1
+                if isinstance(p := named.get(a), Shard)
+                and p.dim == 1
                 and not isinstance(src.get(a), Shard)
             ]
             if split:
@@ -161,7 +162,7 @@ class InputGuard:
             axis: activations_on(modules, axis) != "sharded" for axis, _ in self.groups
         }
         self.split = _first_sequence_split(
-            modules, dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True))
+            modules, dict(zip(mesh_axes(mesh), mesh.shape, strict=True))
         )
         self.checks = 0
 

@@ -33,7 +33,7 @@ from hp_core.runtime.preflight import PreflightResult
 from hp_core.runtime.rng import RngStreams
 from hp_core.runtime.sequence import SequenceFallback, SequenceSwitch
 from hp_core.runtime.vocab import VocabParallelCausalLMLoss, VocabParallelLookup
-from hp_core.spec.module_spec import ModuleShardingSpec
+from hp_core.spec.module_spec import ModuleShardingSpec, layout_map
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -50,7 +50,7 @@ def vocab_axis(module: nn.Module, spec: ModuleShardingSpec, mesh: DeviceMesh) ->
     """The mesh axis an ``nn.Embedding`` boundary's vocabulary rows are sharded on, if any."""
     if not isinstance(module, nn.Embedding):
         return None
-    named = (spec.params or {}).get("weight") or {}
+    named = layout_map(spec.params).get("weight") or {}
     for axis, placement in named.items():
         if (
             isinstance(placement, Shard)
@@ -78,7 +78,7 @@ def _compute_for(
     if inj is not None and inj.inner_wrapper is not None and inj.inner_target == "self":
         return None, spec.region_dispatch is True  # the inner wrap supplies the compute
     axis = vocab_axis(module, spec, mesh)
-    if axis is not None:
+    if axis is not None and isinstance(module, nn.Embedding):  # vocab_axis: Embeddings only
         return VocabParallelLookup(
             fqn, module, module.forward, mesh, axis, mode
         ), spec.region_dispatch is not False
@@ -269,7 +269,8 @@ def _install_loss(model: nn.Module, mesh: DeviceMesh, journal: Journal) -> None:
         return
     had = "_loss_function" in model.__dict__
     old = model.__dict__.get("_loss_function")
-    model.loss_function = VocabParallelCausalLMLoss(group)
+    # nn.Module.__setattr__ is typed for tensors and modules; HF reads a plain callable here.
+    model.loss_function = VocabParallelCausalLMLoss(group)  # type: ignore[assignment]
 
     def undo() -> None:
         if had:

@@ -11,15 +11,18 @@ a shard whose order on the mesh the lowering cannot honour — falls back to DTe
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from hp_core.collectives import rule
 from hp_core.errors import HpError
-from hp_core.mesh import is_data_axis
+from hp_core.mesh import is_data_axis, mesh_axes
 from hp_core.spec.placements import resolve_placements
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["InputLayoutError", "Redistribution", "dense_mesh", "same_placement", "to_placements"]
 
@@ -28,20 +31,20 @@ class InputLayoutError(HpError, ValueError):
     """An input the plan's layouts cannot split (an uneven shard), refused before any collective."""
 
 
-def dense_mesh(mesh: Any) -> Any:
+def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The sub-mesh of ``mesh`` without its data-parallel axes: where hp's DTensors live.
 
     The plan describes one data-parallel slice, so nothing of hp's is placed along ``dp*``;
     keeping hp's DTensors off those axes is also what lets FSDP2 shard them over ``dp``.
     """
     names = [n for n in (mesh.mesh_dim_names or ()) if not is_data_axis(n)]
-    if not names or len(names) == len(mesh.mesh_dim_names):
+    if not names or len(names) == mesh.ndim:
         return mesh
     return mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
 
 
-def to_placements(named: Mapping[str, Placement] | None, mesh: Any) -> tuple[Placement, ...]:
-    return tuple(resolve_placements(dict(named or {}), list(mesh.mesh_dim_names)))
+def to_placements(named: Mapping[str, Placement] | None, mesh: DeviceMesh) -> tuple[Placement, ...]:
+    return tuple(resolve_placements(dict(named or {}), list(mesh_axes(mesh))))
 
 
 def same_placement(actual: Placement, expected: Placement) -> bool:
@@ -61,14 +64,14 @@ class Redistribution:
         self,
         src: Mapping[str, Placement] | None,
         dst: Mapping[str, Placement] | None,
-        mesh: Any,
+        mesh: DeviceMesh,
         *,
         grad_partial_axes: Sequence[str] = (),
         where: str = "",
     ) -> None:
         self.mesh = mesh
         self.where = where
-        self.names = list(mesh.mesh_dim_names)
+        self.names = list(mesh_axes(mesh))
         self.src = to_placements(src, mesh)
         self.dst = to_placements(dst if dst is not None else src, mesh)
         self.grad = tuple(

@@ -24,6 +24,8 @@ from hp_core.mesh import is_data_axis
 from hp_core.runtime.journal import Journal
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["OuterWrapperCheck", "WrappedOverModelParallelRanksError"]
@@ -60,7 +62,7 @@ class OuterWrapperCheck:
         journal.record(handle.remove)
 
     def _hook(self, model: nn.Module) -> None:
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         for _ in range(_DEPTH):
             if frame is None:
                 return

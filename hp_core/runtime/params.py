@@ -24,6 +24,7 @@ from hp_core.runtime.experts import ExpertGroups, ShardedExperts, shard_expert_p
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.layouts import dense_mesh, to_placements
 from hp_core.runtime.partial import is_expert_param
+from hp_core.spec.module_spec import layout_map
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -52,7 +53,7 @@ def declared_params(
     """
     for fqn, spec in plan.items():
         module = model.get_submodule(fqn) if fqn else model
-        for rel, named in (spec.params or {}).items():
+        for rel, named in layout_map(spec.params).items():
             if rel in spec._ep_stack:
                 continue
             owner, name = _owner(module, rel)

@@ -26,7 +26,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from hp_core.errors import HpError
 from hp_core.mesh import is_data_axis
-from hp_core.spec.module_spec import ModuleShardingSpec
+from hp_core.spec.module_spec import ModuleShardingSpec, layout_map
 
 __all__ = [
     "AmbiguousGradientError",
@@ -73,7 +73,7 @@ def activations_on(modules: Mapping[str, ModuleShardingSpec], axis: str) -> str:
         if not spec.is_boundary:
             continue
         for field in (spec.in_src, spec.out_dst):
-            for named in (field or {}).values():
+            for named in layout_map(field).values():
                 if axis in named:
                     seen.add(isinstance(named[axis], Shard))
     if not seen or seen == {False}:

@@ -21,8 +21,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from hp_core.errors import HpError
+from hp_core.mesh import mesh_axes
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
@@ -116,7 +118,7 @@ class VocabParallelLookup:
         self.mesh = mesh
         self.axis = axis
         self.mode = mode
-        self.axis_index = list(mesh.mesh_dim_names).index(axis)
+        self.axis_index = list(mesh_axes(mesh)).index(axis)
         self.__signature__ = inspect.signature(forward)
 
     def _check_options(self, max_norm: Any, scale_grad_by_freq: bool) -> None:
@@ -201,7 +203,7 @@ class VocabParallelLookup:
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, group: Any
+        ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, group: ProcessGroup
     ) -> torch.Tensor:
         vocab_local = logits.shape[-1]
         start = dist.get_rank(group) * vocab_local
@@ -236,7 +238,7 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, group: Any, *, ignore_index: int = -100
+    logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup, *, ignore_index: int = -100
 ) -> torch.Tensor:
     """Per-token cross-entropy from this rank's slice of the vocabulary (0 where ignored)."""
     return _VocabParallelCE.apply(logits, target, ignore_index, group)
@@ -250,7 +252,7 @@ class VocabParallelCausalLMLoss:
     ``num_items_in_batch`` when that is passed.
     """
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: ProcessGroup) -> None:
         self.group = group
 
     def __call__(
@@ -264,6 +266,8 @@ class VocabParallelCausalLMLoss:
         **kwargs: Any,
     ) -> torch.Tensor:
         if shift_labels is None:
+            if labels is None:  # as F.pad(None) would: HF passes one of the two
+                raise TypeError("vocab-parallel loss: pass labels or shift_labels")
             padded = F.pad(labels, (0, 1), value=ignore_index)
             shift_labels = padded[..., 1:].contiguous()
         per_token = vocab_parallel_cross_entropy(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Union
 
 from torch.distributed.tensor import Placement
 
@@ -40,6 +40,7 @@ __all__ = [
     "copy_spec",
     "copy_value",
     "is_target",
+    "layout_map",
     "spec_field_names",
     "spec_from_checked",
     "table_problems",
@@ -252,6 +253,34 @@ class ModuleShardingSpec:
         *RUNTIME_FIELDS,
     )
 
+    if TYPE_CHECKING:
+        # What mypy sees of the ``spec._<name>`` views that the loop below the class installs
+        # from DERIVED_FIELDS (it cannot follow setattr): one per Derived field, same type.
+        @property
+        def _tp_local_attr_plan(self) -> dict[str, tuple[int, int]] | None: ...
+        @_tp_local_attr_plan.setter
+        def _tp_local_attr_plan(self, value: dict[str, tuple[int, int]] | None) -> None: ...
+        @property
+        def _deferred_bias_params(self) -> tuple[str, ...]: ...
+        @_deferred_bias_params.setter
+        def _deferred_bias_params(self, value: tuple[str, ...]) -> None: ...
+        @property
+        def _is_terminal(self) -> bool: ...
+        @_is_terminal.setter
+        def _is_terminal(self, value: bool) -> None: ...
+        @property
+        def _needs_cp_attn(self) -> bool: ...
+        @_needs_cp_attn.setter
+        def _needs_cp_attn(self, value: bool) -> None: ...
+        @property
+        def _ep_stack(self) -> dict[str, list[str]]: ...
+        @_ep_stack.setter
+        def _ep_stack(self, value: dict[str, list[str]]) -> None: ...
+        @property
+        def _ep_size(self) -> int: ...
+        @_ep_size.setter
+        def _ep_size(self, value: int) -> None: ...
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             row = SPEC_FIELDS_BY_NAME.get(f.name)
@@ -286,6 +315,21 @@ class ModuleShardingSpec:
 for _row in DERIVED_FIELDS:
     setattr(ModuleShardingSpec, _row.name, _derived_attribute(_row))
 del _row
+
+
+def layout_map(value: PlacementMap | str | None) -> PlacementMap:
+    """The layouts a planned spec's field holds: its mapping, ``{}`` when it declares none.
+
+    The sentinels ``'auto'``/``'none'`` are words of an override, replaced when it merges
+    into a derived spec; code that reads a planned spec's layouts reads them through here,
+    so a spec that still holds a sentinel fails with its name instead of on a ``str``.
+    """
+    if isinstance(value, str):
+        raise SpecValidationError(
+            f"a layouts field holds the sentinel {value!r}, which only an override may: "
+            "plan the model (hp_core.plan) so that overrides merge, or declare the layouts."
+        )
+    return value or {}
 
 
 # ------------------------------------------------------------------ copying

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from hp_core.runtime.experts import expert_placements
 from hp_core.runtime.layouts import to_placements
+from hp_core.spec.module_spec import layout_map
 from hp_core.testing.gather import (
     DEFAULT_EXPERT_PARAMS,
     REPLICA_TOL,
@@ -36,6 +37,9 @@ from hp_core.testing.gather import (
     gather_full_grads,
     is_data_axis,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "DEFAULT_EXPERT_PARAMS",
@@ -134,7 +138,7 @@ def run_excess(
 # ------------------------------------------------------------------ table-driven gatherers
 
 
-def full_tensor(t: torch.Tensor, placements_by_axis: dict | None, mesh: Any) -> torch.Tensor:
+def full_tensor(t: torch.Tensor, placements_by_axis: dict | None, mesh: DeviceMesh) -> torch.Tensor:
     """The whole tensor behind a local shard (or a DTensor), on every rank."""
     if isinstance(t, DTensor):
         return t.full_tensor()
@@ -144,7 +148,7 @@ def full_tensor(t: torch.Tensor, placements_by_axis: dict | None, mesh: Any) -> 
     return DTensor.from_local(t, mesh, placements, run_check=False).full_tensor()
 
 
-def full_grads(model: nn.Module, mesh: Any) -> dict[str, torch.Tensor]:
+def full_grads(model: nn.Module, mesh: DeviceMesh) -> dict[str, torch.Tensor]:
     """Every parameter's gradient, unsharded, keyed by its (deduplicated) name.
 
     Expert parameters of expert-parallel boundaries are gathered over their expert mesh
@@ -154,11 +158,11 @@ def full_grads(model: nn.Module, mesh: Any) -> dict[str, torch.Tensor]:
     the runtime is gathered with the same wrong table; :func:`gather_full_grads` does not.
     """
     state = getattr(model, "_hp_applied", None)
-    layouts: dict[int, tuple[dict, Any]] = {}
+    layouts: dict[int, tuple[dict | None, Any]] = {}
     if state is not None:
         for fqn, spec in state.plan.items():
             module = model.get_submodule(fqn) if fqn else model
-            for rel, named in (spec.params or {}).items():
+            for rel, named in layout_map(spec.params).items():
                 path, _, name = rel.rpartition(".")
                 owner = module.get_submodule(path) if path else module
                 p = owner._parameters.get(name)
@@ -171,15 +175,15 @@ def full_grads(model: nn.Module, mesh: Any) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         if p.grad is not None:
-            named, on = layouts.get(id(p), (None, mesh))
-            if named is not None and on is not mesh:
-                out[name] = full_expert_tensor(p.grad, named, on)
+            layout, on = layouts.get(id(p), (None, mesh))
+            if layout is not None and on is not mesh:
+                out[name] = full_expert_tensor(p.grad, layout, on)
             else:
-                out[name] = full_tensor(p.grad, named, mesh)
+                out[name] = full_tensor(p.grad, layout, mesh)
     return out
 
 
-def full_expert_tensor(t: torch.Tensor, named: dict, expert_mesh: Any) -> torch.Tensor:
+def full_expert_tensor(t: torch.Tensor, named: dict, expert_mesh: DeviceMesh) -> torch.Tensor:
     """The whole tensor behind this rank's experts (a local ``[E / ep, ...]`` shard or DTensor)."""
     if isinstance(t, DTensor):
         return t.full_tensor()

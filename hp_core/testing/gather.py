@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,17 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from hp_core.mesh import is_data_axis
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+#: What ``expert_groups`` takes: one process group or expert mesh, or several (a list, or a
+#: mapping's values).
+ExpertGroups: TypeAlias = (
+    "ProcessGroup | DeviceMesh | list[ProcessGroup | DeviceMesh]"
+    " | tuple[ProcessGroup | DeviceMesh, ...] | Mapping[Any, ProcessGroup | DeviceMesh]"
+)
 
 __all__ = [
     "DEFAULT_EXPERT_PARAMS",
@@ -47,14 +58,14 @@ class GradientCheckError(AssertionError):
     """
 
 
-def _axis_names(mesh: Any) -> list[str]:
+def _axis_names(mesh: DeviceMesh) -> list[str]:
     names = mesh.mesh_dim_names
     if names is None:
         raise ValueError("gather_full_grads needs a DeviceMesh with mesh_dim_names")
     return list(names)
 
 
-def _mesh_all_gather_object(obj: Any, mesh: Any) -> list[Any]:
+def _mesh_all_gather_object(obj: Any, mesh: DeviceMesh) -> list[Any]:
     """``obj`` of every rank of ``mesh`` (gathered axis by axis), the same list on every rank."""
     values = [obj]
     for axis in _axis_names(mesh):
@@ -64,14 +75,16 @@ def _mesh_all_gather_object(obj: Any, mesh: Any) -> list[Any]:
     return values
 
 
-def _all_gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
+def _all_gather(t: torch.Tensor, group: ProcessGroup) -> list[torch.Tensor]:
     t = t.detach().contiguous()
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t, group=group)
     return parts
 
 
-def _expert_groups(expert_groups: Any) -> list[tuple[Any, int, tuple[int, ...]]]:
+def _expert_groups(
+    expert_groups: ExpertGroups | None,
+) -> list[tuple[ProcessGroup, int, tuple[int, ...]]]:
     """``(group, size, global ranks)`` of each expert group the caller gave."""
     if expert_groups is None:
         return []
@@ -195,7 +208,7 @@ def _local_layout(
 
 
 def _replica_problem(
-    name: str, full: torch.Tensor, axis: str, mesh: Any, tol: float, stats: dict | None
+    name: str, full: torch.Tensor, axis: str, mesh: DeviceMesh, tol: float, stats: dict | None
 ) -> str | None:
     """Check ``full`` is the same on every rank of ``axis`` (collective over that axis)."""
     parts = _all_gather(full, mesh.get_group(axis))
@@ -245,9 +258,9 @@ def _unshard_data_parallel(p: torch.Tensor) -> torch.Tensor:
 def gather_full_grads(
     model: nn.Module,
     reference: nn.Module | Mapping[str, Any],
-    mesh: Any,
+    mesh: DeviceMesh,
     *,
-    expert_groups: Any = None,
+    expert_groups: ExpertGroups | None = None,
     expert_params: str | Callable[[str], bool] = DEFAULT_EXPERT_PARAMS,
     replica_axes: Iterable[str] | None = None,
     replica_tol: float = REPLICA_TOL,

@@ -56,7 +56,7 @@ class CollectiveCounter(TorchDispatchMode):
             src = (
                 tensors[1]
                 if ns == "c10d" and len(tensors) > 1
-                else (tensors or nested or [None])[0]
+                else next(iter(tensors or nested), None)
             )
             if name is not None and not (src is not None and src.is_meta):
                 self.calls[name] = self.calls.get(name, 0) + 1

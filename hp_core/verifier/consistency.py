@@ -17,6 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from hp_core.collectives import grad_is_partial
 from hp_core.plans.model import ShardingPlan
 from hp_core.runtime.partial import is_data_axis
+from hp_core.spec.module_spec import layout_map
 from hp_core.verifier.errors import InputGradientError, LayoutMismatchError, ProductionDiffersError
 from hp_core.verifier.probes import BoundaryRecord
 
@@ -67,7 +68,7 @@ def arrival_check(
             return
         spec = plan[fqn]
         for name, shape in ref.inputs[call].items():
-            layout = (spec.in_src or {}).get(name) or (spec.in_dst or {}).get(name) or {}
+            layout = layout_map(spec.in_src).get(name) or layout_map(spec.in_dst).get(name) or {}
             want, got = _local_shape(shape, layout, sizes), local.get(name)
             if got is not None and want != got:
                 raise LayoutMismatchError(
@@ -99,10 +100,12 @@ def check_layouts(
         spec = plan[fqn]
         for call, loc_in in enumerate(rec.inputs):
             arrives(fqn, call, loc_in)
-            outs = spec.output_names() or list(spec.out_dst or {})
+            outs = spec.output_names() or list(layout_map(spec.out_dst))
             if outs and ref.shapes[call] and rec.shapes[call]:
                 layout = (
-                    (spec.out_dst or {}).get(outs[0]) or (spec.out_src or {}).get(outs[0]) or {}
+                    layout_map(spec.out_dst).get(outs[0])
+                    or layout_map(spec.out_src).get(outs[0])
+                    or {}
                 )
                 want, got = _local_shape(ref.shapes[call][0], layout, sizes), rec.shapes[call][0]
                 if want != got:
@@ -125,7 +128,7 @@ def check_input_gradients(
     for fqn, rec in records.items():
         spec = plan[fqn]
         for name, seen in rec.input_grads.items():
-            dst = (spec.in_dst or {}).get(name) or (spec.in_src or {}).get(name) or {}
+            dst = layout_map(spec.in_dst).get(name) or layout_map(spec.in_src).get(name) or {}
             for named in seen:
                 for axis, p in named:
                     if is_data_axis(axis) or not isinstance(dst.get(axis, Replicate()), Replicate):

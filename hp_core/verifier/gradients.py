@@ -24,6 +24,7 @@ from hp_core.runtime.partial import (
     is_data_axis,
     is_expert_param,
 )
+from hp_core.spec.module_spec import layout_map
 from hp_core.verifier.errors import MixedGradientError
 from hp_core.verifier.passes import map_to_rep, prefixes
 from hp_core.verifier.probes import BoundaryRecord
@@ -75,7 +76,7 @@ def _region_layouts(plan: ShardingPlan) -> dict[str, dict[str, Mapping[str, Any]
         covered = f if s.is_boundary else enclosing_boundary(plan, f)
         if covered is None:
             continue
-        for rel, named in (s.params or {}).items():
+        for rel, named in layout_map(s.params).items():
             full = f"{f}.{rel}" if f else rel
             out.setdefault(covered, {})[full[len(covered) + 1 :] if covered else full] = named
     return out
@@ -97,7 +98,7 @@ def derive(
     layouts = _region_layouts(plan)
     for fqn, spec in plan.items():
         covered = fqn if spec.is_boundary else enclosing_boundary(plan, fqn)
-        for rel, named in (spec.params or {}).items():
+        for rel, named in layout_map(spec.params).items():
             if is_expert_param(spec, named):
                 continue  # experts: their replicas are summed by the expert layout
             name = f"{fqn}.{rel}" if fqn else rel
@@ -127,7 +128,7 @@ def derive(
                 fqn != covered
             ):  # a non-boundary spec inside the region: judge it by the region's contract
                 region = dataclasses.replace(
-                    region, params={**(region.params or {}), rel_in_region: named}
+                    region, params={**layout_map(region.params), rel_in_region: named}
                 )
                 region._deferred_bias_params = plan[covered]._deferred_bias_params
             axes = contract_partial_axes(

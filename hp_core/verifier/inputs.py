@@ -5,14 +5,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from hp_core.mesh import MeshSpec
+from hp_core.mesh import MeshSpec, is_device_mesh, mesh_axes
 from hp_core.plans.model import ShardingPlan
 from hp_core.runtime.partial import activations_on, is_data_axis
 from hp_core.verifier.errors import UnverifiableError
@@ -30,7 +30,7 @@ def verification_mesh(
     plan: ShardingPlan, mesh: DeviceMesh | MeshLike | None
 ) -> Iterator[DeviceMesh]:
     """A DeviceMesh to verify on: the given one, or one over a fake process group."""
-    if mesh is not None and hasattr(mesh, "get_group"):
+    if is_device_mesh(mesh):
         yield mesh
         return
     spec = MeshSpec.from_any(mesh) if mesh is not None else None
@@ -58,7 +58,7 @@ def verification_mesh(
 
 
 def _sequence_length(mesh: DeviceMesh) -> tuple[int, int]:
-    sizes = dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True))
+    sizes = dict(zip(mesh_axes(mesh), mesh.shape, strict=True))
     tp, cp = sizes.get("tp", 1), sizes.get("cp", 1)
     return 4 * tp * cp * 2, cp  # a multiple of tp, cp and 2*cp (load-balanced CP)
 
@@ -68,6 +68,7 @@ def default_inputs(model: nn.Module, mesh: DeviceMesh) -> tuple[tuple[Any, ...],
     ids = torch.empty(
         (2, total // cp), dtype=torch.long, device="meta"
     )  # this rank's share of the sequence
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):  # pragma: no cover - nn.Module forwards are introspectable
@@ -117,7 +118,7 @@ def whole_inputs(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The unsharded model's inputs: a rank's inputs are its chunk of the sequence (dim 1)
     along every axis that shards activations everywhere (context parallelism)."""
-    sizes = dict(zip(mesh.mesh_dim_names, (int(n) for n in mesh.shape), strict=True))
+    sizes = dict(zip(mesh_axes(mesh), (int(n) for n in mesh.shape), strict=True))
     k = math.prod(
         n
         for a, n in sizes.items()

@@ -22,6 +22,7 @@ from hp_core.runtime.install import install
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.partial import is_expert_param
 from hp_core.runtime.preflight import InjectionPlan, PreflightResult
+from hp_core.spec.module_spec import layout_map
 from hp_core.verifier.errors import ProductionDiffersError
 from hp_core.verifier.meta import adapt_for_meta, meta_clone
 from hp_core.verifier.probes import (
@@ -108,7 +109,7 @@ def _region_params(model: nn.Module, plan: ShardingPlan, fqn: str) -> dict[str, 
             or any(f == b or f.startswith(b + ".") for b in boundaries)
         ):
             continue
-        for rel, named in (spec.params or {}).items():
+        for rel, named in layout_map(spec.params).items():
             if is_expert_param(spec, named):
                 continue
             name = f"{f}.{rel}" if f else rel

@@ -28,6 +28,7 @@ from hp_core.errors import HpError
 from hp_core.runtime.boundary import BoundaryForward, positions
 from hp_core.runtime.fixes import keep_whole_yaml
 from hp_core.runtime.nested import tensors_in
+from hp_core.spec.module_spec import layout_map
 from hp_core.verifier.errors import ProductionDiffersError, RandomOnPartialError, VerificationError
 
 __all__ = [
@@ -331,7 +332,7 @@ def declared_shapes(
 ) -> dict[str, tuple[int, ...]]:
     """Shapes of the tensors a boundary's contract names as inputs, in this call."""
     out = {}
-    for name in dict.fromkeys([*(spec.in_src or {}), *(spec.in_dst or {})]):
+    for name in dict.fromkeys([*layout_map(spec.in_src), *layout_map(spec.in_dst)]):
         x = kwargs.get(name)
         if x is None and name in pos and pos[name] < len(args):
             x = args[pos[name]]

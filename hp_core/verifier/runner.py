@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from hp_core.errors import HpError
+from hp_core.mesh import mesh_axes
 from hp_core.plans.model import ShardingPlan
 from hp_core.runtime.preflight import PreflightResult, check_locally
 from hp_core.verifier.consistency import (
@@ -83,7 +84,7 @@ def verify(
         vpre = verifier_pre(pre, plan)
         repeats = {} if exhaustive else find_repeats(model, plan.modules)
         args, kwargs = default_inputs(model, dmesh) if inputs is None else to_meta_inputs(inputs)
-        names = list(dmesh.mesh_dim_names)
+        names = list(mesh_axes(dmesh))
         try:
             with MetaValues(), torch.enable_grad():
                 plain: dict[str, BoundaryRecord] | None

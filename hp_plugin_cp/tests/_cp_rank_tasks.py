@@ -18,7 +18,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,9 @@ from hp_plugin_cp import (
     reduce_loss_over_cp,
     shard_batch_for_cp,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "cp.md"
 VOCAB = 128
@@ -452,7 +455,7 @@ def preflight_errors() -> dict[str, str]:
         "region_dispatch": False,
     }
 
-    def llama_apply(mesh: Any, overrides: Any) -> Any:
+    def llama_apply(mesh: DeviceMesh, overrides: Any) -> Any:
         m = build_model("llama", seed=0)
         return lambda: apply(m, plan(m, mesh, overrides=overrides), mesh)
 

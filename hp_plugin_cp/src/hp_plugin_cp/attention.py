@@ -9,7 +9,7 @@ and the causal/user mask is built from global positions (see :mod:`hp_plugin_cp.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,9 @@ import torch.nn.functional as F
 from hp_plugin_cp.collectives import all_gather_kv
 from hp_plugin_cp.errors import CPBatchError, CPMaskError, CPUnsupportedError
 from hp_plugin_cp.layout import CPLayout, narrow_mask
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["cp_flex_attention", "cp_sdpa", "expand_kv_heads"]
 
@@ -63,7 +66,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout, 
 
 
 def _gather(
-    k: torch.Tensor, v: torch.Tensor, group: Any, layout: CPLayout, causal: bool
+    k: torch.Tensor, v: torch.Tensor, group: ProcessGroup, layout: CPLayout, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     k, v = all_gather_kv(k, v, group, seq_dim=-2)
     visible = layout.visible_keys(causal)
@@ -77,7 +80,7 @@ def cp_sdpa(
     key: torch.Tensor,
     value: torch.Tensor,
     *,
-    group: Any,
+    group: ProcessGroup,
     layout: CPLayout,
     causal: bool,
     attn_mask: torch.Tensor | None = None,
@@ -150,7 +153,7 @@ def cp_flex_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     *,
-    group: Any,
+    group: ProcessGroup,
     layout: CPLayout,
     causal: bool,
     score_mod: Callable[..., Any] | None = None,

@@ -11,18 +11,21 @@ it to hp's prediction (``explain()``, ``hp plan``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hp_core.collectives import Collective, all_gather_along
 from hp_plugin_cp.errors import CPBatchError
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["all_gather_kv", "cp_attention_collectives"]
 
 
 def all_gather_kv(
-    key: torch.Tensor, value: torch.Tensor, group: Any, *, seq_dim: int = -2
+    key: torch.Tensor, value: torch.Tensor, group: ProcessGroup, *, seq_dim: int = -2
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather K and V along the sequence dim in **one** collective (packed along the last dim).
 

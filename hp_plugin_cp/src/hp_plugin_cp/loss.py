@@ -22,6 +22,7 @@ from hp_plugin_cp.errors import CPBatchError
 from hp_plugin_cp.layout import CP_LAYOUT_KEY
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["CPCausalLMLoss", "enable_cp_loss", "reduce_cp_gradients", "reduce_loss_over_cp"]
@@ -41,7 +42,7 @@ class CPCausalLMLoss:
     the local sum and count are summed over cp together (still one all-reduce).
     """
 
-    def __init__(self, base: Any, group: Any) -> None:
+    def __init__(self, base: Any, group: ProcessGroup) -> None:
         self.base = base
         self.group = group
 
@@ -102,7 +103,8 @@ def enable_cp_loss(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
         )
     current = model.loss_function
     if not isinstance(current, CPCausalLMLoss):
-        model.loss_function = CPCausalLMLoss(current, cp_mesh.get_group())
+        # nn.Module.__setattr__ is typed for tensors and modules; HF reads a plain callable here.
+        model.loss_function = CPCausalLMLoss(current, cp_mesh.get_group())  # type: ignore[assignment]
     return model
 
 

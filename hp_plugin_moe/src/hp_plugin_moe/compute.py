@@ -196,9 +196,11 @@ class ExpertParallelMoE:
             x, weights, chosen, lambda rows, counts: self._run_experts(module, rows, counts)
         )
         if self.arch.shared == "gated":
-            out = out + F.sigmoid(module.shared_expert_gate(x)) * module.shared_expert(x)
+            # nn.Module.__getattr__ is typed Tensor | Module, so child modules read as uncallable.
+            gate = F.sigmoid(module.shared_expert_gate(x))  # type: ignore[operator]
+            out = out + gate * module.shared_expert(x)  # type: ignore[operator]
         elif self.arch.shared == "additive":
-            out = out + module.shared_experts(x)
+            out = out + module.shared_experts(x)  # type: ignore[operator]
         return out.reshape(shape)
 
 

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from hp_core.collectives import Collective, all_to_all
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["TokenDispatcher", "moe_block_collectives"]
 
@@ -45,7 +48,7 @@ class TokenDispatcher:
     """
 
     def __init__(
-        self, num_experts: int, group: Any, *, capacity_factor: float | None = None
+        self, num_experts: int, group: ProcessGroup | None, *, capacity_factor: float | None = None
     ) -> None:
         self.num_experts = num_experts
         self.group = group
