@@ -200,3 +200,16 @@ def test_duplicate_fields_or_meta_keys_are_refused():
         ValueError, match=r"SPEC_FIELDS: meta key 'params' is used by more than one row\."
     ):
         sf._check_unique([row, dataclasses.replace(row, name="other")])
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"source": "nope"}, r"SpecField\('x'\): unknown source 'nope' or merge None\."),
+        ({"merge": "nope"}, r"SpecField\('x'\): unknown source 'user' or merge 'nope'\."),
+        ({"kind": "nope"}, r"SpecField\('x'\): unknown kind 'nope'; kinds are "),
+    ],
+)
+def test_a_row_with_an_unknown_source_merge_or_kind_is_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        sf.SpecField("x", "x", "param_plan", "scalar", "opt_scalar", **options)

@@ -27,6 +27,8 @@ from hp_core.spec import (
     parse_placement,
     resolve_placements,
 )
+from hp_core.spec.derived import Derived
+from hp_core.spec.module_spec import copy_value, layout_map
 
 # ------------------------------------------------------------------ axes
 
@@ -482,3 +484,24 @@ def test_merge_copies_targets():
     assert merged.local_compute_fn == t and merged.local_compute_fn is not t
     merged.local_compute_fn.config["capacity"] = 9
     assert t.config == {"capacity": 1}
+
+
+def test_layout_map_reads_a_planned_field_and_refuses_a_sentinel():
+    layouts = {"x": {"tp": Shard(0)}}
+    assert layout_map(layouts) is layouts and layout_map(None) == {} and layout_map({}) == {}
+    with pytest.raises(S.SpecValidationError, match=r"holds the sentinel 'auto', which only an"):
+        layout_map("auto")
+
+
+def test_copy_value_copies_a_derived_record():
+    record = Derived(ep_stack={"experts.w": ["experts.0.w", "experts.1.w"]}, ep_size=2)
+    dup = copy_value(record)
+    assert dup == record and dup is not record and dup.ep_stack is not record.ep_stack
+    dup.ep_stack["experts.w"].append("x")
+    assert record.ep_stack["experts.w"] == ["experts.0.w", "experts.1.w"]
+
+
+def test_copy_value_copies_inside_tuples():
+    inner = ["b"]
+    dup = copy_value(("a", inner))
+    assert dup == ("a", ["b"]) and isinstance(dup, tuple) and dup[1] is not inner
