@@ -505,3 +505,12 @@ def test_copy_value_copies_inside_tuples():
     inner = ["b"]
     dup = copy_value(("a", inner))
     assert dup == ("a", ["b"]) and isinstance(dup, tuple) and dup[1] is not inner
+
+
+def test_derived_facts_are_written_by_name_and_an_unknown_one_is_refused():
+    spec = ModuleShardingSpec()
+    before = spec.derived
+    assert spec.with_derived(ep_size=2, is_terminal=True) is spec
+    assert (spec._ep_size, spec._is_terminal, before.ep_size) == (2, True, 0)
+    with pytest.raises(TypeError, match=r"^Derived has no field 'nope'; its fields are deferred_"):
+        spec.with_derived(nope=1)

@@ -222,9 +222,10 @@ def plan(
         check_unclaimed(structure, modules)
     lint_plan(model, modules, ms, structure.roles)
     for fqn, spec in modules.items():
-        spec._deferred_bias_params = compute_deferred_biases(model, fqn, spec)
+        facts: dict[str, Any] = {"deferred_bias_params": compute_deferred_biases(model, fqn, spec)}
         if ms.size("tp") > 1:
-            spec._tp_local_attr_plan = compute_tp_local_attrs(model, fqn, spec, ms)
+            facts["tp_local_attr_plan"] = compute_tp_local_attrs(model, fqn, spec, ms)
+        spec.with_derived(**facts)
     return ShardingPlan(
         modules=modules,
         mesh_axis_names=ms.axis_names,

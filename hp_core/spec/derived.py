@@ -12,6 +12,7 @@ record's values. The field order is the key order under a plan document's ``_int
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 __all__ = ["Derived"]
 
@@ -33,6 +34,20 @@ class Derived:
     #: Expert-parallel degree the stack was made for (0: none).
     ep_size: int = 0
 
+    def replace(self, **facts: Any) -> Derived:
+        """This record with ``facts`` replaced (what ``dataclasses.replace`` does, without its
+        per-call field walk: specs get their derived facts on the planner's hot path)."""
+        unknown = set(facts) - _NAMES
+        if unknown:
+            raise TypeError(
+                f"Derived has no field {sorted(unknown)[0]!r}; its fields are "
+                f"{', '.join(sorted(_NAMES))}."
+            )
+        new = object.__new__(Derived)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(facts)
+        return new
+
     def copy(self) -> Derived:
         """A record whose containers are independent of this one's."""
         plan = self.tp_local_attr_plan
@@ -44,3 +59,6 @@ class Derived:
             ep_stack={k: list(v) for k, v in self.ep_stack.items()},
             ep_size=self.ep_size,
         )
+
+
+_NAMES = frozenset(f.name for f in dataclasses.fields(Derived))

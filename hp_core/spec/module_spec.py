@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Union
 
-from torch.distributed.tensor import Placement
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from hp_core.spec.derived import Derived
 from hp_core.spec.fields import (
@@ -211,7 +211,7 @@ def _derived_attribute(row: SpecField) -> property:
         return getattr(self.derived, name)
 
     def set_(self: ModuleShardingSpec, value: Any) -> None:
-        self.derived = dataclasses.replace(self.derived, **{name: value})
+        self.derived = self.derived.replace(**{name: value})
 
     return property(get, set_, doc=f"``derived.{name}`` (planner-derived; see Derived).")
 
@@ -282,18 +282,15 @@ class ModuleShardingSpec:
         def _ep_size(self, value: int) -> None: ...
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            row = SPEC_FIELDS_BY_NAME.get(f.name)
-            if row is None or row.kind is None:
+        for name, kind in _CHECKED_FIELDS:
+            value = getattr(self, name)
+            if value is None and kind != "bool":
                 continue
-            value = getattr(self, f.name)
-            if value is None and row.kind != "bool":
-                continue
-            setattr(self, f.name, CHECKS[row.kind](value, f"ModuleShardingSpec.{f.name}"))
+            setattr(self, name, CHECKS[kind](value, f"ModuleShardingSpec.{name}"))
 
     def with_derived(self, **facts: Any) -> ModuleShardingSpec:
         """Record planner-derived facts (fields of :class:`Derived`) on this spec; returns it."""
-        self.derived = dataclasses.replace(self.derived, **facts)
+        self.derived = self.derived.replace(**facts)
         return self
 
     # Convenience views ------------------------------------------------------
@@ -315,6 +312,15 @@ class ModuleShardingSpec:
 for _row in DERIVED_FIELDS:
     setattr(ModuleShardingSpec, _row.name, _derived_attribute(_row))
 del _row
+
+#: The dataclass's fields, and the user fields with a value kind (what ``__post_init__``
+#: checks), computed once: building and copying specs is on the planner's hot path.
+_FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ModuleShardingSpec))
+_CHECKED_FIELDS: tuple[tuple[str, str], ...] = tuple(
+    (name, row.kind)
+    for name in _FIELD_NAMES
+    if (row := SPEC_FIELDS_BY_NAME.get(name)) is not None and row.kind is not None
+)
 
 
 def layout_map(value: PlacementMap | str | None) -> PlacementMap:
@@ -350,11 +356,18 @@ def spec_from_checked(values: Mapping[str, Any]) -> ModuleShardingSpec:
     return spec
 
 
+#: Value types a copy shares (immutable): tested by exact type first, because most values of a
+#: planned spec are placements and ``isinstance`` against torch's placement types is slow.
+_SHARED_TYPES = frozenset({str, int, float, bool, type(None), Shard, Replicate, Partial})
+
+
 def copy_value(value: Any) -> Any:
     """A copy of a spec value whose containers (and Targets) are independent of ``value``'s.
 
     Placements are immutable and callables are shared.
     """
+    if type(value) in _SHARED_TYPES:
+        return value
     if isinstance(value, dict):
         return {k: copy_value(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -372,8 +385,8 @@ def copy_spec(spec: ModuleShardingSpec) -> ModuleShardingSpec:
     """The one way to copy a spec: every field (the Derived record included) independent of
     ``spec``'s; attributes the applier set on the instance are shared."""
     new = copy.copy(spec)
-    for f in dataclasses.fields(spec):
-        setattr(new, f.name, copy_value(getattr(spec, f.name)))
+    for name in _FIELD_NAMES:
+        setattr(new, name, copy_value(getattr(spec, name)))
     return new
 
 
