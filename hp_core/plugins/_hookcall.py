@@ -15,9 +15,10 @@ from typing import Any
 import pluggy
 
 from hp_core.plugins._errors import DuplicateRegistrationError
-from hp_core.plugins._items import Provider, RegisteredItem, RegistryKind, closest
+from hp_core.plugins._items import Provider, RegisteredItem, RegistryKind
 from hp_core.plugins._kinds import HOOK_KINDS, make_register_callback
 from hp_core.plugins._state import PluginFailure, describe_exception
+from hp_core.spec.keywords import closest
 
 __all__ = ["check_pending", "collect"]
 

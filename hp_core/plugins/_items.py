@@ -7,8 +7,7 @@ declaration of each kind: ``_kinds``).
 from __future__ import annotations
 
 import dataclasses
-import difflib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 from types import MappingProxyType
 from typing import Any, Literal
@@ -109,15 +108,3 @@ class PluginInfo:
     def describe(self) -> str:
         """This plugin in words, e.g. ``plugin 'cp' (hp-plugin-cp 0.1.0)``."""
         return Provider(self.name, self.distribution, self.version).describe()
-
-
-def closest(name: str, candidates: Iterable[str]) -> str | None:
-    """The closest candidate to a typo, or None."""
-    best = difflib.get_close_matches(str(name), sorted(set(candidates)), n=1, cutoff=0.5)
-    return best[0] if best else None
-
-
-def did_you_mean(name: str, candidates: Iterable[str]) -> str:
-    """`` Did you mean 'x'?`` for the closest candidate, or an empty string."""
-    best = closest(name, candidates)
-    return f" Did you mean {best!r}?" if best else ""

@@ -46,15 +46,9 @@ from hp_core.plugins._discovery import (
 )
 from hp_core.plugins._errors import DuplicateRegistrationError
 from hp_core.plugins._hookcall import check_pending, collect
-from hp_core.plugins._items import (
-    USER_PROVIDER,
-    PluginInfo,
-    PluginStatus,
-    Provider,
-    RegisteredItem,
-    did_you_mean,
-)
+from hp_core.plugins._items import USER_PROVIDER, PluginInfo, PluginStatus, Provider, RegisteredItem
 from hp_core.plugins._state import LOADING, PluginFailure, PluginState, describe_exception
+from hp_core.spec.keywords import did_you_mean
 
 __all__ = ["HpPluginWarning", "load_all", "load_one"]
 

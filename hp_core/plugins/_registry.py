@@ -12,17 +12,11 @@ from hp_core.plugins._errors import (
     UnknownRegistryKindError,
     _UnknownRegistryKeyError,
 )
-from hp_core.plugins._items import (
-    USER_PROVIDER,
-    Provider,
-    RegisteredItem,
-    RegistryKind,
-    closest,
-    did_you_mean,
-)
+from hp_core.plugins._items import USER_PROVIDER, Provider, RegisteredItem, RegistryKind
 from hp_core.plugins._kinds import KIND_SPECS
 from hp_core.plugins._manager import current_state
 from hp_core.plugins._state import LOCK, check_not_loading_thread
+from hp_core.spec.keywords import closest, did_you_mean
 
 __all__ = [
     "COMPUTE_FACTORY_REGISTRY",

@@ -16,13 +16,8 @@ from typing import Any
 
 from hp_core.injection import require_injection_meta
 from hp_core.plugins._errors import InvalidRegistrationError
-from hp_core.plugins._items import (
-    FORWARD_STYLES,
-    Provider,
-    RegisteredItem,
-    RegistryKind,
-    did_you_mean,
-)
+from hp_core.plugins._items import FORWARD_STYLES, Provider, RegisteredItem, RegistryKind
+from hp_core.spec.keywords import did_you_mean
 
 __all__ = [
     "TRAINING_ADAPTER_METHODS",

@@ -10,7 +10,7 @@ from typing import Any
 
 from hp_core.errors import HpError
 
-__all__ = ["UnknownFieldError", "close_matches", "did_you_mean", "keyword_checked"]
+__all__ = ["UnknownFieldError", "close_matches", "closest", "did_you_mean", "keyword_checked"]
 
 
 def close_matches(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:
@@ -18,10 +18,16 @@ def close_matches(name: str, candidates: Iterable[str], n: int = 3) -> list[str]
     return difflib.get_close_matches(str(name), sorted(set(map(str, candidates))), n=n, cutoff=0.5)
 
 
+def closest(name: str, candidates: Iterable[str]) -> str | None:
+    """The closest valid name to a typo, or None."""
+    best = close_matches(name, candidates, n=1)
+    return best[0] if best else None
+
+
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     """' Did you mean X?' for the closest candidate, or an empty string."""
-    best = close_matches(name, candidates, n=1)
-    return f" Did you mean {best[0]!r}?" if best else ""
+    best = closest(name, candidates)
+    return f" Did you mean {best!r}?" if best else ""
 
 
 class UnknownFieldError(HpError, TypeError):
