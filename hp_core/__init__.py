@@ -47,6 +47,7 @@ from hp_core.plugins import (
 )
 from hp_core.runtime.applied import AppliedModel, applied, finalize_grads
 from hp_core.runtime.clip import clip_grad_norm_
+from hp_core.runtime.state_dict import StateDictLayoutError
 from hp_core.runtime.verdict import ApplyFailedError, RankTimeoutError
 from hp_core.spec.axes import CP, DP, EP, TP, MeshAxisName
 from hp_core.spec.keywords import UnknownFieldError
@@ -92,6 +93,7 @@ __all__ = [
     "Role",
     "RoleRule",
     "ShardingPlan",
+    "StateDictLayoutError",
     "Target",
     "TemplateBuildError",
     "TemplateDefinitionError",

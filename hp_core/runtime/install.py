@@ -32,6 +32,7 @@ from hp_core.runtime.params import shard_parameters
 from hp_core.runtime.preflight import PreflightResult
 from hp_core.runtime.rng import RngStreams
 from hp_core.runtime.sequence import SequenceFallback, SequenceSwitch
+from hp_core.runtime.state_dict import ShardedStateDict
 from hp_core.runtime.vocab import VocabParallelCausalLMLoss, VocabParallelLookup
 from hp_core.spec.module_spec import ModuleShardingSpec, layout_map
 
@@ -184,6 +185,14 @@ def install(
         rng.attach(model, journal)
     journal.phase("parameters")
     sharded.install(model, journal)
+    if mode == "production":  # validate's parameters are DTensors: their state dict has layouts
+        experts = sharded.experts
+        n_experts = (
+            len(experts.params) + sum(len(stacked) for _, _, stacked in experts.stacks)
+            if experts is not None
+            else 0
+        )
+        ShardedStateDict(sharded.layouts, n_experts).attach(model, journal)
     journal.phase("boundaries")
     strict = mode == "validate"  # validate refuses communication the contract does not declare
     dense = dense_mesh(mesh)  # hp's DTensors and collectives live off the dp axes

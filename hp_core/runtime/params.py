@@ -24,6 +24,7 @@ from hp_core.runtime.experts import ExpertGroups, ShardedExperts, shard_expert_p
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.layouts import dense_mesh, to_placements
 from hp_core.runtime.partial import is_expert_param
+from hp_core.runtime.state_dict import ParamLayout
 from hp_core.spec.module_spec import layout_map
 
 if TYPE_CHECKING:
@@ -74,7 +75,9 @@ def outside_boundaries(plan: ShardingPlan) -> set[str]:
     }
 
 
-def _distribute(t: torch.Tensor, mesh: DeviceMesh, named: dict, mode: str) -> torch.Tensor:
+def _distribute(
+    t: torch.Tensor, mesh: DeviceMesh, named: dict, mode: str
+) -> tuple[torch.Tensor, ParamLayout | None]:
     # A copy first: replicating broadcasts into the source's storage, and the source is the
     # caller's parameter until the install commits (a rollback must find this rank's values).
     data = t.detach() if t.is_meta else t.detach().clone()
@@ -84,11 +87,14 @@ def _distribute(t: torch.Tensor, mesh: DeviceMesh, named: dict, mode: str) -> to
         data, mesh, to_placements(named, mesh), src_data_rank=None if data.is_meta else 0
     )
     if mode != "validate":
-        return dt.to_local()
+        sharded = any(not isinstance(p, Replicate) for p in dt.placements)
+        layout = ParamLayout(mesh, tuple(dt.placements), dt.shape, dt.stride()) if sharded else None
+        return dt.to_local(), layout
     dense = dense_mesh(mesh)
     if dense is mesh:
-        return dt
-    return DTensor.from_local(dt.to_local(), dense, to_placements(named, dense), run_check=False)
+        return dt, None
+    local = DTensor.from_local(dt.to_local(), dense, to_placements(named, dense), run_check=False)
+    return local, None
 
 
 @dataclasses.dataclass
@@ -103,6 +109,8 @@ class ShardedParameters:
     #: ``(owner module, attribute, old, new)`` in plan order.
     params: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]]
     experts: ShardedExperts | None
+    #: ``id(new) -> layout`` of every sharded production parameter (its state-dict view).
+    layouts: dict[int, ParamLayout] = dataclasses.field(default_factory=dict)
 
     def install(self, model: nn.Module, journal: Journal) -> dict[int, nn.Parameter]:
         """Swap the copies in; returns ``id(old) → new``."""
@@ -149,12 +157,14 @@ def shard_parameters(
         work.append((owner, name, old, named, "production" if fqn in outside else mode))
     sharded_experts = shard_expert_parameters(model, plan, mode, experts) if experts else None
     made: dict[int, nn.Parameter] = {}
+    layouts: dict[int, ParamLayout] = {}
     out: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
     for owner, name, old, named, how in work:
         new = made.get(id(old))  # a tied parameter is sharded once and stays tied
         if new is None:
-            new = made[id(old)] = nn.Parameter(
-                _distribute(old, mesh, named, how), requires_grad=old.requires_grad
-            )
+            value, layout = _distribute(old, mesh, named, how)
+            new = made[id(old)] = nn.Parameter(value, requires_grad=old.requires_grad)
+            if layout is not None:
+                layouts[id(new)] = layout
         out.append((owner, name, old, new))
-    return ShardedParameters(out, sharded_experts)
+    return ShardedParameters(out, sharded_experts, layouts)
