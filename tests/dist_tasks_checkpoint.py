@@ -131,3 +131,41 @@ def other_values() -> dict[str, Any]:
     except hp_core.HpError as e:
         experts = f"{type(e).__name__}: {e}"
     return {"redistributed": redistributed, "non_tensor": non_tensor, "experts": experts}
+
+
+def _kv4() -> dict[str, Any]:
+    return {"num_key_value_heads": 4}  # 4 kv heads: the tiny llama fits tp=2 and tp=4
+
+
+def save_at(path: str, tp: int) -> bool:
+    """Save the seed-0 model applied at ``tp`` (this world's size) with DCP."""
+    mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    model = build_family("llama", seed=0, **_kv4())
+    hp_core.apply(model, hp_core.plan(model, mesh), mesh)
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    return True
+
+
+def load_at(path: str, tp: int) -> dict[str, Any]:
+    """Load a checkpoint saved at another tp into a model applied at ``tp``; compare every
+    parameter and the logits with the seed-0 single-device model."""
+    mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    reference = build_family("llama", seed=0, **_kv4())
+    model = build_family("llama", seed=1, **_kv4())
+    hp_core.apply(model, hp_core.plan(model, mesh), mesh)
+    before = _excess(_full(model.state_dict()), reference.state_dict())
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state)
+    batch = family_batch("llama", batch=2, seq=16)
+    with torch.no_grad():
+        logits = float(
+            (
+                model(input_ids=batch, use_cache=False).logits
+                - reference(input_ids=batch, use_cache=False).logits
+            )
+            .abs()
+            .max()
+        )
+    after = _excess(_full(model.state_dict()), reference.state_dict())
+    return {"before": before, "after": after, "logits": logits}
