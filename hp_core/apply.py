@@ -53,7 +53,8 @@ class VerificationRequiredError(PreflightError, HpError):
 
 def _report(pre: PreflightResult) -> VerifyReport:
     """The report the checks of preflight produced (refuse() raises instead of returning)."""
-    assert pre.report is not None
+    if pre.report is None:  # refuse() raises before this; a None here is hp's own bug
+        raise RuntimeError("apply: preflight finished without a verifier report (a bug in hp).")
     return pre.report
 
 

@@ -18,7 +18,7 @@ Requires ``transformers`` and ``accelerate`` (``pip install 'hp-core[trainer]'``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -63,9 +63,8 @@ class HpTrainer(Trainer):
             )
 
     def _applied(self) -> nn.Module:
-        model = self.model
-        assert model is not None  # __init__ refused a model hp did not apply to
-        return model
+        # __init__ refused anything but a model hp applied to, so this is that model.
+        return cast(nn.Module, self.model)
 
     def _size(self, axis: str) -> int:
         names = list(mesh_axes(self.hp_mesh))

@@ -302,7 +302,8 @@ class BoundaryForward:
                             self._rel_of[(id(owner), name)]
                         )
                     )
-                assert bias is not None  # _detached_biases has put it back before _exit
+                if bias is None:  # _detached_biases has put it back before _exit
+                    raise RuntimeError(f"{self.fqn}: deferred bias {name!r} is missing (hp bug).")
                 items[0] = items[0] + bias
         return self._join(items, was_tuple)
 

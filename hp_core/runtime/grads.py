@@ -185,7 +185,8 @@ class _Bucket:
             if p is None:
                 continue
             n = _local(p).numel() if p.grad is None else _local(p.grad).numel()
-            assert self.flat is not None  # reduced above, or by the early start of .work
+            if self.flat is None:  # reduced above, or by the early start of .work
+                raise RuntimeError("GradReducer: a bucket finished without its buffer (hp bug).")
             reduced = self.flat[offset : offset + n]
             offset += n
             if not self.whole_already(p):

@@ -396,7 +396,8 @@ def _bind_experts(
     layouts: dict[int, ExpertLayout],
 ) -> None:
     """Phase 2: create the expert meshes (collective), then bind the expert-parallel factories."""
-    assert result.context is not None  # set by check_locally
+    if result.context is None:  # check_locally sets it before this phase
+        raise RuntimeError("preflight: experts bound before the local checks ran (a bug in hp).")
     result.experts = build_expert_groups(mesh, layouts)
     for fqn, inj in result.injections.items():
         if inj.local_compute is None or inj.compute_fn is not None:
