@@ -108,8 +108,7 @@ overrides:
 
 
 def other_values() -> dict[str, Any]:
-    """A replicated DTensor is redistributed into the shard; a non-tensor is torch's error;
-    a production model with expert-parallel parameters refuses its state dict."""
+    """A replicated DTensor is redistributed into the shard; a non-tensor is torch's error."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     full = {k: v.detach().clone() for k, v in build_family("llama", seed=0).state_dict().items()}
     model = build_family("llama", seed=1)
@@ -123,14 +122,40 @@ def other_values() -> dict[str, Any]:
         non_tensor = None
     except RuntimeError as e:
         non_tensor = str(e)
+    return {"redistributed": redistributed, "non_tensor": non_tensor}
+
+
+def expert_round_trip(path: str) -> dict[str, Any]:
+    """A production model with stacked expert-parallel parameters: each carries its layout on
+    the expert mesh, so dcp.save / scramble / dcp.load restores every value and the logits."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     moe = build_family("qwen2_moe", seed=0)
     hp_core.apply(moe, hp_core.plan(moe, mesh, ep_size=2, overrides=EP_YAML), mesh)
-    try:
-        moe.state_dict()
-        experts = None
-    except hp_core.HpError as e:
-        experts = f"{type(e).__name__}: {e}"
-    return {"redistributed": redistributed, "non_tensor": non_tensor, "experts": experts}
+    batch = family_batch("qwen2_moe", batch=2, seq=16)
+    with torch.no_grad():
+        logits = moe(input_ids=batch, use_cache=False).logits.clone()
+    state = moe.state_dict()
+    experts = sorted(k for k in state if ".experts." in k and isinstance(state[k], DTensor))
+    meshes = {tuple(state[k].device_mesh.mesh_dim_names or ()) for k in experts}
+    before = _full(state)
+    dcp.save(state, checkpoint_id=path)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.add_(torch.randn_like(p))
+    scrambled = _excess(_full(moe.state_dict()), before)
+    target = get_model_state_dict(moe)
+    dcp.load(target, checkpoint_id=path)
+    set_model_state_dict(moe, target)
+    restored = _excess(_full(moe.state_dict()), before)
+    with torch.no_grad():
+        logits_after = moe(input_ids=batch, use_cache=False).logits
+    return {
+        "experts": experts,
+        "meshes": meshes,
+        "scrambled": scrambled,
+        "restored": restored,
+        "logits": float((logits_after - logits).abs().max()),
+    }
 
 
 def _kv4() -> dict[str, Any]:

@@ -47,14 +47,18 @@ def test_full_tensors_load_into_shards_and_a_local_shard_is_refused():
         assert r["unchanged"] == 0.0  # the refused load changed nothing
 
 
-def test_a_dtensor_of_another_layout_is_redistributed_and_experts_are_refused():
+def test_a_dtensor_of_another_layout_is_redistributed():
     for r in get_world(2).run(tasks.other_values):
         assert r["redistributed"] <= TOL, r
         assert "expected torch.Tensor or Tensor-like object from checkpoint" in r["non_tensor"]
-        assert r["experts"] is not None and r["experts"].startswith(
-            "StateDictLayoutError: Qwen2MoeForCausalLM: the state dict of a production model with "
-        ), r["experts"]
-        assert "Fix: save this model from validate mode" in r["experts"]
+
+
+def test_expert_parameters_save_with_their_expert_mesh_layout(tmp_path):
+    for r in get_world(2).run(tasks.expert_round_trip, str(tmp_path / "ep")):
+        assert r["experts"], r  # the stacked expert projections are DTensors ...
+        assert r["meshes"] == {("edp", "ep")}, r  # ... on the derived expert mesh
+        assert r["scrambled"] > 0.5  # negative control
+        assert r["restored"] <= TOL and r["logits"] <= 1e-5, r
 
 
 def test_reshard_tp2_to_tp4_and_back(tmp_path):

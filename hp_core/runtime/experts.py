@@ -42,6 +42,7 @@ from hp_core.plans.overrides import compile_glob
 from hp_core.runtime.errors import PreflightError
 from hp_core.runtime.grads import GradReduction
 from hp_core.runtime.journal import Journal
+from hp_core.runtime.param_layout import ParamLayout, layout_of
 from hp_core.runtime.partial import data_axes, is_expert_param
 from hp_core.spec.module_spec import ModuleShardingSpec, layout_map
 
@@ -354,13 +355,24 @@ def build_expert_groups(
 
 
 def _distribute(
-    t: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], mode: str
-) -> torch.Tensor:
+    t: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    mode: str,
+    requires_grad: bool,
+    layouts: dict[int, ParamLayout],
+) -> nn.Parameter:
     # A copy first: replicating broadcasts into the source's storage, which is the caller's
     # parameter until the install commits (a rollback must find this rank's own values).
     data = t if t.is_meta else t.detach().clone()
     dt = distribute_tensor(data, mesh, placements, src_data_rank=None if t.is_meta else 0)
-    return dt if mode == "validate" else dt.to_local()
+    if mode == "validate":
+        return nn.Parameter(dt, requires_grad=requires_grad)
+    new = nn.Parameter(dt.to_local(), requires_grad=requires_grad)
+    layout = layout_of(dt)
+    if layout is not None:  # the expert-mesh layout its state-dict view carries
+        layouts[id(new)] = layout
+    return new
 
 
 def _expert_boundaries(
@@ -379,6 +391,8 @@ class ShardedExperts:
     params: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]]
     #: ``(MoE block, its spec, stacked name → new parameter)``: containers to swap.
     stacks: list[tuple[nn.Module, ModuleShardingSpec, dict[str, nn.Parameter]]]
+    #: ``id(new) -> layout`` on the expert mesh of each production expert parameter.
+    layouts: dict[int, ParamLayout] = dataclasses.field(default_factory=dict)
 
     def install(self, journal: Journal) -> dict[int, nn.Parameter]:
         """Swap the copies in (local, journaled); returns ``id(old) → new``."""
@@ -410,9 +424,8 @@ def shard_expert_parameters(
             if sources:
                 olds = [p for p in (_param(module, s) for s in sources) if p is not None]
                 full = torch.stack([p.detach() for p in olds])
-                stacked[rel] = nn.Parameter(
-                    _distribute(full, emesh, expert_placements(named), mode),
-                    requires_grad=olds[0].requires_grad,
+                stacked[rel] = _distribute(
+                    full, emesh, expert_placements(named), mode, olds[0].requires_grad, out.layouts
                 )
                 continue
             path, _, name = rel.rpartition(".")
@@ -420,9 +433,8 @@ def shard_expert_parameters(
             old = owner._parameters[name]
             if old is None or isinstance(old, DTensor):
                 continue
-            new = nn.Parameter(
-                _distribute(old, emesh, expert_placements(named), mode),
-                requires_grad=old.requires_grad,
+            new = _distribute(
+                old, emesh, expert_placements(named), mode, old.requires_grad, out.layouts
             )
             out.params.append((owner, name, old, new))
         if stacked:

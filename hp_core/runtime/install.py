@@ -28,6 +28,7 @@ from hp_core.runtime.guard import InputGuard
 from hp_core.runtime.journal import Journal, set_forward
 from hp_core.runtime.layouts import dense_mesh
 from hp_core.runtime.outer import OuterWrapperCheck
+from hp_core.runtime.param_layout import named_layouts
 from hp_core.runtime.params import shard_parameters
 from hp_core.runtime.preflight import PreflightResult
 from hp_core.runtime.rng import RngStreams
@@ -186,13 +187,7 @@ def install(
     journal.phase("parameters")
     sharded.install(model, journal)
     if mode == "production":  # validate's parameters are DTensors: their state dict has layouts
-        experts = sharded.experts
-        n_experts = (
-            len(experts.params) + sum(len(stacked) for _, _, stacked in experts.stacks)
-            if experts is not None
-            else 0
-        )
-        ShardedStateDict(sharded.layouts, n_experts).attach(model, journal)
+        ShardedStateDict(named_layouts(model, sharded.layouts)).attach(model, journal)
     journal.phase("boundaries")
     strict = mode == "validate"  # validate refuses communication the contract does not declare
     dense = dense_mesh(mesh)  # hp's DTensors and collectives live off the dp axes

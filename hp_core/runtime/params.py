@@ -23,8 +23,8 @@ from hp_core.plans.model import ShardingPlan
 from hp_core.runtime.experts import ExpertGroups, ShardedExperts, shard_expert_parameters
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.layouts import dense_mesh, to_placements
+from hp_core.runtime.param_layout import ParamLayout, layout_of
 from hp_core.runtime.partial import is_expert_param
-from hp_core.runtime.state_dict import ParamLayout
 from hp_core.spec.module_spec import layout_map
 
 if TYPE_CHECKING:
@@ -87,9 +87,7 @@ def _distribute(
         data, mesh, to_placements(named, mesh), src_data_rank=None if data.is_meta else 0
     )
     if mode != "validate":
-        sharded = any(not isinstance(p, Replicate) for p in dt.placements)
-        layout = ParamLayout(mesh, tuple(dt.placements), dt.shape, dt.stride()) if sharded else None
-        return dt.to_local(), layout
+        return dt.to_local(), layout_of(dt)
     dense = dense_mesh(mesh)
     if dense is mesh:
         return dt, None
@@ -109,7 +107,7 @@ class ShardedParameters:
     #: ``(owner module, attribute, old, new)`` in plan order.
     params: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]]
     experts: ShardedExperts | None
-    #: ``id(new) -> layout`` of every sharded production parameter (its state-dict view).
+    #: ``id(new) -> layout`` of every sharded production parameter (experts' included).
     layouts: dict[int, ParamLayout] = dataclasses.field(default_factory=dict)
 
     def install(self, model: nn.Module, journal: Journal) -> dict[int, nn.Parameter]:
@@ -167,4 +165,6 @@ def shard_parameters(
             if layout is not None:
                 layouts[id(new)] = layout
         out.append((owner, name, old, new))
+    if sharded_experts is not None:
+        layouts.update(sharded_experts.layouts)
     return ShardedParameters(out, sharded_experts, layouts)

@@ -1,0 +1,63 @@
+"""One value of a production parameter, as a checkpoint sees it and back.
+
+``saved_view`` turns what a production model holds for a sharded parameter (its plain
+local shard) into the DTensor that says where the shard sits, without a copy;
+``local_value`` turns whatever a checkpoint offers for it (a DTensor of any layout, or the
+full tensor) into this rank's shard, and refuses anything else with the key, both shapes
+and the layout. The model's state-dict hooks and the optimizer's use the same two
+functions, so a parameter and its optimizer moments are saved and restored alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from hp_core.errors import HpError
+from hp_core.runtime.param_layout import ParamLayout
+
+__all__ = ["StateDictLayoutError", "local_value", "saved_view"]
+
+
+class StateDictLayoutError(HpError, ValueError):
+    """A state-dict entry that cannot be a parameter's value in this parallel layout."""
+
+
+def saved_view(value: Any, layout: ParamLayout) -> Any:
+    """``value`` (a local shard) as a DTensor view with ``layout``; anything else unchanged."""
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        return DTensor.from_local(
+            value,
+            layout.mesh,
+            layout.placements,
+            run_check=False,
+            shape=layout.shape,
+            stride=layout.stride,
+        )
+    return value
+
+
+def local_value(key: str, value: Any, layout: ParamLayout) -> Any:
+    """This rank's shard of ``value`` for a parameter laid out as ``layout``."""
+    if not isinstance(value, torch.Tensor):
+        return value  # torch's own check names the key and the type
+    if tuple(value.shape) != tuple(layout.shape):
+        what = "DTensor" if isinstance(value, DTensor) else "tensor"
+        raise StateDictLayoutError(
+            f"{key}: the state dict holds a {what} of shape {tuple(value.shape)}, but the "
+            f"parameter is {layout.describe()} on this mesh.\n"
+            "A sharded parameter loads from a DTensor or from the full tensor, never from "
+            "one rank's local shard.\n"
+            "Fix: load a checkpoint of this model (saved with torch.distributed.checkpoint "
+            "or as full tensors), not a state dict of plain local shards."
+        )
+    if isinstance(value, DTensor):
+        if value.device_mesh != layout.mesh or tuple(value.placements) != layout.placements:
+            value = value.redistribute(layout.mesh, layout.placements)
+        return value.to_local()
+    # A full tensor: keep this rank's slice (no communication: every rank holds the whole).
+    return distribute_tensor(
+        value.detach(), layout.mesh, layout.placements, src_data_rank=None
+    ).to_local()
