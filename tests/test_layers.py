@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("runtime", ("hp_core.runtime",)),
     ("verifier", ("hp_core.verifier",)),
     ("apply", ("hp_core.apply",)),
+    ("checkpoint", ("hp_core.checkpoint",)),
     ("public surface", ("hp_core",)),
     (
         "tools",

@@ -54,8 +54,9 @@ class ShardedStateDict:
                 state[key] = saved_view(state[key], layout)
         return state
 
-    def _on_load(self, _module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    def _on_load(self, module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+        current = dict(module.named_parameters(remove_duplicate=False))
         for name, layout in self.layouts.items():
             key = prefix + name
             if key in state:
-                state[key] = local_value(key, state[key], layout)
+                state[key] = local_value(key, state[key], layout, like=current.get(name))

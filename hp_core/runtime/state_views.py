@@ -39,8 +39,12 @@ def saved_view(value: Any, layout: ParamLayout) -> Any:
     return value
 
 
-def local_value(key: str, value: Any, layout: ParamLayout) -> Any:
-    """This rank's shard of ``value`` for a parameter laid out as ``layout``."""
+def local_value(key: str, value: Any, layout: ParamLayout, like: torch.Tensor | None = None) -> Any:
+    """This rank's shard of ``value`` for a parameter laid out as ``layout``.
+
+    ``like`` is what the model (or optimizer) holds for that key now, when known; the
+    result has its form, so a wrapper that keeps its own tensors (FSDP2 on dp) gets them.
+    """
     if not isinstance(value, torch.Tensor):
         return value  # torch's own check names the key and the type
     if tuple(value.shape) != tuple(layout.shape):
