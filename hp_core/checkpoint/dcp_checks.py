@@ -205,11 +205,13 @@ def check_files(root: str, reads: Sequence[Read], rank: int) -> None:
                 "file belong together)."
             )
         size = os.path.getsize(path)
-        last = max(items, key=lambda r: r.offset + r.length)
-        if size < last.offset + last.length:
+        short = [r for r in items if r.offset + r.length > size]
+        if short:
+            first = min(short, key=lambda r: r.offset)
             raise CheckpointCorruptError(
-                f"{path}: truncated: {size} bytes, but {last.key} is stored at bytes "
-                f"{last.offset}..{last.offset + last.length}.\n"
+                f"{path}: truncated: {size} bytes, but {first.key} is stored at bytes "
+                f"{first.offset}..{first.offset + first.length} ({len(short)} items "
+                "past the end).\n"
                 "Fix: copy the checkpoint again from an intact source (an interrupted copy or "
                 "a full disk truncates files)."
             )

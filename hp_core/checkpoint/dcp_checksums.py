@@ -78,12 +78,14 @@ class Checksums:
         self.metadata_crc = metadata_crc
         self.items = dict(items)
 
-    def check_item(self, relative_path: str, offset: int, length: int, data: bytes, key: str):
+    def check_item(
+        self, path: str, relative_path: str, offset: int, length: int, data: bytes, key: str
+    ) -> None:
         """Raise ``CheckpointCorruptError`` when ``data`` is not what was saved there."""
         want = self.items.get(item_key(relative_path, offset, length))
         if want is None:
             raise CheckpointCorruptError(
-                f"{relative_path}: {key} is stored at bytes {offset}..{offset + length}, "
+                f"{path}: {key} is stored at bytes {offset}..{offset + length}, "
                 f"but {self.path} has no checksum for that range.\n"
                 ".metadata and the checksum file describe different checkpoints.\n"
                 "Fix: copy the checkpoint directory again as a whole, or delete "
@@ -92,7 +94,7 @@ class Checksums:
         got = zlib.crc32(data)
         if got != want:
             raise CheckpointCorruptError(
-                f"{relative_path}: the bytes of {key} (at {offset}..{offset + length}) fail "
+                f"{path}: the bytes of {key} (at {offset}..{offset + length}) fail "
                 f"their checksum (CRC-32 {got:08x}, saved {want:08x}).\n"
                 "The file was changed or damaged after it was saved.\n"
                 "Fix: restore the checkpoint from an intact copy, or resume from an earlier "

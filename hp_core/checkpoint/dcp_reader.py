@@ -11,6 +11,7 @@ into a ``Checkpoint*Error`` naming the file, the key and the byte range. The hoo
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from concurrent.futures import Future
 from typing import IO, Any
@@ -40,7 +41,7 @@ class CheckedReader(FileSystemReader):
         self.root = root
         self.checksums = checksums
         self._keys: dict[tuple[str, int], str] = {}
-        self._reading = "(before the first item)"
+        self._reading = root
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -53,9 +54,8 @@ class CheckedReader(FileSystemReader):
 
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
         key = self._keys.get((sinfo.relative_path, sinfo.offset), "an item")
-        self._reading = (
-            f"{sinfo.relative_path}: {key} (bytes {sinfo.offset}..{sinfo.offset + sinfo.length})"
-        )
+        path = os.path.join(self.root, sinfo.relative_path)
+        self._reading = f"{path}: {key} (bytes {sinfo.offset}..{sinfo.offset + sinfo.length})"
         file.seek(sinfo.offset)
         data = file.read(sinfo.length)
         if len(data) != sinfo.length:
@@ -64,7 +64,9 @@ class CheckedReader(FileSystemReader):
                 "(truncated).\nFix: copy the checkpoint again from an intact source."
             )
         if self.checksums is not None:
-            self.checksums.check_item(sinfo.relative_path, sinfo.offset, sinfo.length, data, key)
+            self.checksums.check_item(
+                path, sinfo.relative_path, sinfo.offset, sinfo.length, data, key
+            )
         return io.BytesIO(data)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
