@@ -9,13 +9,33 @@ rank's parameters, buffers and optimizer state are bit-identical to before the c
 
 from __future__ import annotations
 
+import os
+import pickle
+from types import SimpleNamespace
+
 import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
+import hp_core
+from hp_core.checkpoint import dcp_checks, dcp_io
+from hp_core.checkpoint.dcp_agree import unwrap
+from hp_core.checkpoint.dcp_checksums import CHECKSUM_FILE, Checksums
+from hp_core.checkpoint.dcp_errors import error_class
 from hp_core.testing import get_world
-from tests.test_error_style import style_problems
+from hp_core.testing.families import build_family, family_batch
 from tests import dist_tasks_checkpoint_errors as tasks
+from tests.test_error_style import style_problems
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.distributed  # the world's cases; the one-process ones are at the end
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +198,164 @@ def test_optimizer_state_round_trips_in_validate_mode(tmp_path):
     for r in get_world(2).run(tasks.optimizer_round_trip, str(tmp_path / "opt")):
         assert r["before"] > 0.05 and r["keys"], r
         assert r["after"] == 0.0, r
+
+
+# ------------------------------------------------- one process (no process group)
+
+
+def _llama(seed):
+    return build_family("llama", seed=seed)
+
+
+def _message(fn):
+    try:
+        fn()
+    except hp_core.CheckpointError as err:
+        return f"{type(err).__name__}: {err}"
+    raise AssertionError("expected a CheckpointError")
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_one_process_round_trip_with_optimizer_and_a_refusal(tmp_path):
+    source = _llama(0)
+    opt = torch.optim.AdamW(source.parameters(), lr=1e-2)
+    source(input_ids=family_batch("llama", batch=1, seq=8)).logits.mean().backward()
+    opt.step()
+    hp_core.save_checkpoint(tmp_path / "a", source, opt, extra={"epoch": 2})
+    model = _llama(1)
+    model_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert hp_core.load_checkpoint(tmp_path / "a", model, model_opt) == {"epoch": 2}
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(_params(source).values(), _params(model).values(), strict=True)
+    )
+    moments = [s["exp_avg"] for s in model_opt.state.values()]
+    assert all(
+        torch.equal(a["exp_avg"], b) for a, b in zip(opt.state.values(), moments, strict=True)
+    )
+    # The reader's error comes straight through in one process; the model keeps its values.
+    reader = FileSystemReader(str(tmp_path / "a"))
+    info = next(v for k, v in reader.read_metadata().storage_data.items() if k.fqn == tasks.KEY)
+    path = tmp_path / "a" / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset + info.length - 22 : info.offset + info.length] = b"\0" * 22
+    path.write_bytes(bytes(data))
+    fresh, before = _llama(2), _params(_llama(2))
+    error = _message(lambda: hp_core.load_checkpoint(tmp_path / "a", fresh))
+    assert error.startswith("CheckpointCorruptError: ") and "fail their checksum" in error
+    assert _equal(before, _params(fresh))
+
+
+def test_save_without_checksums_and_load_in_place(tmp_path):
+    hp_core.save_checkpoint(tmp_path / "plain", _llama(0), checksums=False)
+    assert not (tmp_path / "plain" / CHECKSUM_FILE).exists()
+    model = _llama(1)
+    hp_core.load_checkpoint(tmp_path / "plain", model, staging=False)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(_params(_llama(0)).values(), _params(model).values(), strict=True)
+    )
+
+
+def test_save_refuses_reserved_model_keys_and_nested_extra(tmp_path):
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.optimizer = nn.Linear(2, 2)
+
+    error = _message(lambda: hp_core.save_checkpoint(tmp_path / "x", Holder()))
+    assert error.startswith("CheckpointMismatchError: optimizer.bias: a model key under")
+    error = _message(
+        lambda: hp_core.save_checkpoint(tmp_path / "y", nn.Linear(2, 2), extra={"s": {"a": 1}})
+    )
+    assert error.startswith("CheckpointMismatchError: extra['s']: a mapping") and "Fix:" in error
+
+
+def test_unexpected_failures_are_checkpoint_load_errors(tmp_path, monkeypatch):
+    hp_core.save_checkpoint(tmp_path / "c", _llama(0))
+    model = _llama(1)
+    before = _params(model)
+
+    def broken(*_args, **_kwargs):
+        raise KeyError("planner")
+
+    monkeypatch.setattr(dcp_io, "planned_reads", broken)
+    error = _message(lambda: hp_core.load_checkpoint(tmp_path / "c", model))
+    assert "the checks before loading failed (KeyError: 'planner')" in error
+    monkeypatch.undo()
+    monkeypatch.setattr(dcp_io.dcp, "load", broken)
+    error = _message(lambda: hp_core.load_checkpoint(tmp_path / "c", model))
+    assert error.startswith("CheckpointLoadError: ") and "reading failed (KeyError" in error
+    monkeypatch.undo()
+    # A storage file that vanishes after the checks (another process deleted it).
+    vanish = lambda root, reads, rank: [os.remove(os.path.join(root, r.file)) for r in reads[:1]]  # noqa: E731
+    monkeypatch.setattr(dcp_io, "check_files", vanish)
+    error = _message(lambda: hp_core.load_checkpoint(tmp_path / "c", model))
+    assert error.startswith("CheckpointMissingFileError: ") and "vanished while" in error
+    assert _equal(before, _params(model))
+
+
+def test_failures_gathered_by_dcp_are_named_by_their_rank():
+    seen_from_0 = unwrap({1: (RuntimeError("planner broke"), None)}, "/ckpt")
+    assert isinstance(seen_from_0, hp_core.CheckpointLoadError)
+    assert str(seen_from_0).startswith("rank 1: /ckpt: the checkpoint load failed (RuntimeError")
+    own = hp_core.CheckpointCorruptError("/ckpt/x: bad.\nFix: restore it.")
+    assert unwrap({0: (own, None)}, "/ckpt") is own
+    other = unwrap({1: (own, None)}, "/ckpt")
+    assert type(other) is hp_core.CheckpointCorruptError and str(other).startswith("rank 1: /ckpt")
+    assert error_class("SomethingElse") is hp_core.CheckpointLoadError
+
+
+def test_the_classes_are_hp_errors_and_builtin_types():
+    assert issubclass(hp_core.CheckpointMismatchError, (hp_core.CheckpointError, ValueError))
+    assert issubclass(hp_core.CheckpointMissingFileError, FileNotFoundError)
+    assert issubclass(hp_core.CheckpointCorruptError, ValueError)
+    for cls in (hp_core.CheckpointLoadError, hp_core.CheckpointMismatchError):
+        assert issubclass(cls, hp_core.HpError) and issubclass(cls, RuntimeError)
+
+
+def _metadata(md):
+    return Metadata(state_dict_metadata={"w": md}, storage_data={})
+
+
+def test_metadata_that_does_not_cover_a_tensor_or_is_not_metadata(tmp_path):
+    half = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32),
+        torch.Size([4]),
+        [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([2]))],
+    )
+    error = _message(
+        lambda: dcp_checks.check_fit(
+            "/c", _metadata(half), {"w": torch.zeros(4)}, strict=True, ignored_prefixes=()
+        )
+    )
+    assert error.startswith("CheckpointCorruptError: w: /c/.metadata lists chunks of 2 elements")
+    error = _message(
+        lambda: dcp_checks.check_fit(
+            "/c",
+            _metadata(BytesStorageMetadata()),
+            {"w": torch.zeros(4)},
+            strict=True,
+            ignored_prefixes=(),
+        )
+    )
+    assert "w: checkpoint an object (not a tensor); model (4,) torch.float32" in error
+    tmp_path.joinpath(".metadata").write_bytes(pickle.dumps(SimpleNamespace(storage_meta=None)))
+    error = _message(lambda: dcp_checks.read_metadata(str(tmp_path), None))
+    assert (
+        error.startswith("CheckpointCorruptError: ")
+        and "holds a SimpleNamespace, not DCP metadata" in error
+    )
+
+
+def test_an_item_without_a_checksum_is_refused():
+    sums = Checksums("/c/hp_checksums.json", 0, {})
+    error = _message(lambda: sums.check_item("/c/f.distcp", "f.distcp", 0, 4, b"abcd", "w"))
+    assert error.startswith("CheckpointCorruptError: /c/f.distcp: w is stored at bytes 0..4")
