@@ -10,6 +10,8 @@ its own error and every other rank raises the same class, the message prefixed w
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 
@@ -37,7 +39,7 @@ def agree(problem: CheckpointError | None, device: torch.device) -> None:
     raise error_class(name)(f"rank {rank}: {message}")
 
 
-def unwrap(failures: dict[int, tuple[BaseException, object]], root: str) -> CheckpointError:
+def unwrap(failures: Mapping[int, tuple[BaseException, object]], root: str) -> CheckpointError:
     """The error a ``CheckpointException`` stands for, seen from this rank."""
     me = dist.get_rank() if dist.is_initialized() else 0
     rank = me if me in failures else min(failures)

@@ -13,12 +13,12 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from concurrent.futures import Future
 from typing import IO, Any
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
 
 from hp_core.checkpoint.dcp_checksums import Checksums
 from hp_core.checkpoint.dcp_errors import (
