@@ -254,6 +254,9 @@ def test_one_process_round_trip_with_optimizer_and_a_refusal(tmp_path):
 
 
 def test_save_without_checksums_and_load_in_place(tmp_path):
+    hp_core.save_checkpoint(tmp_path / "plain", _llama(3))
+    assert (tmp_path / "plain" / CHECKSUM_FILE).exists()
+    # Saving again over it without checksums drops the old ones (they would refuse it).
     hp_core.save_checkpoint(tmp_path / "plain", _llama(0), checksums=False)
     assert not (tmp_path / "plain" / CHECKSUM_FILE).exists()
     model = _llama(1)
@@ -276,6 +279,11 @@ def test_save_refuses_reserved_model_keys_and_nested_extra(tmp_path):
         lambda: hp_core.save_checkpoint(tmp_path / "y", nn.Linear(2, 2), extra={"s": {"a": 1}})
     )
     assert error.startswith("CheckpointMismatchError: extra['s']: a mapping") and "Fix:" in error
+    tensors = {"t": [torch.zeros(1)], "fine": [1, 2]}
+    error = _message(
+        lambda: hp_core.save_checkpoint(tmp_path / "z", nn.Linear(2, 2), extra=tensors)
+    )
+    assert error.startswith("CheckpointMismatchError: extra['t']: a mapping or a sequence")
 
 
 def test_unexpected_failures_are_checkpoint_load_errors(tmp_path, monkeypatch):

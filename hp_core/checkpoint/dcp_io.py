@@ -46,6 +46,7 @@ from hp_core.checkpoint.dcp_checks import (
     read_metadata,
 )
 from hp_core.checkpoint.dcp_checksums import (
+    CHECKSUM_FILE,
     crc_of_file,
     crc_of_items,
     read_checksums,
@@ -74,6 +75,13 @@ def _device(model: nn.Module) -> torch.device:
     return torch.get_default_device()
 
 
+def _container(value: Any) -> bool:
+    """Whether DCP would flatten ``value`` into keys of its own (a nested ``extra``)."""
+    if isinstance(value, Mapping):
+        return True
+    return isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value)
+
+
 def save_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -99,17 +107,20 @@ def save_checkpoint(
             "save_checkpoint keeps for the optimizer state and the extra objects.\n"
             f"Fix: save this model with dcp.save directly (into {root})."
         )
-    nested = sorted(k for k, v in (extra or {}).items() if isinstance(v, Mapping))
+    nested = sorted(k for k, v in (extra or {}).items() if _container(v))
     if nested:
         raise CheckpointMismatchError(
-            f"extra[{nested[0]!r}]: a mapping; extra holds names to tensors or picklable "
-            "objects, one level deep.\n"
+            f"extra[{nested[0]!r}]: a mapping or a sequence of tensors; extra holds names "
+            "to tensors or picklable objects, one level deep.\n"
             f"Fix: flatten it (e.g. extra={{'{nested[0]}.x': ...}})."
         )
     if optimizer is not None:
         state[OPTIMIZER] = get_optimizer_state_dict(model, optimizer)
     if extra:
         state[EXTRA] = dict(extra)
+    stale = os.path.join(root, CHECKSUM_FILE)
+    if _rank()[0] == 0 and os.path.exists(stale):
+        os.remove(stale)  # an older save's checksums would refuse this one's bytes
     dcp.save(state, checkpoint_id=root, no_dist=not dist.is_initialized())
     if checksums:
         _write_checksums(root)

@@ -15,6 +15,7 @@ import os
 import pickle
 from typing import IO, Any
 
+import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
@@ -74,6 +75,8 @@ class CheckedReader(FileSystemReader):
             return super().read_data(plan, planner)
         except CheckpointError:
             raise
+        except torch.OutOfMemoryError:
+            raise  # not the checkpoint's fault: the caller sees torch's own error
         except FileNotFoundError as err:
             raise CheckpointMissingFileError(
                 f"{err.filename}: vanished while the checkpoint was read ({err.strerror}).\n"
