@@ -132,7 +132,7 @@ def checked_loads(root: str) -> dict[str, Any]:
         errors[name] = _attempt(lambda: hp_core.load_checkpoint(path, model, **kwargs))
         unchanged[name] = _same(_snapshot(model, opt), before)
 
-    # Another model: the tiny llama with a wider MLP (shapes a tp=2 plan holds, not these).
+    # Another model: the tiny llama with a wider MLP (192 instead of 128), saved at tp=2.
     other = os.path.join(root, "wider")
     hp_core.save_checkpoint(other, _applied(0, mesh, intermediate_size=192))
     case("wider", other)
@@ -237,7 +237,7 @@ def checked_loads(root: str) -> dict[str, Any]:
         unchanged["in_place"] = _same(_snapshot(model, opt), before)
     finally:
         CheckedReader._slice_file = original  # type: ignore[method-assign]
-    restore(model, opt, before)
+    _restore(model, opt, before)
 
     # A fresh optimizer (no state yet) keeps no state a failed load made.
     fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -251,7 +251,7 @@ def checked_loads(root: str) -> dict[str, Any]:
     out["silent_flip_diff"] = _diff(_snapshot(model), expected)
     out["lenient"] = _attempt(lambda: hp_core.load_checkpoint(unexpected, model, strict=False))
     out["lenient_diff"] = _diff(_snapshot(model), expected)
-    restore(model, opt, before)
+    _restore(model, opt, before)
     extra = hp_core.load_checkpoint(good, model)
     out["extra"] = {"step": extra["step"], "seed": extra["seed"].tolist()}
     out["round_trip_diff"] = _diff(_snapshot(model), expected)
@@ -268,7 +268,7 @@ def _gathered(value: Any) -> list[Any]:
     return values
 
 
-def restore(model: nn.Module, opt: torch.optim.Optimizer, snap: dict[str, Any]) -> None:
+def _restore(model: nn.Module, opt: torch.optim.Optimizer, snap: dict[str, Any]) -> None:
     """Put ``snap``'s values back into ``model`` and ``opt`` (after a case that changed them)."""
     with torch.no_grad():
         for k, v in model.named_parameters():

@@ -185,7 +185,6 @@ def test_a_read_failing_on_rank1_only_stops_every_rank_and_changes_nothing(ranks
     # The control: in place (staging=False) rank 0 had already written its values.
     assert _errors(ranks, "in_place")[0].startswith("CheckpointLoadError: rank 1: ")
     assert ranks[0]["unchanged"]["in_place"] is False
-    assert ranks[1]["unchanged"]["in_place"] is True  # rank 1 failed at its first item
 
 
 def test_a_fresh_optimizer_keeps_no_state_from_a_failed_load(ranks):

@@ -50,5 +50,5 @@ def unwrap(failures: Mapping[int, tuple[BaseException, object]], root: str) -> C
     prefix = "" if rank == me else f"rank {rank}: "
     return CheckpointLoadError(
         f"{prefix}{root}: the checkpoint load failed ({type(err).__name__}: {err}).\n"
-        "Fix: see the cause above; the model was left as it was."
+        "Fix: remove the chained cause (its traceback is above), then load again."
     )

@@ -203,7 +203,7 @@ def _preflight(
 def _failed(root: str, stage: str, err: Exception) -> CheckpointError:
     problem = CheckpointLoadError(
         f"{root}: {stage} failed ({type(err).__name__}: {err}).\n"
-        "Fix: see the cause above; the model was left as it was."
+        "Fix: remove the chained cause (its traceback is above), then load again."
     )
     problem.__cause__ = err
     return problem
@@ -260,6 +260,8 @@ def _load(
         dcp.load(target, storage_reader=reader, no_dist=not dist.is_initialized())
     except CheckpointException as exc:  # DCP gathered every rank's failure
         problem = unwrap(exc.failures, root)
+        if problem.__cause__ is None:
+            problem.__cause__ = exc  # DCP's message holds every failing rank's traceback
     except CheckpointError as err:  # one process: the reader's error as it is
         problem = err
     except Exception as err:
