@@ -136,6 +136,12 @@ def checked_loads(root: str) -> dict[str, Any]:
     other = os.path.join(root, "wider")
     hp_core.save_checkpoint(other, _applied(0, mesh, intermediate_size=192))
     case("wider", other)
+    # Another family at tp=2 (qwen2: llama's layout plus q/k/v biases).
+    family = os.path.join(root, "qwen2")
+    qwen2 = build_family("qwen2", seed=0)
+    hp_core.apply(qwen2, hp_core.plan(qwen2, mesh), mesh)
+    hp_core.save_checkpoint(family, qwen2)
+    case("qwen2", family)
     # A checkpoint of one process (tp=1) of a llama with 127 tokens: DCP reshards any
     # layout, so what a tp=2 model cannot hold is a global shape; here the vocabulary's.
     odd = os.path.join(root, "vocab127")

@@ -80,6 +80,17 @@ def test_a_checkpoint_of_another_config_names_the_keys_shapes_and_layouts(ranks)
     )
 
 
+def test_a_checkpoint_of_another_family_lists_the_keys_the_model_lacks(ranks):
+    _refused(
+        ranks,
+        "qwen2",
+        "CheckpointMismatchError",
+        "model.layers.0.self_attn.k_proj.bias: in the checkpoint",
+        "(6 unexpected keys: ",
+        "model.layers.1.self_attn.v_proj.bias",
+    )
+
+
 def test_a_shape_a_tp2_model_cannot_hold_is_a_global_shape_mismatch(ranks):
     # Saved by one process (tp=1) with 127 tokens; DCP would reshard any layout of the
     # right global shape, so the refusal is about the shape, on every rank.
