@@ -9,6 +9,7 @@ Every task returns the worst relative differences against the uninterrupted run.
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 import hp_core
 from hp_core.testing.families import build_family, family_batch
+from hp_plugin_cp import enable_cp_loss, shard_batch_for_cp
 
 LR = 1e-2
 STEPS = 6
@@ -110,12 +112,14 @@ def _loss_rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
-def _moments(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """exp_avg / exp_avg_sq of ``MOMENT_KEYS``, as full tensors."""
+def _moments(
+    model: nn.Module, opt: torch.optim.Optimizer, keys: tuple[str, ...] = MOMENT_KEYS
+) -> dict[str, torch.Tensor]:
+    """exp_avg / exp_avg_sq of the parameters ``keys``, as full tensors."""
     state = get_optimizer_state_dict(model, opt)["state"]
     return {
         f"{k}.{m}": (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-        for k in MOMENT_KEYS
+        for k in keys
         for m in ("exp_avg", "exp_avg_sq")
         if isinstance(v := state[k][m], torch.Tensor)
     }
@@ -188,7 +192,9 @@ def save_tp2(prod: str, val: str) -> dict[str, Any]:
     for mode, path in (("production", prod), ("validate", val)):
         model = _applied("llama", 0, _tp_mesh(2), mode)
         opt = _optimizer(model)
-        out[f"{mode}_losses"] = _loss_rel(_train(model, opt, _batches("llama")[:SAVE_AT]), ref["losses"][:SAVE_AT])
+        out[f"{mode}_losses"] = _loss_rel(
+            _train(model, opt, _batches("llama")[:SAVE_AT]), ref["losses"][:SAVE_AT]
+        )
         out[f"{mode}_moments"] = _rel(_moments(model, opt), ref["moments"])
         _save(path, model, opt)
     # Production's saved moments are DTensor views; scramble the optimizer, then restore it.
@@ -221,3 +227,173 @@ def resume_one_process(path: str) -> dict[str, Any] | None:
         out = _resumed(path, _build("llama", 1), ref, no_dist=True)
     dist.barrier()
     return out
+
+
+def save_cp_tp(path: str) -> dict[str, Any]:
+    """Steps 1-3 at cp=2 x tp=2 (production, the CP override of docs/cp.md), saved."""
+    ref = _reference("llama")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    model = _applied("llama", 0, mesh, "production", overrides=CP_YAML)
+    enable_cp_loss(model, mesh["cp"])
+    opt = _optimizer(model)
+    losses = _train(
+        model, opt, _batches("llama")[:SAVE_AT], lambda b: shard_batch_for_cp(b, mesh["cp"])
+    )
+    _save(path, model, opt)
+    saved = get_optimizer_state_dict(model, opt)["state"][MOMENT_KEYS[0]]["exp_avg"]
+    return {
+        "losses": _loss_rel(losses, ref["losses"][:SAVE_AT]),
+        "moments": _rel(_moments(model, opt), ref["moments"]),
+        "mesh": tuple(saved.device_mesh.mesh_dim_names or ()),
+    }
+
+
+EXPERT_KEYS = ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.self_attn.q_proj.weight")
+
+
+def ep_resume(path: str) -> dict[str, Any]:
+    """qwen2_moe at tp=2 with ep=2: an uninterrupted hp run against one saved after step 3
+    and resumed by a fresh model and optimizer on the same layout."""
+    plan = {"ep_size": 2, "overrides": EP_YAML}
+    batches = _batches("qwen2_moe")
+    whole = _applied("qwen2_moe", 0, _tp_mesh(2), "production", **plan)
+    opt = _optimizer(whole)
+    want = _train(whole, opt, batches[:SAVE_AT])
+    want_moments = _moments(whole, opt, EXPERT_KEYS)
+    want += _train(whole, opt, batches[SAVE_AT:])
+    want_params = _full(whole.state_dict())
+
+    first = _applied("qwen2_moe", 0, _tp_mesh(2), "production", **plan)
+    opt = _optimizer(first)
+    _train(first, opt, batches[:SAVE_AT])
+    _save(path, first, opt)
+    saved = get_optimizer_state_dict(first, opt)["state"][EXPERT_KEYS[0]]["exp_avg"]
+
+    resumed = _applied("qwen2_moe", 1, _tp_mesh(2), "production", **plan)
+    opt = _optimizer(resumed)
+    before = _rel(_moments(resumed, opt, EXPERT_KEYS), want_moments)
+    _load(path, resumed, opt)
+    moments = _rel(_moments(resumed, opt, EXPERT_KEYS), want_moments)
+    losses = _train(resumed, opt, batches[SAVE_AT:])
+    return {
+        "expert_mesh": tuple(saved.device_mesh.mesh_dim_names or ()),
+        "moments_before": before,
+        "moments": moments,
+        "losses": _loss_rel(losses, want[SAVE_AT:]),
+        "params": _rel(_full(resumed.state_dict()), want_params),
+    }
+
+
+def _error(call: Callable[[], object]) -> str | None:
+    try:
+        call()
+    except hp_core.HpError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def refusals() -> dict[str, Any]:
+    """Bad optimizer states are refused before anything loads; optimizers hp cannot lay
+    out are refused on save; ``track_optimizer`` refuses an optimizer of another model."""
+    model = _applied("llama", 0, _tp_mesh(2), "production")
+    opt = _optimizer(model)
+    _train(model, opt, _batches("llama")[:1])
+    key = MOMENT_KEYS[0]
+    before = _moments(model, opt)
+    local = {p: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    bad = get_optimizer_state_dict(model, opt)
+    bad["state"][key] = {**bad["state"][key], "exp_avg": torch.zeros(32, 64, dtype=torch.float64)}
+    wrong_shape = _error(lambda: set_optimizer_state_dict(model, opt, bad))
+    unchanged = _rel(_moments(model, opt), before)
+    untouched = all(torch.equal(v, local[p][k]) for p, s in opt.state.items() for k, v in s.items())
+    # A scrambled state really differs (the check below would catch a failed load) ...
+    scrambled = get_optimizer_state_dict(model, opt)
+    for entry in scrambled["state"].values():
+        entry["exp_avg"] = entry["exp_avg"] + 1.0
+    set_optimizer_state_dict(model, opt, scrambled)
+    scrambled_diff = _rel(_moments(model, opt), before)
+
+    try:  # a state dict of other parameter groups: torch's own check, untouched by hp's hook
+        opt.load_state_dict({"state": {}, "param_groups": []})
+        groups = None
+    except ValueError as e:
+        groups = str(e)
+
+    adafactor = torch.optim.Adafactor(model.parameters(), lr=LR)
+    model(**_batches("llama")[0], use_cache=False).loss.backward()
+    adafactor.step()
+    unshaped = _error(adafactor.state_dict)
+
+    other = torch.optim.SGD(build_family("llama", seed=0).parameters(), lr=LR)
+    foreign = _error(lambda: hp_core.track_optimizer(model, other))
+    other.step()  # a step of an optimizer of no hp model attaches nothing
+    return {
+        "wrong_shape": wrong_shape,
+        "unchanged": unchanged,
+        "untouched": untouched,
+        "scrambled": scrambled_diff,
+        "groups": groups,
+        "unshaped": unshaped,
+        "foreign": foreign,
+        "foreign_hooks": len(other._optimizer_state_dict_post_hooks),
+    }
+
+
+def track_round_trip() -> dict[str, Any]:
+    """``track_optimizer`` then plain ``state_dict()`` / ``load_state_dict()`` before any
+    step: DTensor moments, and full-tensor moments (a format ``torch.save`` keeps), load
+    into fresh optimizers whose next steps equal the original's."""
+    batches = _batches("llama")
+    model = _applied("llama", 0, _tp_mesh(2), "production")
+    opt = _optimizer(model)
+    _train(model, opt, batches[:SAVE_AT])
+    # Deep copies: like torch's, these state dicts hold the optimizer's own tensors.
+    saved = copy.deepcopy(opt.state_dict())
+    kinds = {type(v).__name__ for s in saved["state"].values() for v in s.values()}
+    full = copy.deepcopy(saved)
+    for entry in full["state"].values():
+        for m, v in entry.items():
+            entry[m] = v.full_tensor() if isinstance(v, DTensor) else v
+    copies = []
+    hooks = []
+    for state in (saved, full):
+        other = _applied("llama", 1, _tp_mesh(2), "production")
+        other.load_state_dict(model.state_dict())
+        other_opt = _optimizer(other)
+        hp_core.track_optimizer(other, other_opt)
+        hp_core.track_optimizer(other, other_opt)  # idempotent
+        hooks.append(len(other_opt._optimizer_load_state_dict_pre_hooks))
+        other_opt.load_state_dict(state)
+        copies.append((other, other_opt))
+    _train(model, opt, batches[SAVE_AT:])
+    want = _full(model.state_dict())
+    after = []
+    for other, other_opt in copies:
+        _train(other, other_opt, batches[SAVE_AT:])
+        after.append(_rel(_full(other.state_dict()), want))
+
+    validate = _applied("llama", 0, _tp_mesh(2), "validate")
+    validate_opt = hp_core.track_optimizer(validate, _optimizer(validate))
+    return {
+        "kinds": kinds,
+        "hooks": hooks,
+        "after": after,
+        "validate_hooks": len(validate_opt._optimizer_state_dict_post_hooks),
+    }
+
+
+def models_are_not_kept_alive() -> dict[str, Any]:
+    """A production model and its stepped optimizer are collected once the user drops them;
+    an optimizer that outlives its model keeps working, its hooks inert."""
+    model = _applied("llama", 0, _tp_mesh(2), "production")
+    opt = _optimizer(model)
+    _train(model, opt, _batches("llama")[:1])
+    model_ref = weakref.ref(model)
+    del model
+    gc.collect()
+    kinds = {type(v).__name__ for s in opt.state_dict()["state"].values() for v in s.values()}
+    opt.load_state_dict(opt.state_dict())
+    opt_ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    return {"model": model_ref() is None, "optimizer": opt_ref() is None, "kinds": kinds}

@@ -27,8 +27,8 @@ from hp_core.runtime.grads import GradReducer, GradReduction
 from hp_core.runtime.guard import InputGuard
 from hp_core.runtime.journal import Journal, set_forward
 from hp_core.runtime.layouts import dense_mesh
-from hp_core.runtime.outer import OuterWrapperCheck
 from hp_core.runtime.optim_state import watch_optimizers
+from hp_core.runtime.outer import OuterWrapperCheck
 from hp_core.runtime.param_layout import named_layouts
 from hp_core.runtime.params import shard_parameters
 from hp_core.runtime.preflight import PreflightResult

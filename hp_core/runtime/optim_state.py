@@ -148,16 +148,15 @@ class _OptimizerViews:
         if model is None or state is None or not state.layouts:
             return {}
         layouts: Mapping[str, ParamLayout] = state.layouts
+        # Built per call, not cached: it costs one walk over the parameters next to a whole
+        # state dict, and it stays right when a wrapper swaps the parameter objects.
         names: dict[int, str] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
+        for name, param in model.named_parameters(remove_duplicate=False):
             if name in layouts:
-                names.setdefault(id(p), name)
-        found = {}
-        for i, p in enumerate(params):
-            name = names.get(id(p))
-            if name is not None:
-                found[i] = (name, layouts[name])
-        return found
+                names.setdefault(id(param), name)
+        return {
+            i: (names[id(p)], layouts[names[id(p)]]) for i, p in enumerate(params) if id(p) in names
+        }
 
     def on_save(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         params = _params(optimizer)
@@ -183,7 +182,7 @@ class _OptimizerViews:
         groups = optimizer.param_groups
         saved_groups = state_dict.get("param_groups", [])
         if len(groups) != len(saved_groups) or any(
-            len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)
+            len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups, strict=True)
         ):
             return None  # torch's own check names the mismatch
         params = _params(optimizer)
