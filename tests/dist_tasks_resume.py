@@ -326,7 +326,10 @@ def refusals() -> dict[str, Any]:
 
     other = torch.optim.SGD(build_family("llama", seed=0).parameters(), lr=LR)
     foreign = _error(lambda: hp_core.track_optimizer(model, other))
-    other.step()  # a step of an optimizer of no hp model attaches nothing
+    other.step()  # a step of an optimizer of no hp model attaches nothing ...
+    foreign_hooks = len(other._optimizer_state_dict_post_hooks)
+    other.add_param_group({"params": list(model.parameters())})
+    other.step()  # ... until it holds parameters of one
     return {
         "wrong_shape": wrong_shape,
         "unchanged": unchanged,
@@ -335,7 +338,8 @@ def refusals() -> dict[str, Any]:
         "groups": groups,
         "unshaped": unshaped,
         "foreign": foreign,
-        "foreign_hooks": len(other._optimizer_state_dict_post_hooks),
+        "foreign_hooks": foreign_hooks,
+        "added_hooks": len(other._optimizer_state_dict_post_hooks),
     }
 
 

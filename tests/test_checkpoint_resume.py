@@ -113,7 +113,8 @@ def test_track_optimizer_refuses_an_optimizer_of_another_model(refused):
             "OptimizerStateError: hp_core.track_optimizer: the SGD holds none of the "
             "parameters of LlamaForCausalLM."
         ), r["foreign"]
-        assert r["foreign_hooks"] == 0, r  # its step attached nothing either
+        assert r["foreign_hooks"] == 0, r  # its step attached nothing either ...
+        assert r["added_hooks"] == 1, r  # ... until add_param_group gave it the model's
 
 
 def test_track_optimizer_refuses_a_model_hp_did_not_apply():

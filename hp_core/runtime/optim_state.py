@@ -15,7 +15,8 @@ therefore gets two hooks:
 
 Nobody has to call anything: ``apply`` registers one global optimizer step pre-hook, and an
 optimizer's first ``step()`` attaches the hooks when it holds a parameter of an applied
-production model. ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` step a fresh
+production model (later steps cost one comparison, unless ``add_param_group`` added
+parameters). ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` step a fresh
 optimizer first (torch's ``_init_optim_state``), so they see the hooks. For
 ``optimizer.load_state_dict`` before any step, ``track_optimizer`` attaches them now.
 
@@ -53,10 +54,12 @@ class OptimizerStateError(HpError, ValueError):
 
 #: The applied production modules whose optimizers get the hooks.
 _MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-#: optimizer → the models whose hooks it carries (an optimizer is looked at on its first step).
+#: optimizer → the models whose hooks it carries.
 _HOOKED: weakref.WeakKeyDictionary[Optimizer, weakref.WeakSet[nn.Module]] = (
     weakref.WeakKeyDictionary()
 )
+#: optimizer → how many parameters it held when its step last looked for production models.
+_LOOKED: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
 _STEP_HOOK: list[RemovableHandle] = []  # the one global step pre-hook, once registered
 
 
@@ -65,7 +68,7 @@ def watch_optimizers(model: nn.Module, journal: Journal) -> None:
     _MODELS.add(model)
     journal.record(lambda: _MODELS.discard(model))
     if not _STEP_HOOK:
-        _STEP_HOOK.append(register_optimizer_step_pre_hook(_on_first_step))
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_on_step))
 
 
 def track_optimizer(model: nn.Module, optimizer: Optimizer) -> Optimizer:
@@ -105,10 +108,11 @@ def _params(optimizer: Optimizer) -> list[torch.Tensor]:
     return list(chain.from_iterable(g["params"] for g in optimizer.param_groups))
 
 
-def _on_first_step(optimizer: Optimizer, _args: Any, _kwargs: Any) -> None:
-    if optimizer in _HOOKED:
-        return None  # looked at already (every later step stops here)
-    _HOOKED[optimizer] = weakref.WeakSet()
+def _on_step(optimizer: Optimizer, _args: Any, _kwargs: Any) -> None:
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _LOOKED.get(optimizer) == count:
+        return None  # looked at already, same parameters: every later step stops here
+    _LOOKED[optimizer] = count  # a group added later (add_param_group) is looked at again
     ids = {id(p) for p in _params(optimizer)}
     for model in list(_MODELS):
         if any(id(p) in ids for p in model.parameters()):
@@ -127,12 +131,9 @@ def _attach(model: nn.Module, optimizer: Optimizer) -> None:
 
 
 def _is_shard_state(value: Any, param: torch.Tensor) -> bool:
-    return (
-        isinstance(value, torch.Tensor)
-        and not isinstance(value, DTensor)
-        and value.dim() > 0
-        and value.shape == param.shape
-    )
+    """Per-element state of ``param``: a tensor of its (local) shape. A DTensor passes too
+    (a wrapper's, FSDP2 on dp): ``saved_view`` / ``local_value`` decide what it needs."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
 
 
 class _OptimizerViews:
@@ -169,7 +170,7 @@ class _OptimizerViews:
             param = params[key]
             for skey, value in entry.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    if not _is_shard_state(value, param) and not isinstance(value, DTensor):
+                    if not _is_shard_state(value, param):
                         raise _unshaped(name, skey, value, param, layout)
             # A new dict: the entry is the optimizer's own per-parameter state.
             saved[key] = {
