@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -383,6 +384,28 @@ def track_round_trip() -> dict[str, Any]:
         "hooks": hooks,
         "after": after,
         "validate_hooks": len(validate_opt._optimizer_state_dict_post_hooks),
+    }
+
+
+def full_state_dict_round_trip() -> dict[str, Any]:
+    """``StateDictOptions(full_state_dict=True)``: the optimizer state as full tensors (what
+    one file of a whole model holds), loaded back into a fresh optimizer of a copy."""
+    full = StateDictOptions(full_state_dict=True)
+    batches = _batches("llama")
+    model = _applied("llama", 0, _tp_mesh(2), "production")
+    opt = _optimizer(model)
+    _train(model, opt, batches[:SAVE_AT])
+    osd = get_optimizer_state_dict(model, opt, options=full)
+    other = _applied("llama", 1, _tp_mesh(2), "production")
+    other.load_state_dict(model.state_dict())
+    other_opt = _optimizer(other)
+    set_optimizer_state_dict(other, other_opt, copy.deepcopy(osd), options=full)
+    _train(model, opt, batches[SAVE_AT:])
+    _train(other, other_opt, batches[SAVE_AT:])
+    return {
+        "kinds": {type(v).__name__ for s in osd["state"].values() for v in s.values()},
+        "shape": tuple(osd["state"][MOMENT_KEYS[0]]["exp_avg"].shape),
+        "after": _rel(_full(other.state_dict()), _full(model.state_dict())),
     }
 
 

@@ -136,6 +136,12 @@ def test_track_optimizer_then_plain_state_dict_round_trips():
         assert r["validate_hooks"] == 0, r  # validate's states are DTensors already
 
 
+def test_a_full_optimizer_state_dict_round_trips():
+    for r in get_world(2).run(tasks.full_state_dict_round_trip):
+        assert r["kinds"] == {"Tensor"} and r["shape"] == (64, 64), r  # whole, not a shard
+        assert r["after"] == 0.0, r
+
+
 def test_models_and_optimizers_are_not_kept_alive():
     for r in get_world(2).run(tasks.models_are_not_kept_alive):
         assert r["model"] and r["optimizer"], r
