@@ -55,6 +55,7 @@ from hp_core.plugins import (
 )
 from hp_core.runtime.applied import AppliedModel, applied, finalize_grads
 from hp_core.runtime.clip import clip_grad_norm_
+from hp_core.runtime.optim_state import OptimizerStateError, track_optimizer
 from hp_core.runtime.state_dict import StateDictLayoutError
 from hp_core.runtime.verdict import ApplyFailedError, RankTimeoutError
 from hp_core.spec.axes import CP, DP, EP, TP, MeshAxisName
@@ -97,6 +98,7 @@ __all__ = [
     "MeshTypeError",
     "ModuleShardingSpec",
     "NamedPlacement",
+    "OptimizerStateError",
     "OverrideEntry",
     "OverridesTypeError",
     "ParallelContext",
@@ -140,6 +142,7 @@ __all__ = [
     "require_injection_meta",
     "resolve_placements",
     "save_checkpoint",
+    "track_optimizer",
     "trust_packages",
     "verify",
 ]

@@ -16,6 +16,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from torch.distributed.device_mesh import DeviceMesh
 
     from hp_core.context import ParallelContext
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from hp_core.runtime.boundary import BoundaryForward
     from hp_core.runtime.grads import GradReducer
     from hp_core.runtime.guard import InputGuard
+    from hp_core.runtime.param_layout import ParamLayout
     from hp_core.runtime.rng import RngStreams
     from hp_core.runtime.sequence import SequenceFallback
     from hp_core.verifier.report import VerifyReport
@@ -62,6 +65,9 @@ class AppliedModel:
     inner_wraps: dict[str, InnerWrap] = dataclasses.field(default_factory=dict)
     #: The parallel context the injections received.
     context: ParallelContext | None = None
+    #: Production: each sharded parameter's layout by name (the state-dict and optimizer
+    #: views read it); empty in validate mode, where the parameters are DTensors.
+    layouts: Mapping[str, ParamLayout] = dataclasses.field(default_factory=dict)
 
 
 def applied_module(model: nn.Module) -> nn.Module:

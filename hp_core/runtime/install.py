@@ -27,6 +27,7 @@ from hp_core.runtime.grads import GradReducer, GradReduction
 from hp_core.runtime.guard import InputGuard
 from hp_core.runtime.journal import Journal, set_forward
 from hp_core.runtime.layouts import dense_mesh
+from hp_core.runtime.optim_state import watch_optimizers
 from hp_core.runtime.outer import OuterWrapperCheck
 from hp_core.runtime.param_layout import named_layouts
 from hp_core.runtime.params import shard_parameters
@@ -186,8 +187,10 @@ def install(
         rng.attach(model, journal)
     journal.phase("parameters")
     sharded.install(model, journal)
+    layouts = named_layouts(model, sharded.layouts) if mode == "production" else {}
     if mode == "production":  # validate's parameters are DTensors: their state dict has layouts
-        ShardedStateDict(named_layouts(model, sharded.layouts)).attach(model, journal)
+        ShardedStateDict(layouts).attach(model, journal)
+        watch_optimizers(model, journal)  # and so do their optimizer states
     journal.phase("boundaries")
     strict = mode == "validate"  # validate refuses communication the contract does not declare
     dense = dense_mesh(mesh)  # hp's DTensors and collectives live off the dp axes
@@ -261,6 +264,7 @@ def install(
         fallback=fallback if guard else None,
         inner_wraps=wraps,
         context=pre.context,
+        layouts=layouts,
     )
     journal.set_attr(model, "_hp_applied", state)
     journal.phase("commit")  # after the last mutation
