@@ -284,13 +284,13 @@ def _restore(model: nn.Module, opt: torch.optim.Optimizer, snap: dict[str, Any])
                 (v.to_local() if isinstance(v, DTensor) else v).copy_(snap[f"o.{i}.{k}"])
 
 
-def optimizer_round_trip(root: str) -> dict[str, Any]:
-    """Validate mode (DTensor parameters and moments): model and AdamW state round-trip."""
+def optimizer_round_trip(root: str, mode: str) -> dict[str, Any]:
+    """Model and AdamW state round-trip (production's moments carry their layouts too)."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     batch = family_batch("llama", batch=2, seq=16)
 
     def stepped(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = _applied(seed, mesh, mode="validate")
+        model = _applied(seed, mesh, mode=mode)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model(input_ids=batch, use_cache=False).logits.square().mean().backward()
         opt.step()

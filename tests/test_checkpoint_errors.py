@@ -204,8 +204,9 @@ def test_a_fresh_optimizer_keeps_no_state_from_a_failed_load(ranks):
         assert r["fresh_state_after"] == 0
 
 
-def test_optimizer_state_round_trips_in_validate_mode(tmp_path):
-    for r in get_world(2).run(tasks.optimizer_round_trip, str(tmp_path / "opt")):
+@pytest.mark.parametrize("mode", ["validate", "production"])
+def test_optimizer_state_round_trips(tmp_path, mode):
+    for r in get_world(2).run(tasks.optimizer_round_trip, str(tmp_path / "opt"), mode):
         assert r["before"] > 0.05 and r["keys"], r
         assert r["after"] == 0.0, r
 
