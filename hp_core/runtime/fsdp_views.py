@@ -1,0 +1,191 @@
+"""A production parameter under FSDP2 on dp, as a checkpoint sees it and back.
+
+``fully_shard`` on the dp mesh turns hp's plain local shard into FSDP's DTensor over dp
+whose *global* shape is that local shard: every tp rank would save the same key with
+different contents. ``combined_view`` rewrites it, without a copy, as one DTensor over the
+dp dims plus hp's layout dims (the mesh FSDP2 itself builds for a tp DTensor parameter),
+with hp's placements on the layout dims and FSDP's on dp. On a dim hp shards too, FSDP's
+split happens inside hp's, which DTensor spells ``_StridedShard(dim, split_factor=hp's
+shards)``. ``fsdp_local`` is the inverse: whatever a checkpoint offers becomes exactly the
+form FSDP holds (its dp DTensor and spec), so FSDP's ``param.copy_`` takes it.
+
+``_StridedShard`` places an uneven split correctly only for some sizes (dp=2 always; an
+uneven dim-0 shard with dp >= 3 is misplaced by torch's offset arithmetic). Every view is
+therefore checked against the true offset (hp's shard offset plus FSDP's offset inside
+it); where they differ the view is the shard gathered over dp instead, a copy of one
+parameter's tp shard, that ``load_state_dict`` (``set_model_state_dict``) reads back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from hp_core.errors import HpError
+
+if TYPE_CHECKING:
+    from hp_core.runtime.param_layout import ParamLayout
+
+__all__ = ["FsdpViewError", "combined_view", "fsdp_local", "is_fsdp_shard"]
+
+
+class FsdpViewError(HpError, ValueError):
+    """An FSDP2 dp DTensor that cannot be combined with hp's layout of the same parameter."""
+
+
+def _local_shape_and_offset(
+    shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(int(n) for n in local), tuple(int(o) for o in offset)
+
+
+def _dp_positions(dp_mesh: DeviceMesh, layout: ParamLayout) -> tuple[int, ...] | None:
+    """Where FSDP's dp dims sit in hp's layout mesh: ``()`` when the meshes share no dim,
+    their indices when hp's layout holds them replicated, None when it is neither."""
+    dp_names = tuple(dp_mesh.mesh_dim_names or ())
+    names = tuple(layout.mesh.mesh_dim_names or ())
+    if not set(dp_names) & set(names):
+        return ()
+    if not set(dp_names) <= set(names):
+        return None
+    positions = tuple(names.index(n) for n in dp_names)
+    if any(not isinstance(layout.placements[i], Replicate) for i in positions):
+        return None
+    if layout.mesh[dp_names] != dp_mesh:
+        return None
+    return positions
+
+
+def is_fsdp_shard(value: DTensor, layout: ParamLayout) -> bool:
+    """True when ``value`` is FSDP's dp DTensor of this rank's shard of ``layout``: its
+    global shape is hp's local shard and its dims are not hp's (or hp's replicated ones)."""
+    if _dp_positions(value.device_mesh, layout) is None:
+        return False
+    local, _ = _local_shape_and_offset(layout.shape, layout.mesh, layout.placements)
+    return tuple(value.shape) == local
+
+
+def _combined(
+    key: str, value: DTensor, layout: ParamLayout, gathered: bool = False
+) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The mesh over dp and hp's dims, and the placements of FSDP's shard on it.
+
+    On a tensor dim hp shards over mesh dims after dp's, FSDP's split happens inside hp's
+    shard: ``_StridedShard`` with hp's shard count there. ``gathered``: dp replicated.
+    """
+    dp_mesh = value.device_mesh
+    positions = _dp_positions(dp_mesh, layout)
+    if positions:  # hp's layout holds the dp dims already (replicated)
+        mesh, placements = layout.mesh, list(layout.placements)
+    else:
+        mesh = _concatenate(key, dp_mesh, layout)
+        positions = tuple(range(dp_mesh.ndim))
+        placements = [Replicate()] * dp_mesh.ndim + list(layout.placements)
+    if not gathered:
+        for i, p in zip(positions, value.placements, strict=True):
+            factor = 1
+            if isinstance(p, Shard):
+                for j in range(i + 1, mesh.ndim):
+                    q = placements[j]
+                    if isinstance(q, Shard) and q.dim == p.dim and j not in positions:
+                        factor *= mesh.size(j)
+            placements[i] = _StridedShard(p.dim, split_factor=factor) if factor > 1 else p
+    return mesh, tuple(placements)
+
+
+def _concatenate(key: str, dp_mesh: DeviceMesh, layout: ParamLayout) -> DeviceMesh:
+    try:
+        return DeviceMesh._concatenate([dp_mesh, layout.mesh])
+    except RuntimeError as e:
+        raise FsdpViewError(
+            f"{key}: FSDP2's mesh {dp_mesh.mesh_dim_names} and hp's layout mesh "
+            f"{layout.mesh.mesh_dim_names} do not combine into one mesh ({e}).\n"
+            "The checkpoint needs one mesh over both to say where each rank's values sit.\n"
+            "Fix: pass fully_shard a dp mesh sliced from the mesh given to hp_core.apply, "
+            'e.g. fully_shard(module, mesh=mesh["dp"]).'
+        ) from e
+
+
+def _true_offset(value: DTensor, layout: ParamLayout) -> tuple[int, ...]:
+    """Where this rank's values start in the full tensor: hp's offset plus FSDP's inside it."""
+    _, outer = _local_shape_and_offset(layout.shape, layout.mesh, layout.placements)
+    _, inner = _local_shape_and_offset(value.shape, value.device_mesh, value.placements)
+    return tuple(a + b for a, b in zip(outer, inner, strict=True))
+
+
+def combined_view(key: str, value: DTensor, layout: ParamLayout) -> DTensor:
+    """FSDP's dp DTensor ``value`` as one DTensor over dp + hp's layout dims (a view)."""
+    mesh, placements = _combined(key, value, layout)
+    local = value.to_local()
+    shape, offset = _local_shape_and_offset(layout.shape, mesh, placements)
+    if shape == tuple(local.shape) and (
+        local.numel() == 0 or offset == _true_offset(value, layout)
+    ):
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=layout.shape, stride=layout.stride
+        )
+    # torch misplaces this uneven split: gather hp's shard over dp (a copy, this key only).
+    mesh, placements = _combined(key, value, layout, gathered=True)
+    shard = value.redistribute(value.device_mesh, [Replicate()] * value.device_mesh.ndim)
+    return DTensor.from_local(
+        shard.to_local(),
+        mesh,
+        placements,
+        run_check=False,
+        shape=layout.shape,
+        stride=layout.stride,
+    )
+
+
+def _hp_shard(key: str, value: torch.Tensor, layout: ParamLayout, like: DTensor) -> torch.Tensor:
+    """This rank's shard of ``layout`` (hp's local shard, whole over dp) from ``value``."""
+    if not isinstance(value, DTensor):  # the full tensor: every rank holds it, slice it
+        return distribute_tensor(
+            value.detach(), layout.mesh, layout.placements, src_data_rank=None
+        ).to_local()
+    mesh, gathered = _combined(key, like, layout, gathered=True)
+    if value.device_mesh == mesh:
+        return value.redistribute(mesh, gathered).to_local()
+    if value.device_mesh == layout.mesh:
+        return value.redistribute(layout.mesh, layout.placements).to_local()
+    # Another mesh altogether: DTensor cannot redistribute across meshes; go through the
+    # full tensor (one collective on the value's own mesh, then a local slice).
+    return _hp_shard(key, value.full_tensor(), layout, like)
+
+
+def fsdp_local(key: str, value: torch.Tensor, layout: ParamLayout, like: DTensor) -> DTensor:
+    """``value`` (the full tensor, or a DTensor of any layout of it) in ``like``'s form:
+    FSDP's dp DTensor over this rank's slice of hp's shard."""
+    dp_mesh = like.device_mesh
+    if isinstance(value, DTensor):
+        mesh, placements = _combined(key, like, layout)
+        local = value.to_local()
+        if (
+            value.device_mesh == mesh
+            and tuple(value.placements) == placements
+            and tuple(local.shape) == tuple(like.to_local().shape)
+        ):  # what combined_view saved: this rank's values already
+            return DTensor.from_local(
+                local,
+                dp_mesh,
+                like.placements,
+                run_check=False,
+                shape=like.shape,
+                stride=like.stride(),
+            )
+    shard = _hp_shard(key, value, layout, like)
+    local_shape, offset = _local_shape_and_offset(like.shape, dp_mesh, like.placements)
+    piece = shard
+    for dim, (size, start) in enumerate(zip(local_shape, offset, strict=True)):
+        if size != shard.shape[dim]:
+            piece = piece.narrow(dim, start, size)
+    return DTensor.from_local(
+        piece, dp_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )

@@ -1,0 +1,98 @@
+"""DCP checkpoints of hp models under FSDP2 on dp (world 4: dp=2 x tp=2).
+
+FSDP2 turns each production shard into its own DTensor over dp whose global shape is hp's
+shard; hp's state-dict views combine the two into one DTensor over ("dp", "tp"), so the
+checkpoint holds every value once, at its place in the full tensor, and reshards to and
+from tp-only worlds and one process. Every parameter and the logits are compared with
+the single-device model trained alike.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from hp_core.testing import get_world
+from hp_core.testing.families import build_family, family_batch
+from tests import dist_tasks_checkpoint_fsdp as tasks
+
+pytestmark = pytest.mark.distributed
+
+TOL = 1e-6
+STRIDED = ("('dp', 'tp')", "(_StridedShard(dim=0, sf=2), Shard(dim=0))")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The production dp x tp checkpoint (sequence parallel on) and its round-trip results."""
+    path = str(tmp_path_factory.mktemp("fsdp") / "dp2tp2")
+    return path, get_world(4).run(tasks.fsdp_round_trip, path, "production", True)
+
+
+def _round_trip_holds(results, mode):
+    for r in results:
+        # FSDP's split sits inside hp's on q (strided on dp), beside it on o_proj; the norm
+        # is an ordinary FSDP DTensor (no hp layout), the same in both modes' values.
+        q_mesh, q_placements = r["specs"][tasks.Q]
+        assert (str(q_mesh), q_placements) == STRIDED, r["specs"]
+        assert r["specs"][tasks.O_PROJ] == (("dp", "tp"), "(Shard(dim=0), Shard(dim=1))")
+        norm_mesh = ("dp",) if mode == "production" else ("dp", "tp")
+        assert r["specs"][tasks.NORM][0] == norm_mesh, r["specs"]
+        assert r["trained"] <= 1e-5 and r["logits_vs_ref"] <= 1e-5, r  # = one device's
+        assert r["scrambled"] > 0.5  # negative control: the scramble changed every rank
+        assert r["restored"] <= TOL and r["logits"] <= TOL, r
+
+
+def test_production_fsdp2_round_trip(saved):
+    _round_trip_holds(saved[1], "production")
+
+
+def test_production_fsdp2_round_trip_without_sequence_parallel(tmp_path):
+    path = str(tmp_path / "nosp")
+    results = get_world(4).run(tasks.fsdp_round_trip, path, "production", False)
+    _round_trip_holds(results, "production")
+
+
+def test_validate_fsdp2_round_trip(tmp_path):
+    path = str(tmp_path / "validate")
+    _round_trip_holds(get_world(4).run(tasks.fsdp_round_trip, path, "validate", True), "validate")
+
+
+def test_dp_tp_checkpoint_reshards_to_tp4_tp2_and_one_process(saved):
+    path = saved[0]
+    for tp in (4, 2):
+        for r in get_world(tp).run(tasks.load_at_tp, path, tp):
+            assert r["before"] > 0.01  # negative control: the fresh model's weights differ
+            assert r["params"] <= TOL and r["logits"] <= 1e-5, (tp, r)
+    reference = torch.load(f"{path}.reference.pt")
+    whole = build_family("llama", seed=1, **tasks._kv4())
+    state = whole.state_dict()
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    whole.load_state_dict(state)
+    params = {k: v.detach() for k, v in whole.state_dict().items()}
+    assert tasks._excess(params, reference["params"]) <= TOL
+    with torch.no_grad():
+        logits = whole(input_ids=family_batch("llama", batch=2, seq=16), use_cache=False).logits
+    assert float((logits - reference["logits"]).abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_tp4_checkpoint_loads_into_dp_tp_fsdp2(tmp_path, mode):
+    path = str(tmp_path / "tp4")
+    assert all(get_world(4).run(tasks.save_at_tp4, path))
+    for r in get_world(4).run(tasks.load_into_fsdp, path, mode):
+        assert r["before"] > 0.01  # negative control
+        assert r["params"] <= TOL and r["logits"] <= 1e-5, r
+
+
+def test_a_checkpoint_of_another_shape_is_refused(tmp_path):
+    for r in get_world(4).run(tasks.load_a_wider_checkpoint, str(tmp_path / "wide")):
+        assert r["error"] is not None, r
+        # DCP's own error, raised on every rank before anything is written; it names the key.
+        assert r["error"].startswith("CheckpointException"), r["error"]
+        assert (
+            "Size mismatch between saved torch.Size([64, 256]) and current: "
+            "torch.Size([64, 128]) for model.layers.0.mlp.down_proj.weight"
+        ) in r["error"], r["error"]
+        assert r["unchanged"] == 0.0, r
