@@ -14,12 +14,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import hp_core
+from hp_core.runtime.journal import Journal
+from hp_core.runtime.param_layout import ParamLayout
+from hp_core.runtime.state_dict import ShardedStateDict
 from hp_core.testing.families import build_family, family_batch
 
 Q = "model.layers.0.self_attn.q_proj.weight"  # hp Shard(0) on tp: FSDP's split inside hp's
@@ -54,12 +63,14 @@ def _spec(value: Any) -> tuple[tuple[str, ...], str]:
     return tuple(value.device_mesh.mesh_dim_names or ()), str(tuple(value.placements))
 
 
-def _fsdp(model: Any, mode: str, sp: bool) -> Any:
+def _fsdp(model: Any, mode: str, sp: bool, hp_on: str = "root", dp_mesh: Any = None) -> Any:
+    """hp on the ("dp", "tp") mesh (or only its "tp" slice), then FSDP2 on its "dp" slice."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    hp_core.apply(model, hp_core.plan(model, mesh, sequence_parallel=sp), mesh, mode=mode)
+    hp_mesh = mesh if hp_on == "root" else mesh["tp"]
+    hp_core.apply(model, hp_core.plan(model, hp_mesh, sequence_parallel=sp), hp_mesh, mode=mode)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        fully_shard(layer, mesh=mesh["dp"] if dp_mesh is None else dp_mesh)
+    fully_shard(model, mesh=mesh["dp"] if dp_mesh is None else dp_mesh)
     return model
 
 
@@ -175,3 +186,121 @@ def load_a_wider_checkpoint(path: str) -> dict[str, Any]:
     except CheckpointException as e:  # DCP gathers every rank's error (a BaseException)
         error = f"{type(e).__name__}: {e}"
     return {"error": error, "unchanged": _excess(_full(get_model_state_dict(model)), before)}
+
+
+def _hand_laid_linear(mesh: Any, full: torch.Tensor) -> Any:
+    """A linear holding tp rank t's rows of ``full`` (hp's Shard(0) on tp, by hand), with
+    hp's state-dict hooks for that layout, then FSDP2 on dp."""
+    tp = mesh.get_local_rank("tp")
+    layout = ParamLayout(mesh, (Replicate(), Shard(0)), full.shape, full.stride())
+    rows = torch.chunk(full, 2)[tp]
+    lin = torch.nn.Linear(full.shape[1], rows.shape[0], bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(rows)
+    ShardedStateDict({"weight": layout}).attach(lin, Journal())
+    fully_shard(lin, mesh=mesh["dp"])
+    return lin
+
+
+def uneven_dp3(path: str) -> dict[str, Any]:
+    """dp=3 x tp=2 and 7 rows: tp ranks hold 4 and 3 rows, FSDP splits them 2+2+0 and 1+1+1.
+    ``_StridedShard`` would misplace these slices, so the view gathers over dp instead."""
+    mesh = init_device_mesh("cpu", (3, 2), mesh_dim_names=("dp", "tp"))
+    full = torch.arange(21.0).reshape(7, 3)
+    lin = _hand_laid_linear(mesh, full)
+    raw = lin.weight  # FSDP's dp DTensor of this tp rank's rows
+    strided = (_StridedShard(0, split_factor=2), Shard(0))
+    shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, strided)
+    tp_start = 4 * mesh.get_local_rank("tp")
+    _, inner = compute_local_shape_and_global_offset(raw.shape, raw.device_mesh, raw.placements)
+    misplaced = tuple(shape) != tuple(raw.to_local().shape) or (
+        raw.to_local().numel() > 0 and offset[0] != tp_start + inner[0]
+    )
+    saved = lin.state_dict()["weight"]
+    dcp.save(lin.state_dict(), checkpoint_id=path)
+    with torch.no_grad():
+        lin.weight.to_local().add_(100.0)
+    state = lin.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    lin.load_state_dict(state)
+    got = lin.state_dict()["weight"].full_tensor()
+    return {
+        "misplaced": misplaced,
+        "saved": (_spec(saved), saved.to_local().shape[0]),
+        "restored": float((got - full).abs().max()),
+    }
+
+
+def other_forms(path: str, hp_on: str) -> dict[str, Any]:
+    """Full tensors, a DTensor on another mesh, a DCP round trip, and one rank's FSDP
+    shard (refused), for hp on the root mesh or on its 1-D "tp" slice."""
+    one = build_family("llama", seed=0, **_kv4())
+    full = {k: v.detach().clone() for k, v in one.state_dict().items()}
+    model = _fsdp(build_family("llama", seed=1, **_kv4()), "production", False, hp_on)
+    specs = {k: _spec(v) for k, v in get_model_state_dict(model).items() if k == Q}
+    # FSDP2's own way in for full tensors (it distributes them over the views' layouts)
+    full_copy = {k: v.clone() for k, v in full.items()}  # torch replaces its values
+    set_model_state_dict(model, full_copy, options=StateDictOptions(full_state_dict=True))
+    from_full = _excess(_full(get_model_state_dict(model)), full)
+    dcp.save(get_model_state_dict(model), checkpoint_id=path)
+    # hp's sharded keys also take plain full tensors and DTensors of another mesh through
+    # load_state_dict (FSDP's own replicated params take neither: torch's rule)
+    hp_keys = [k for k, v in get_model_state_dict(model).items() if _spec(v)[0] == ("dp", "tp")]
+    model.load_state_dict({k: -full[k] for k in hp_keys}, strict=False)
+    from_plain = _excess(
+        _full(get_model_state_dict(model)), {**full, **{k: -full[k] for k in hp_keys}}
+    )
+    flat = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    on_flat = {k: distribute_tensor(full[k], flat, [Shard(0)]) for k in hp_keys}
+    model.load_state_dict(on_flat, strict=False)
+    from_flat = _excess(_full(get_model_state_dict(model)), full)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().mul_(-1.0)
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state)
+    round_trip = _excess(_full(get_model_state_dict(model)), full)
+    fsdp_own = dict(model.named_parameters())[Q]  # FSDP's dp DTensor of one tp shard
+    before = _full(get_model_state_dict(model))
+    try:
+        model.load_state_dict({**full, Q: fsdp_own.detach().clone()})
+        error = None
+    except hp_core.HpError as e:
+        error = f"{type(e).__name__}: {e}"
+    return {
+        "specs": specs,
+        "hp_keys": len(hp_keys),
+        "from_full": from_full,
+        "from_plain": from_plain,
+        "from_flat": from_flat,
+        "round_trip": round_trip,
+        "error": error,
+        "unchanged": _excess(_full(get_model_state_dict(model)), before),
+    }
+
+
+def raw_fsdp_dtensors(path: str) -> dict[str, Any]:
+    """Negative control: saving FSDP's own dp DTensors (what the state dict held before
+    hp combined them) loses the tp ranks' differences."""
+    model = _fsdp(build_family("llama", seed=0, **_kv4()), "production", False)
+    before = _full(get_model_state_dict(model))
+    raw = {n: p for n, p in model.named_parameters()}
+    dcp.save(raw, checkpoint_id=path)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().zero_()
+    dcp.load(raw, checkpoint_id=path)
+    return {"restored": _excess(_full(get_model_state_dict(model)), before)}
+
+
+def meshes_that_do_not_combine() -> dict[str, Any]:
+    """FSDP2 over ranks that are hp's tp ranks again: no mesh holds both; saving says so."""
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    model = _fsdp(build_family("llama", seed=0, **_kv4()), "production", False, "tp", other["b"])
+    try:
+        model.state_dict()
+        error = None
+    except hp_core.HpError as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error}

@@ -96,3 +96,49 @@ def test_a_checkpoint_of_another_shape_is_refused(tmp_path):
             "torch.Size([64, 128]) for model.layers.0.mlp.down_proj.weight"
         ) in r["error"], r["error"]
         assert r["unchanged"] == 0.0, r
+
+
+def test_an_uneven_split_torch_would_misplace_is_saved_gathered_over_dp(tmp_path):
+    """dp=3 x tp=2 (world 6): FSDP's 2+2+0 / 1+1+1 split of hp's 4- and 3-row shards."""
+    path = str(tmp_path / "uneven")
+    results = get_world(6).run(tasks.uneven_dp3, path)
+    assert any(r["misplaced"] for r in results)  # the case the fallback exists for
+    for r in results:
+        # saved as hp's tp shard, replicated over dp (4 or 3 rows: gathered, not FSDP's)
+        assert r["saved"][0] == (("dp", "tp"), "(Replicate(), Shard(dim=0))"), r
+        assert r["saved"][1] in (4, 3), r
+        assert r["restored"] == 0.0, r
+    whole = {"weight": torch.zeros(7, 3)}
+    dcp.load(whole, checkpoint_id=path, no_dist=True)
+    assert torch.equal(whole["weight"], torch.arange(21.0).reshape(7, 3))  # every row in place
+
+
+@pytest.mark.parametrize("hp_on", ["root", "tp"])
+def test_full_tensors_other_meshes_and_dcp_load_into_fsdp2_shards(tmp_path, hp_on):
+    """hp on the (dp, tp) mesh (dp replicated in its layouts) or on its "tp" slice: the
+    view is the same DTensor over (dp, tp) either way."""
+    for r in get_world(4).run(tasks.other_forms, str(tmp_path / hp_on), hp_on):
+        assert r["specs"][tasks.Q] == (("dp", "tp"), STRIDED[1]), r
+        assert r["hp_keys"] == 16, r  # embedding, 2 x 7 projections, head (norms: FSDP's)
+        assert r["from_full"] <= TOL and r["from_plain"] <= TOL and r["from_flat"] <= TOL, r
+        assert r["round_trip"] <= TOL, r
+        assert r["error"] is not None and r["error"].startswith(
+            f"StateDictLayoutError: {tasks.Q}: the state dict holds a DTensor of shape "
+            "(32, 64), but the parameter is (64, 64) as {"
+        ), r["error"]
+        assert r["unchanged"] == 0.0, r
+
+
+def test_fsdp_own_dp_dtensors_would_lose_the_tp_shards(tmp_path):
+    """Negative control: without hp's combined view, DCP keeps one tp rank's values."""
+    restored = [r["restored"] for r in get_world(4).run(tasks.raw_fsdp_dtensors, str(tmp_path))]
+    assert max(restored) > 0.01, restored
+
+
+def test_a_dp_mesh_that_does_not_combine_with_hps_is_named():
+    for r in get_world(4).run(tasks.meshes_that_do_not_combine):
+        assert r["error"] is not None and r["error"].startswith(
+            "FsdpViewError: model.embed_tokens.weight: FSDP2's mesh ('b',) and hp's layout "
+            "mesh ('tp',) do not combine into one mesh"
+        ), r["error"]
+        assert "Fix: pass fully_shard a dp mesh sliced from" in r["error"]

@@ -18,13 +18,19 @@ parameter's tp shard, that ``load_state_dict`` (``set_model_state_dict``) reads 
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor._utils import (
+    _compute_local_shape_and_global_offset,
+    compute_local_shape_and_global_offset,
+)
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hp_core.errors import HpError
@@ -113,23 +119,60 @@ def _concatenate(key: str, dp_mesh: DeviceMesh, layout: ParamLayout) -> DeviceMe
         ) from e
 
 
-def _true_offset(value: DTensor, layout: ParamLayout) -> tuple[int, ...]:
-    """Where this rank's values start in the full tensor: hp's offset plus FSDP's inside it."""
-    _, outer = _local_shape_and_offset(layout.shape, layout.mesh, layout.placements)
-    _, inner = _local_shape_and_offset(value.shape, value.device_mesh, value.placements)
-    return tuple(a + b for a, b in zip(outer, inner, strict=True))
+@functools.lru_cache(maxsize=1024)
+def _strided_is_exact(
+    shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    placements: tuple[Placement, ...],
+    dp_placements: tuple[tuple[int, Placement], ...],
+) -> bool:
+    """Whether ``placements`` put every rank's values where hp + FSDP hold them.
+
+    For each mesh coordinate: hp's shard (``placements`` with dp replicated), FSDP's
+    chunk of it over dp, against what the combined placements say. Pure arithmetic, the
+    same on every rank, so every rank takes the same branch (the fallback gathers).
+    """
+    hp = list(placements)
+    for i, _ in dp_placements:
+        hp[i] = Replicate()
+    dp_shape = tuple(mesh_shape[i] for i, _ in dp_placements)
+    fsdp = [p for _, p in dp_placements]
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        outer_shape, outer = _compute_local_shape_and_global_offset(shape, mesh_shape, coord, hp)
+        dp_coord = [coord[i] for i, _ in dp_placements]
+        local, inner = _compute_local_shape_and_global_offset(outer_shape, dp_shape, dp_coord, fsdp)
+        got_shape, got = _compute_local_shape_and_global_offset(
+            shape, mesh_shape, coord, placements
+        )
+        true = tuple(a + b for a, b in zip(outer, inner, strict=True))
+        if got_shape != local or (math.prod(local) > 0 and got != true):
+            return False
+    return True
+
+
+def _exact(
+    value: DTensor, layout: ParamLayout, mesh: DeviceMesh, placements: tuple[Placement, ...]
+) -> bool:
+    positions = _dp_positions(value.device_mesh, layout) or tuple(range(value.device_mesh.ndim))
+    return _strided_is_exact(
+        tuple(layout.shape),
+        tuple(mesh.shape),
+        placements,
+        tuple(zip(positions, value.placements, strict=True)),
+    )
 
 
 def combined_view(key: str, value: DTensor, layout: ParamLayout) -> DTensor:
     """FSDP's dp DTensor ``value`` as one DTensor over dp + hp's layout dims (a view)."""
     mesh, placements = _combined(key, value, layout)
-    local = value.to_local()
-    shape, offset = _local_shape_and_offset(layout.shape, mesh, placements)
-    if shape == tuple(local.shape) and (
-        local.numel() == 0 or offset == _true_offset(value, layout)
-    ):
+    if _exact(value, layout, mesh, placements):
         return DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=layout.shape, stride=layout.stride
+            value.to_local(),
+            mesh,
+            placements,
+            run_check=False,
+            shape=layout.shape,
+            stride=layout.stride,
         )
     # torch misplaces this uneven split: gather hp's shard over dp (a copy, this key only).
     mesh, placements = _combined(key, value, layout, gathered=True)
@@ -166,14 +209,13 @@ def fsdp_local(key: str, value: torch.Tensor, layout: ParamLayout, like: DTensor
     dp_mesh = like.device_mesh
     if isinstance(value, DTensor):
         mesh, placements = _combined(key, like, layout)
-        local = value.to_local()
         if (
             value.device_mesh == mesh
             and tuple(value.placements) == placements
-            and tuple(local.shape) == tuple(like.to_local().shape)
+            and _exact(like, layout, mesh, placements)
         ):  # what combined_view saved: this rank's values already
             return DTensor.from_local(
-                local,
+                value.to_local(),
                 dp_mesh,
                 like.placements,
                 run_check=False,
