@@ -63,9 +63,12 @@ def _spec(value: Any) -> tuple[tuple[str, ...], str]:
     return tuple(value.device_mesh.mesh_dim_names or ()), str(tuple(value.placements))
 
 
-def _fsdp(model: Any, mode: str, sp: bool, hp_on: str = "root", dp_mesh: Any = None) -> Any:
+def _fsdp(
+    model: Any, mode: str, sp: bool, hp_on: str = "root", dp_mesh: Any = None, mesh: Any = None
+) -> Any:
     """hp on the ("dp", "tp") mesh (or only its "tp" slice), then FSDP2 on its "dp" slice."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    if mesh is None:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     hp_mesh = mesh if hp_on == "root" else mesh["tp"]
     hp_core.apply(model, hp_core.plan(model, hp_mesh, sequence_parallel=sp), hp_mesh, mode=mode)
     for layer in model.model.layers:
@@ -236,7 +239,9 @@ def other_forms(path: str, hp_on: str) -> dict[str, Any]:
     shard (refused), for hp on the root mesh or on its 1-D "tp" slice."""
     one = build_family("llama", seed=0, **_kv4())
     full = {k: v.detach().clone() for k, v in one.state_dict().items()}
-    model = _fsdp(build_family("llama", seed=1, **_kv4()), "production", False, hp_on)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    hp_mesh = mesh if hp_on == "root" else mesh["tp"]
+    model = _fsdp(build_family("llama", seed=1, **_kv4()), "production", False, hp_on, mesh=mesh)
     specs = {k: _spec(v) for k, v in get_model_state_dict(model).items() if k == Q}
     # FSDP2's own way in for full tensors (it distributes them over the views' layouts)
     full_copy = {k: v.clone() for k, v in full.items()}  # torch replaces its values
@@ -254,6 +259,11 @@ def other_forms(path: str, hp_on: str) -> dict[str, Any]:
     on_flat = {k: distribute_tensor(full[k], flat, [Shard(0)]) for k in hp_keys}
     model.load_state_dict(on_flat, strict=False)
     from_flat = _excess(_full(get_model_state_dict(model)), full)
+    model.load_state_dict({k: -full[k] for k in hp_keys}, strict=False)
+    replicated = [Replicate()] * hp_mesh.ndim  # a DTensor on hp's own mesh
+    on_hp = {k: distribute_tensor(full[k], hp_mesh, replicated) for k in hp_keys}
+    model.load_state_dict(on_hp, strict=False)
+    from_hp_mesh = _excess(_full(get_model_state_dict(model)), full)
     with torch.no_grad():
         for p in model.parameters():
             p.to_local().mul_(-1.0)
@@ -274,6 +284,7 @@ def other_forms(path: str, hp_on: str) -> dict[str, Any]:
         "from_full": from_full,
         "from_plain": from_plain,
         "from_flat": from_flat,
+        "from_hp_mesh": from_hp_mesh,
         "round_trip": round_trip,
         "error": error,
         "unchanged": _excess(_full(get_model_state_dict(model)), before),
@@ -295,12 +306,18 @@ def raw_fsdp_dtensors(path: str) -> dict[str, Any]:
 
 
 def meshes_that_do_not_combine() -> dict[str, Any]:
-    """FSDP2 over ranks that are hp's tp ranks again: no mesh holds both; saving says so."""
-    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
-    model = _fsdp(build_family("llama", seed=0, **_kv4()), "production", False, "tp", other["b"])
-    try:
-        model.state_dict()
-        error = None
-    except hp_core.HpError as e:
-        error = f"{type(e).__name__}: {e}"
-    return {"error": error}
+    """FSDP2 over hp's tp ranks again: with hp on the "tp" slice no mesh holds both; with hp
+    on the root, FSDP's "dp" of a ("tp", "dp")-ordered mesh names other ranks. Saving says so."""
+    errors = []
+    cases = [
+        ("tp", init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))["b"]),
+        ("root", init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))["dp"]),
+    ]
+    for hp_on, dp_mesh in cases:
+        model = _fsdp(build_family("llama", seed=0, **_kv4()), "production", False, hp_on, dp_mesh)
+        try:
+            model.state_dict()
+            errors.append(None)
+        except hp_core.HpError as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return {"errors": errors}

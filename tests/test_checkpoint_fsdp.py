@@ -121,6 +121,7 @@ def test_full_tensors_other_meshes_and_dcp_load_into_fsdp2_shards(tmp_path, hp_o
         assert r["specs"][tasks.Q] == (("dp", "tp"), STRIDED[1]), r
         assert r["hp_keys"] == 16, r  # embedding, 2 x 7 projections, head (norms: FSDP's)
         assert r["from_full"] <= TOL and r["from_plain"] <= TOL and r["from_flat"] <= TOL, r
+        assert r["from_hp_mesh"] <= TOL, r
         assert r["round_trip"] <= TOL, r
         assert r["error"] is not None and r["error"].startswith(
             f"StateDictLayoutError: {tasks.Q}: the state dict holds a DTensor of shape "
@@ -137,8 +138,14 @@ def test_fsdp_own_dp_dtensors_would_lose_the_tp_shards(tmp_path):
 
 def test_a_dp_mesh_that_does_not_combine_with_hps_is_named():
     for r in get_world(4).run(tasks.meshes_that_do_not_combine):
-        assert r["error"] is not None and r["error"].startswith(
+        apart, crossed = r["errors"]
+        assert apart is not None and apart.startswith(
             "FsdpViewError: model.embed_tokens.weight: FSDP2's mesh ('b',) and hp's layout "
             "mesh ('tp',) do not combine into one mesh"
-        ), r["error"]
-        assert "Fix: pass fully_shard a dp mesh sliced from" in r["error"]
+        ), apart
+        assert crossed is not None and crossed.startswith(
+            "FsdpViewError: model.embed_tokens.weight: FSDP2 shards it over the mesh dims "
+            "('dp',), but hp lays it out as (128, 64) as {dp: replicate, tp: shard(0)}"
+        ), crossed
+        for error in (apart, crossed):
+            assert "Fix: pass fully_shard a dp mesh sliced from" in error

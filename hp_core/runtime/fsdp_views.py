@@ -52,27 +52,34 @@ def _local_shape_and_offset(
     return tuple(int(n) for n in local), tuple(int(o) for o in offset)
 
 
-def _dp_positions(dp_mesh: DeviceMesh, layout: ParamLayout) -> tuple[int, ...] | None:
+def _dp_positions(key: str, dp_mesh: DeviceMesh, layout: ParamLayout) -> tuple[int, ...]:
     """Where FSDP's dp dims sit in hp's layout mesh: ``()`` when the meshes share no dim,
-    their indices when hp's layout holds them replicated, None when it is neither."""
+    their indices when hp's layout holds them (replicated, the same ranks)."""
     dp_names = tuple(dp_mesh.mesh_dim_names or ())
     names = tuple(layout.mesh.mesh_dim_names or ())
     if not set(dp_names) & set(names):
         return ()
-    if not set(dp_names) <= set(names):
-        return None
-    positions = tuple(names.index(n) for n in dp_names)
-    if any(not isinstance(layout.placements[i], Replicate) for i in positions):
-        return None
-    if layout.mesh[dp_names] != dp_mesh:
-        return None
+    positions = tuple(names.index(n) for n in dp_names if n in names)
+    if (
+        len(positions) != len(dp_names)
+        or any(not isinstance(layout.placements[i], Replicate) for i in positions)
+        or layout.mesh[dp_names] != dp_mesh
+    ):
+        raise FsdpViewError(
+            f"{key}: FSDP2 shards it over the mesh dims {dp_names}, but hp lays it out as "
+            f"{layout.describe()}: the same names with other ranks or other placements.\n"
+            "A checkpoint can only say where a value sits when FSDP's dims are dims hp "
+            "leaves replicated (or dims hp's mesh does not have).\n"
+            "Fix: pass fully_shard a dp mesh sliced from the mesh given to hp_core.apply, "
+            'e.g. fully_shard(module, mesh=mesh["dp"]).'
+        )
     return positions
 
 
 def is_fsdp_shard(value: DTensor, layout: ParamLayout) -> bool:
-    """True when ``value`` is FSDP's dp DTensor of this rank's shard of ``layout``: its
-    global shape is hp's local shard and its dims are not hp's (or hp's replicated ones)."""
-    if _dp_positions(value.device_mesh, layout) is None:
+    """True when ``value`` is a wrapper's DTensor of this rank's shard of ``layout`` (FSDP2
+    on dp): its global shape is hp's local shard, on a mesh other than hp's."""
+    if value.device_mesh == layout.mesh:
         return False
     local, _ = _local_shape_and_offset(layout.shape, layout.mesh, layout.placements)
     return tuple(value.shape) == local
@@ -87,7 +94,7 @@ def _combined(
     shard: ``_StridedShard`` with hp's shard count there. ``gathered``: dp replicated.
     """
     dp_mesh = value.device_mesh
-    positions = _dp_positions(dp_mesh, layout)
+    positions = _dp_positions(key, dp_mesh, layout)
     if positions:  # hp's layout holds the dp dims already (replicated)
         mesh, placements = layout.mesh, list(layout.placements)
     else:
@@ -151,9 +158,14 @@ def _strided_is_exact(
 
 
 def _exact(
-    value: DTensor, layout: ParamLayout, mesh: DeviceMesh, placements: tuple[Placement, ...]
+    key: str,
+    value: DTensor,
+    layout: ParamLayout,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
 ) -> bool:
-    positions = _dp_positions(value.device_mesh, layout) or tuple(range(value.device_mesh.ndim))
+    dp_ndim = value.device_mesh.ndim
+    positions = _dp_positions(key, value.device_mesh, layout) or tuple(range(dp_ndim))
     return _strided_is_exact(
         tuple(layout.shape),
         tuple(mesh.shape),
@@ -165,7 +177,7 @@ def _exact(
 def combined_view(key: str, value: DTensor, layout: ParamLayout) -> DTensor:
     """FSDP's dp DTensor ``value`` as one DTensor over dp + hp's layout dims (a view)."""
     mesh, placements = _combined(key, value, layout)
-    if _exact(value, layout, mesh, placements):
+    if _exact(key, value, layout, mesh, placements):
         return DTensor.from_local(
             value.to_local(),
             mesh,
@@ -212,7 +224,7 @@ def fsdp_local(key: str, value: torch.Tensor, layout: ParamLayout, like: DTensor
         if (
             value.device_mesh == mesh
             and tuple(value.placements) == placements
-            and _exact(like, layout, mesh, placements)
+            and _exact(key, like, layout, mesh, placements)
         ):  # what combined_view saved: this rank's values already
             return DTensor.from_local(
                 value.to_local(),
