@@ -47,6 +47,7 @@ from hp_core.plugins import (
 )
 from hp_core.runtime.applied import AppliedModel, applied, finalize_grads
 from hp_core.runtime.clip import clip_grad_norm_
+from hp_core.runtime.fsdp_views import FsdpViewError
 from hp_core.runtime.state_dict import StateDictLayoutError
 from hp_core.runtime.verdict import ApplyFailedError, RankTimeoutError
 from hp_core.spec.axes import CP, DP, EP, TP, MeshAxisName
@@ -76,6 +77,7 @@ __all__ = [
     "ArgumentTypeError",
     "BoundaryTemplate",
     "DuplicateOverrideError",
+    "FsdpViewError",
     "HpError",
     "InjectionCallError",
     "InjectionMeta",

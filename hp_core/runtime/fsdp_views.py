@@ -48,7 +48,7 @@ class FsdpViewError(HpError, ValueError):
 def _local_shape_and_offset(
     shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    local, offset = compute_local_shape_and_global_offset(list(shape), mesh, placements)
     return tuple(int(n) for n in local), tuple(int(o) for o in offset)
 
 
@@ -103,13 +103,15 @@ def _combined(
         placements = [Replicate()] * dp_mesh.ndim + list(layout.placements)
     if not gathered:
         for i, p in zip(positions, value.placements, strict=True):
-            factor = 1
+            placements[i] = p
             if isinstance(p, Shard):
+                factor = 1
                 for j in range(i + 1, mesh.ndim):
                     q = placements[j]
                     if isinstance(q, Shard) and q.dim == p.dim and j not in positions:
                         factor *= mesh.size(j)
-            placements[i] = _StridedShard(p.dim, split_factor=factor) if factor > 1 else p
+                if factor > 1:
+                    placements[i] = _StridedShard(p.dim, split_factor=factor)
     return mesh, tuple(placements)
 
 
@@ -145,11 +147,13 @@ def _strided_is_exact(
     dp_shape = tuple(mesh_shape[i] for i, _ in dp_placements)
     fsdp = [p for _, p in dp_placements]
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
-        outer_shape, outer = _compute_local_shape_and_global_offset(shape, mesh_shape, coord, hp)
+        outer_shape, outer = _compute_local_shape_and_global_offset(
+            shape, mesh_shape, list(coord), hp
+        )
         dp_coord = [coord[i] for i, _ in dp_placements]
         local, inner = _compute_local_shape_and_global_offset(outer_shape, dp_shape, dp_coord, fsdp)
         got_shape, got = _compute_local_shape_and_global_offset(
-            shape, mesh_shape, coord, placements
+            shape, mesh_shape, list(coord), placements
         )
         true = tuple(a + b for a, b in zip(outer, inner, strict=True))
         if got_shape != local or (math.prod(local) > 0 and got != true):
