@@ -8,6 +8,14 @@ with the communication its contract implies.
 from __future__ import annotations
 
 from hp_core.apply import apply
+from hp_core.checkpoint.dcp_errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointLoadError,
+    CheckpointMismatchError,
+    CheckpointMissingFileError,
+)
+from hp_core.checkpoint.dcp_io import load_checkpoint, save_checkpoint
 from hp_core.context import ParallelContext
 from hp_core.errors import HpError
 from hp_core.hookspecs import PLUGIN_API_VERSION, hookimpl
@@ -76,6 +84,11 @@ __all__ = [
     "ApplyFailedError",
     "ArgumentTypeError",
     "BoundaryTemplate",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointLoadError",
+    "CheckpointMismatchError",
+    "CheckpointMissingFileError",
     "DuplicateOverrideError",
     "FsdpViewError",
     "HpError",
@@ -114,6 +127,7 @@ __all__ = [
     "format_placement",
     "hookimpl",
     "inner_wrapper",
+    "load_checkpoint",
     "load_overrides",
     "load_plan",
     "local_compute",
@@ -127,6 +141,7 @@ __all__ = [
     "register_training_adapter",
     "require_injection_meta",
     "resolve_placements",
+    "save_checkpoint",
     "trust_packages",
     "verify",
 ]
