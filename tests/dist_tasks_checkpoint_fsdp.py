@@ -29,6 +29,7 @@ import hp_core
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.param_layout import ParamLayout
 from hp_core.runtime.state_dict import ShardedStateDict
+from hp_core.runtime.state_views import local_value, saved_view
 from hp_core.testing.families import build_family, family_batch
 
 Q = "model.layers.0.self_attn.q_proj.weight"  # hp Shard(0) on tp: FSDP's split inside hp's
@@ -77,7 +78,7 @@ def _fsdp(
     return model
 
 
-def _train_two_steps(par: Any, ref: Any, dp: int) -> None:
+def _train_two_steps(par: Any, ref: Any, dp: int) -> list[torch.optim.Optimizer]:
     """Two AdamW steps; each dp replica on its own batch, the reference on both at once."""
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (ref, par)]
     for step in range(2):
@@ -88,6 +89,30 @@ def _train_two_steps(par: Any, ref: Any, dp: int) -> None:
         for o in opts:
             o.step()
             o.zero_grad(set_to_none=True)
+    return opts
+
+
+def _layouts(model: Any) -> dict[str, ParamLayout]:
+    hooks = [getattr(h, "__self__", None) for h in model._state_dict_hooks.values()]
+    return next(h for h in hooks if isinstance(h, ShardedStateDict)).layouts
+
+
+def _moment_views(par: Any, ref: Any, opts: list[torch.optim.Optimizer]) -> dict[str, float]:
+    """The two view functions on an AdamW moment shaped like its parameter (FSDP's dp
+    DTensor): saved, it is the single-device moment; loaded back, FSDP's form again."""
+    layout = _layouts(par)[Q]
+    moment = opts[1].state[dict(par.named_parameters())[Q]]["exp_avg"]
+    ref_moment = opts[0].state[dict(ref.named_parameters())[Q]]["exp_avg"]
+    view = saved_view(moment, layout, Q)
+    back = local_value(Q, view, layout, like=moment)
+    from_full = local_value(Q, ref_moment, layout, like=moment)
+    same_form = all(_spec(x) == _spec(moment) for x in (back, from_full))
+    return {
+        "moment_saved": float((view.full_tensor() - ref_moment).abs().max()),
+        "moment_back": float((back.to_local() - moment.to_local()).abs().max()),
+        "moment_from_full": float((from_full.to_local() - moment.to_local()).abs().max()),
+        "moment_form": float(0.0 if same_form else 1.0),
+    }
 
 
 def fsdp_round_trip(path: str, mode: str, sp: bool) -> dict[str, Any]:
@@ -100,7 +125,8 @@ def fsdp_round_trip(path: str, mode: str, sp: bool) -> dict[str, Any]:
     ref = copy.deepcopy(base)
     par = _fsdp(copy.deepcopy(base), mode, sp)
     dp = dist.get_rank() // 2
-    _train_two_steps(par, ref, dp)
+    opts = _train_two_steps(par, ref, dp)
+    moments = _moment_views(par, ref, opts) if mode == "production" else {}
     saved = get_model_state_dict(par)
     specs = {k: _spec(saved[k]) for k in (Q, O_PROJ, NORM)}
     full_saved = _full(saved)
@@ -121,6 +147,7 @@ def fsdp_round_trip(path: str, mode: str, sp: bool) -> dict[str, Any]:
         torch.save({"params": full_saved, "logits": _logits(ref)}, f"{path}.reference.pt")
     dist.barrier()
     return {
+        **moments,
         "specs": specs,
         "trained": trained,
         "logits_vs_ref": float((logits - _logits(ref)).abs().max()),
@@ -221,13 +248,24 @@ def uneven_dp3(path: str) -> dict[str, Any]:
     )
     saved = lin.state_dict()["weight"]
     dcp.save(lin.state_dict(), checkpoint_id=path)
+    # the negative control: FSDP's slices under _StridedShard, saved as they are
+    as_strided = DTensor.from_local(
+        raw.to_local(), mesh, strided, run_check=False, shape=full.shape, stride=full.stride()
+    )
+    dcp.save({"weight": as_strided}, checkpoint_id=f"{path}.strided")
     with torch.no_grad():
         lin.weight.to_local().add_(100.0)
     state = lin.state_dict()
     dcp.load(state, checkpoint_id=path)
     lin.load_state_dict(state)
     got = lin.state_dict()["weight"].full_tensor()
+    hp_core.save_checkpoint(f"{path}.checked", lin)  # staging copies, then into FSDP's shard
+    with torch.no_grad():
+        lin.weight.to_local().add_(100.0)
+    hp_core.load_checkpoint(f"{path}.checked", lin)
+    checked = float((lin.state_dict()["weight"].full_tensor() - full).abs().max())
     return {
+        "checked": checked,
         "misplaced": misplaced,
         "saved": (_spec(saved), saved.to_local().shape[0]),
         "restored": float((got - full).abs().max()),
@@ -271,6 +309,12 @@ def other_forms(path: str, hp_on: str) -> dict[str, Any]:
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state)
     round_trip = _excess(_full(get_model_state_dict(model)), full)
+    hp_core.save_checkpoint(f"{path}.checked", model)  # hp's checked pair composes too
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().mul_(-1.0)
+    hp_core.load_checkpoint(f"{path}.checked", model)
+    checked = _excess(_full(get_model_state_dict(model)), full)
     fsdp_own = dict(model.named_parameters())[Q]  # FSDP's dp DTensor of one tp shard
     before = _full(get_model_state_dict(model))
     try:
@@ -286,6 +330,7 @@ def other_forms(path: str, hp_on: str) -> dict[str, Any]:
         "from_flat": from_flat,
         "from_hp_mesh": from_hp_mesh,
         "round_trip": round_trip,
+        "checked": checked,
         "error": error,
         "unchanged": _excess(_full(get_model_state_dict(model)), before),
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hp_core.testing import get_world
 from hp_core.testing.families import build_family, family_batch
@@ -46,6 +47,14 @@ def _round_trip_holds(results, mode):
 
 def test_production_fsdp2_round_trip(saved):
     _round_trip_holds(saved[1], "production")
+
+
+def test_an_optimizer_moment_goes_through_the_same_views(saved):
+    """What the optimizer-state hooks rely on: an AdamW moment (FSDP's dp DTensor, shaped
+    like q_proj's shard) saves as the single-device moment and loads back in FSDP's form."""
+    for r in saved[1]:
+        assert r["moment_saved"] <= 1e-6 and r["moment_form"] == 0.0, r
+        assert r["moment_back"] == 0.0 and r["moment_from_full"] <= 1e-6, r
 
 
 def test_production_fsdp2_round_trip_without_sequence_parallel(tmp_path):
@@ -107,10 +116,13 @@ def test_an_uneven_split_torch_would_misplace_is_saved_gathered_over_dp(tmp_path
         # saved as hp's tp shard, replicated over dp (4 or 3 rows: gathered, not FSDP's)
         assert r["saved"][0] == (("dp", "tp"), "(Replicate(), Shard(dim=0))"), r
         assert r["saved"][1] in (4, 3), r
-        assert r["restored"] == 0.0, r
+        assert r["restored"] == 0.0 and r["checked"] == 0.0, r
     whole = {"weight": torch.zeros(7, 3)}
     dcp.load(whole, checkpoint_id=path, no_dist=True)
     assert torch.equal(whole["weight"], torch.arange(21.0).reshape(7, 3))  # every row in place
+    # negative control: FSDP's slices saved under _StridedShard make a broken checkpoint
+    with pytest.raises(CheckpointException, match="mismatch sizes"):
+        dcp.load({"weight": torch.zeros(7, 3)}, checkpoint_id=f"{path}.strided", no_dist=True)
 
 
 @pytest.mark.parametrize("hp_on", ["root", "tp"])
@@ -122,7 +134,7 @@ def test_full_tensors_other_meshes_and_dcp_load_into_fsdp2_shards(tmp_path, hp_o
         assert r["hp_keys"] == 16, r  # embedding, 2 x 7 projections, head (norms: FSDP's)
         assert r["from_full"] <= TOL and r["from_plain"] <= TOL and r["from_flat"] <= TOL, r
         assert r["from_hp_mesh"] <= TOL, r
-        assert r["round_trip"] <= TOL, r
+        assert r["round_trip"] <= TOL and r["checked"] <= TOL, r
         assert r["error"] is not None and r["error"].startswith(
             f"StateDictLayoutError: {tasks.Q}: the state dict holds a DTensor of shape "
             "(32, 64), but the parameter is (64, 64) as {"
