@@ -9,11 +9,12 @@ split happens inside hp's, which DTensor spells ``_StridedShard(dim, split_facto
 shards)``. ``fsdp_local`` is the inverse: whatever a checkpoint offers becomes exactly the
 form FSDP holds (its dp DTensor and spec), so FSDP's ``param.copy_`` takes it.
 
-``_StridedShard`` places an uneven split correctly only for some sizes (dp=2 always; an
-uneven dim-0 shard with dp >= 3 is misplaced by torch's offset arithmetic). Every view is
-therefore checked against the true offset (hp's shard offset plus FSDP's offset inside
-it); where they differ the view is the shard gathered over dp instead, a copy of one
-parameter's tp shard, that ``load_state_dict`` (``set_model_state_dict``) reads back.
+``_StridedShard`` misplaces some uneven splits (with dp >= 3, where FSDP leaves a dp rank
+fewer rows than the others: 4 rows over dp=3 are 2+2+0). A strided view is therefore
+checked, for every rank, against where hp and FSDP really hold the values (hp's shard
+offset plus FSDP's inside it); where they differ the view is hp's shard gathered over dp
+instead, a copy of that parameter's tp shard that ``load_state_dict``
+(``set_model_state_dict``) reads back.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import functools
 import itertools
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -128,6 +129,10 @@ def _concatenate(key: str, dp_mesh: DeviceMesh, layout: ParamLayout) -> DeviceMe
         ) from e
 
 
+def _is_shard(p: Placement) -> TypeGuard[Shard | _StridedShard]:
+    return isinstance(p, (Shard, _StridedShard))
+
+
 @functools.lru_cache(maxsize=1024)
 def _strided_is_exact(
     shape: tuple[int, ...],
@@ -141,9 +146,15 @@ def _strided_is_exact(
     chunk of it over dp, against what the combined placements say. Pure arithmetic, the
     same on every rank, so every rank takes the same branch (the fallback gathers).
     """
+    if not any(isinstance(p, _StridedShard) for p in placements):
+        return True  # left-to-right Shards nest as hp's then FSDP's chunks do
     hp = list(placements)
     for i, _ in dp_placements:
         hp[i] = Replicate()
+    sharded = [(n, p) for n, p in zip(mesh_shape, placements, strict=True) if _is_shard(p)]
+    shards = math.prod(n for n, _ in sharded)
+    if all(shape[p.dim] % shards == 0 for _, p in sharded):
+        return True  # even everywhere: nothing to misplace
     dp_shape = tuple(mesh_shape[i] for i, _ in dp_placements)
     fsdp = [p for _, p in dp_placements]
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
