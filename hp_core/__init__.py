@@ -55,6 +55,7 @@ from hp_core.plugins import (
 )
 from hp_core.runtime.applied import AppliedModel, applied, finalize_grads
 from hp_core.runtime.clip import clip_grad_norm_
+from hp_core.runtime.fsdp_views import FsdpViewError
 from hp_core.runtime.optim_state import OptimizerStateError, track_optimizer
 from hp_core.runtime.state_dict import StateDictLayoutError
 from hp_core.runtime.verdict import ApplyFailedError, RankTimeoutError
@@ -90,6 +91,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointMissingFileError",
     "DuplicateOverrideError",
+    "FsdpViewError",
     "HpError",
     "InjectionCallError",
     "InjectionMeta",

@@ -51,7 +51,7 @@ class ShardedStateDict:
         for name, layout in self.layouts.items():
             key = prefix + name
             if key in state:
-                state[key] = saved_view(state[key], layout)
+                state[key] = saved_view(state[key], layout, key)
         return state
 
     def _on_load(self, module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:

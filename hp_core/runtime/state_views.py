@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hp_core.errors import HpError
+from hp_core.runtime.fsdp_views import combined_view, fsdp_local, is_fsdp_shard
 from hp_core.runtime.param_layout import ParamLayout
 
 __all__ = ["StateDictLayoutError", "local_value", "saved_view"]
@@ -25,8 +26,14 @@ class StateDictLayoutError(HpError, ValueError):
     """A state-dict entry that cannot be a parameter's value in this parallel layout."""
 
 
-def saved_view(value: Any, layout: ParamLayout) -> Any:
-    """``value`` (a local shard) as a DTensor view with ``layout``; anything else unchanged."""
+def saved_view(value: Any, layout: ParamLayout, key: str = "") -> Any:
+    """``value`` (a local shard) as a DTensor view with ``layout``; anything else unchanged.
+
+    FSDP2's dp DTensor of the local shard becomes one DTensor over dp and ``layout``'s
+    mesh dims (``hp_core.runtime.fsdp_views``); ``key`` names it in errors.
+    """
+    if isinstance(value, DTensor) and is_fsdp_shard(value, layout):
+        return combined_view(key or layout.describe(), value, layout)
     if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
         return DTensor.from_local(
             value,
@@ -57,6 +64,8 @@ def local_value(key: str, value: Any, layout: ParamLayout, like: torch.Tensor | 
             "Fix: load a checkpoint of this model (saved with torch.distributed.checkpoint "
             "or as full tensors), not a state dict of plain local shards."
         )
+    if isinstance(like, DTensor) and is_fsdp_shard(like, layout):
+        return fsdp_local(key, value, layout, like)
     if isinstance(value, DTensor):
         if value.device_mesh != layout.mesh or tuple(value.placements) != layout.placements:
             value = value.redistribute(layout.mesh, layout.placements)
