@@ -17,6 +17,7 @@ import hp_core
 from hp_core.testing import get_world
 from hp_core.testing.families import build_family
 from tests import dist_tasks_resume as tasks
+from tests import dist_tasks_resume_fsdp as fsdp_tasks
 
 pytestmark = pytest.mark.distributed
 
@@ -34,6 +35,23 @@ def tp2_checkpoints(tmp_path_factory):
     prod, val = str(root / "tp2-production"), str(root / "tp2-validate")
     saved = get_world(2).run(tasks.save_tp2, prod, val)
     return prod, val, str(root / "tp4"), saved
+
+
+def test_fsdp2_on_dp_resumes_at_tp4_in_one_process_and_from_tp2(tp2_checkpoints, tmp_path):
+    """dp=2 x tp=2 under FSDP2: the moments are FSDP's DTensors of hp's shards, saved over dp
+    and tp together; the checkpoint resumes under FSDP2, at tp=4 and in one process, and a
+    tp=2 checkpoint resumes under FSDP2."""
+    prod, *_ = tp2_checkpoints
+    path = str(tmp_path / "fsdp")
+    for r in get_world(4).run(fsdp_tasks.fsdp_save_and_resume, path, prod):
+        assert r["losses"] <= TOL and r["moments"] <= TOL, r
+        _matches(r["resumed"])
+        _matches(r["from_tp2"])
+    for r in get_world(4).run(tasks.resume_at_tp, [path], 4, None):
+        _matches(r[path])
+    single = get_world(2).run(tasks.resume_one_process, path)[0]
+    assert single is not None
+    _matches(single)
 
 
 def test_steps_before_the_save_match_one_device(tp2_checkpoints):
