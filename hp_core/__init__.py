@@ -8,6 +8,8 @@ with the communication its contract implies.
 from __future__ import annotations
 
 from hp_core.apply import apply
+from hp_core.checkpoint.errors import ExportArgumentError, ExportNotAppliedError
+from hp_core.checkpoint.export import full_state_dict, iter_full_state_dict
 from hp_core.context import ParallelContext
 from hp_core.errors import HpError
 from hp_core.hookspecs import PLUGIN_API_VERSION, hookimpl
@@ -76,6 +78,8 @@ __all__ = [
     "ArgumentTypeError",
     "BoundaryTemplate",
     "DuplicateOverrideError",
+    "ExportArgumentError",
+    "ExportNotAppliedError",
     "HpError",
     "InjectionCallError",
     "InjectionMeta",
@@ -110,8 +114,10 @@ __all__ = [
     "finalize_grads",
     "format_named_placement",
     "format_placement",
+    "full_state_dict",
     "hookimpl",
     "inner_wrapper",
+    "iter_full_state_dict",
     "load_overrides",
     "load_plan",
     "local_compute",
