@@ -166,16 +166,27 @@ overrides:
 """
 
 
-def expert_export(mode: str) -> dict[str, Any]:
+def expert_export(mode: str, path: str) -> dict[str, Any]:
     """ep=2: qwen2_moe's batched experts and a per-expert ModuleList toy (stacked at apply,
-    unstacked on export) export to the unapplied model's state dict."""
+    unstacked on export) export to the unapplied model's state dict; qwen2_moe's export
+    goes through save_pretrained (which converts its experts to the checkpoint format)
+    and from_pretrained back to the single-device logits."""
+    from transformers import AutoModelForCausalLM
+
     from tests._toy_models import list_moe_lm
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     out: dict[str, Any] = {}
     base, want = _reference("qwen2_moe")
+    single = _logits(base, "qwen2_moe")
     moe = copy.deepcopy(base)
     hp_core.apply(moe, hp_core.plan(moe, mesh, ep_size=2, overrides=EP_YAML), mesh, mode=mode)
+    on_rank0 = hp_core.full_state_dict(moe)
+    if dist.get_rank() == 0:
+        moe.save_pretrained(path, state_dict=on_rank0)
+        loaded = AutoModelForCausalLM.from_pretrained(path)
+        out["loaded_vs_single"] = float((_logits(loaded, "qwen2_moe") - single).abs().max())
+    dist.barrier()
     state = moe.state_dict()
     out["qwen2_moe_expert_meshes"] = sorted(
         {
