@@ -102,8 +102,13 @@ def test_the_comparison_helper_catches_each_kind_of_difference():
 # ------------------------------------------------------------- refusals
 
 
-def test_a_model_hp_did_not_apply_is_refused_with_a_fix():
-    model = build_family("llama")
+@pytest.fixture(scope="module")
+def llama():
+    return build_family("llama")
+
+
+def test_a_model_hp_did_not_apply_is_refused_with_a_fix(llama):
+    model = llama
     for call in (hp_core.full_state_dict, hp_core.iter_full_state_dict):
         with pytest.raises(hp_core.ExportNotAppliedError) as e:
             call(model)
@@ -125,8 +130,8 @@ def test_a_model_hp_did_not_apply_is_refused_with_a_fix():
         ({"device": 3.5}, r"device=3.5 is not a device"),
     ],
 )
-def test_bad_arguments_are_refused_before_anything_runs(kwargs, message):
-    model = build_family("llama")
+def test_bad_arguments_are_refused_before_anything_runs(llama, kwargs, message):
+    model = llama
     for call in (hp_core.full_state_dict, hp_core.iter_full_state_dict):
         with pytest.raises(
             hp_core.ExportArgumentError, match=f"hp_core.{call.__name__}: {message}"
@@ -135,8 +140,7 @@ def test_bad_arguments_are_refused_before_anything_runs(kwargs, message):
         assert style_problems(str(e.value), f"hp_core.{call.__name__}") == []
 
 
-def test_original_names_of_a_model_hp_did_not_apply_are_its_own():
-    model = build_family("llama")
-    names = original_names(model)
-    assert list(names) == list(model.state_dict())
+def test_original_names_of_a_model_hp_did_not_apply_are_its_own(llama):
+    names = original_names(llama)
+    assert list(names) == list(llama.state_dict())
     assert all(v == (k,) for k, v in names.items())
