@@ -12,8 +12,8 @@ processes (peak RSS is a high-water mark):
 
 Reported per rank: the process baseline (RSS before the shard is materialised), the shard
 bytes, the largest full tensor, the peak RSS, and ``peak / (baseline + shard)``. The stream
-stays near ``baseline + shard + one full tensor``. Every rank all-gathers each tensor
-(``DTensor.full_tensor``), so the other ranks' peak is rank 0's.
+stays near ``baseline + shard + one full tensor`` on rank 0; the tp pieces are gathered to
+rank 0, so rank 1 stays at ``baseline + shard``.
 
     python benchmarks/export_memory.py [--layers 96 --hidden 256 --vocab 32000] [--json out]
 """

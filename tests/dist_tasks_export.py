@@ -231,3 +231,37 @@ def fsdp_export(mode: str) -> dict[str, Any]:
         "problems": state_dict_problems(hp_core.full_state_dict(model, rank0_only=False), want),
         "rank0_only": len(hp_core.full_state_dict(model)),
     }
+
+
+def gather_paths() -> dict[str, Any]:
+    """``full_value`` on each kind of layout, to rank 0 and to every rank, on a 2 x 2 mesh
+    whose tp rows list their ranks in reverse (mesh order is not rank order)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from hp_core.checkpoint.gather import full_value
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    # torch's own uneven sharding disagrees with itself on such a mesh: even pieces only
+    backwards = DeviceMesh("cpu", [[1, 0], [3, 2]], mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    whole = torch.randn(6, 4)
+    uneven = torch.randn(5, 4)
+    cases = {
+        "rows": distribute_tensor(whole, mesh["tp"], [Shard(0)]),
+        "columns": distribute_tensor(whole, mesh["tp"], [Shard(1)]),
+        "rows_backwards": distribute_tensor(whole, backwards["tp"], [Shard(0)]),
+        "columns_backwards": distribute_tensor(whole, backwards["tp"], [Shard(1)]),
+        "uneven": distribute_tensor(uneven, mesh["tp"], [Shard(0)]),
+        "two_dims": distribute_tensor(whole, mesh, [Replicate(), Shard(1)]),
+        "replicated": distribute_tensor(whole, mesh["tp"], [Replicate()]),
+    }
+    out: dict[str, Any] = {}
+    for name, dt in cases.items():
+        want = uneven if name == "uneven" else whole
+        for rank0_only in (True, False):
+            got = full_value(dt, None, rank0_only)
+            out[f"{name}/{rank0_only}"] = (
+                None if got is None else bool(torch.equal(got, want) and got.shape == want.shape)
+            )
+    return out

@@ -68,6 +68,21 @@ def test_fsdp2_on_dp_over_hp_layouts_exports_the_full_model(mode):
         assert r["rank0_only"] == (21 if rank == 0 else 0)
 
 
+def test_each_layout_gathers_to_rank_0_or_to_every_rank():
+    """Even pieces on a 1-D mesh go to rank 0 with a gather (other ranks get None; the ranks
+    of the other dp row take no part); other layouts all-gather, and rank 0 keeps the result."""
+    results = get_world(4).run(tasks.gather_paths)
+    for rank, r in enumerate(results):
+        for key, ok in r.items():
+            name, rank0_only = key.split("/")
+            if rank0_only == "False" or rank == 0:
+                assert ok is True, (rank, key)
+            elif name.startswith(("rows", "columns")):  # gathered to rank 0: nothing here
+                assert ok is None, (rank, key)
+            else:  # all-gathered (uneven pieces, a 2-D mesh, no pieces): the caller drops it
+                assert ok is True, (rank, key)
+
+
 def test_the_stream_keeps_no_yielded_tensor_alive():
     for rank, r in enumerate(get_world(2).run(tasks.streaming, "production")):
         assert r["problems"] == [] and r["count"] == 21

@@ -1,24 +1,19 @@
 """A full, unsharded state dict of a parallelized model, under the names it had before apply.
 
 ``iter_full_state_dict`` walks the state dict of the module ``apply`` was given and, one
-entry at a time, gathers the full tensor, moves it to ``device``, yields it and lets it
-go, so a rank holds at most one full tensor (plus its shards) at any moment:
+entry at a time, gathers the full tensor (``hp_core.checkpoint.gather``: production
+shards through their recorded layouts, validate DTensors, expert parameters on the
+expert mesh, FSDP2's DTensors over dp), moves it to ``device``, yields it and keeps no
+reference to it, so a rank holds at most one full tensor (plus its shards) at any moment.
+Expert parameters ``apply`` stacked (``StackedExperts``) are split back into the
+per-expert keys of ``original_names``. Everything else (replicated parameters, persistent
+buffers) is the model's own tensor, as ``model.state_dict()`` gives it; non-persistent
+buffers are not in a state dict.
 
-* a production parameter hp shards is a plain local shard; its recorded layout
-  (``ParamLayout``, what the model's state-dict hook wraps it in) makes it a DTensor view,
-  and ``full_tensor()`` gathers it;
-* a validate parameter is a DTensor already;
-* under FSDP2 on dp, a parameter is FSDP's DTensor over dp of hp's value: it is gathered
-  over dp first, then, for a production shard, over hp's layout;
-* expert parameters ``apply`` stacked (``StackedExperts``) are split back into the
-  per-expert keys of ``original_names``;
-* everything else (replicated parameters, persistent buffers) is the model's own tensor,
-  as ``model.state_dict()`` gives it; non-persistent buffers are not in a state dict.
-
-Every rank takes part in every gather. With ``rank0_only`` the other ranks drop each
-tensor as soon as it is gathered and yield nothing. ``full_state_dict`` collects the
-stream into a dict and gives tied parameters one tensor under each of their names, as
-``model.state_dict()`` does, so ``save_pretrained(dir, state_dict=...)`` writes a tie once.
+With ``rank0_only`` only rank 0 yields anything; the others take part in the gathers,
+so every rank iterates to the end. ``full_state_dict`` collects the stream into a dict
+and gives tied parameters one tensor under each of their names, as ``model.state_dict()``
+does, so ``save_pretrained(dir, state_dict=...)`` writes a tie once.
 """
 
 from __future__ import annotations
@@ -29,14 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hp_core.checkpoint.errors import ExportArgumentError, ExportNotAppliedError
+from hp_core.checkpoint.gather import full_value
 from hp_core.checkpoint.names import original_names
 from hp_core.runtime.applied import applied, applied_module
 from hp_core.runtime.param_layout import ParamLayout
 from hp_core.runtime.state_dict import ShardedStateDict
-from hp_core.runtime.state_views import saved_view
 
 __all__ = ["full_state_dict", "iter_full_state_dict"]
 
@@ -86,17 +80,6 @@ def _layouts(module: nn.Module) -> dict[str, ParamLayout]:
     return {}
 
 
-def _gathered(value: Any, layout: ParamLayout | None) -> Any:
-    """The full tensor of one state-dict value (collective for DTensors and hp's shards)."""
-    if layout is not None:
-        if isinstance(value, DTensor) and value.device_mesh != layout.mesh:
-            value = value.full_tensor()  # FSDP2's DTensor over dp of hp's local shard
-        value = saved_view(value, layout)
-    if isinstance(value, DTensor):
-        return value.full_tensor()
-    return value
-
-
 def _stream(
     model: nn.Module, rank0_only: bool, device: torch.device, ties: bool
 ) -> Iterator[tuple[str, Any]]:
@@ -114,7 +97,7 @@ def _stream(
         if key in earlier:  # a tied parameter, gathered under its first name (on every rank)
             full = shared.get(earlier[key])
         else:
-            full = _gathered(value, layouts.get(key))
+            full = full_value(value, layouts.get(key), rank0_only)
         del value
         if not keep:
             del full
@@ -161,7 +144,7 @@ def iter_full_state_dict(
     """Yield ``(original name, full tensor on device)`` for every entry of ``model``'s state
     dict, gathering one tensor at a time (a collective: every rank must iterate to the end).
 
-    ``rank0_only=True``: rank 0 gets the tensors, the other ranks gather and yield
+    ``rank0_only=True``: rank 0 gets the tensors, the other ranks send their pieces and yield
     nothing. A tied parameter is gathered again under each of its names, so at most one
     full tensor is alive in the iterator. Raises ``ExportNotAppliedError`` for a model hp
     did not apply and ``ExportArgumentError`` for a bad argument, before any collective.
