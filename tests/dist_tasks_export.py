@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import time
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -114,14 +115,18 @@ def _holding(stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, 
 
 
 def _alive_after_drop(stream: Iterator[tuple[str, torch.Tensor]]) -> tuple[int, dict[str, Any]]:
-    """How many yielded tensors were still alive right after the consumer dropped them
-    (before asking for the next): a consumer that keeps only a copy of each."""
+    """How many yielded tensors were still alive after the consumer dropped them, without
+    asking for the next: a consumer that keeps only a copy of each. (A collective's worker
+    thread may let go of its buffers a moment after the call returns: 0.1 s of grace.)"""
     alive = 0
     got: dict[str, torch.Tensor] = {}
     for name, tensor in stream:
         got[name] = tensor.clone()
         ref = weakref.ref(tensor)
         del tensor
+        deadline = time.monotonic() + 0.1
+        while ref() is not None and time.monotonic() < deadline:
+            time.sleep(0.001)
         alive += ref() is not None
     return alive, got
 
@@ -137,7 +142,7 @@ def streaming(mode: str) -> dict[str, Any]:
     try:
         alive, got = _alive_after_drop(hp_core.iter_full_state_dict(model, rank0_only=False))
         held, _ = _alive_after_drop(_holding(hp_core.iter_full_state_dict(model, rank0_only=False)))
-        rank0_only = list(hp_core.iter_full_state_dict(model))
+        alive0, got0 = _alive_after_drop(hp_core.iter_full_state_dict(model))
     finally:
         gc.enable()
     return {
@@ -145,7 +150,9 @@ def streaming(mode: str) -> dict[str, Any]:
         "holding_alive_after_drop": held,
         "count": len(got),
         "problems": state_dict_problems(got, want),
-        "rank0_only_names": len(rank0_only),
+        "rank0_only_alive_after_drop": alive0,
+        "rank0_only_names": len(got0),
+        "rank0_only_problems": state_dict_problems(got0, want) if got0 else None,
     }
 
 

@@ -83,13 +83,16 @@ def test_each_layout_gathers_to_rank_0_or_to_every_rank():
                 assert ok is True, (rank, key)
 
 
-def test_the_stream_keeps_no_yielded_tensor_alive():
-    for rank, r in enumerate(get_world(2).run(tasks.streaming, "production")):
+@pytest.mark.parametrize("mode", MODES)
+def test_the_stream_keeps_no_yielded_tensor_alive(mode):
+    for rank, r in enumerate(get_world(2).run(tasks.streaming, mode)):
         assert r["problems"] == [] and r["count"] == 21
         assert r["alive_after_drop"] == 0  # the stream holds no tensor it handed over
         # negative control: an iterator holding its last tensor is caught by the same check
         assert r["holding_alive_after_drop"] == 21
         assert r["rank0_only_names"] == (21 if rank == 0 else 0)
+        assert r["rank0_only_alive_after_drop"] == 0
+        assert r["rank0_only_problems"] == ([] if rank == 0 else None)
 
 
 @pytest.mark.parametrize("mode", MODES)
