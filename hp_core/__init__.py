@@ -16,6 +16,8 @@ from hp_core.checkpoint.dcp_errors import (
     CheckpointMissingFileError,
 )
 from hp_core.checkpoint.dcp_io import load_checkpoint, save_checkpoint
+from hp_core.checkpoint.errors import ExportArgumentError, ExportNotAppliedError
+from hp_core.checkpoint.export import full_state_dict, iter_full_state_dict
 from hp_core.context import ParallelContext
 from hp_core.errors import HpError
 from hp_core.hookspecs import PLUGIN_API_VERSION, hookimpl
@@ -91,6 +93,8 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointMissingFileError",
     "DuplicateOverrideError",
+    "ExportArgumentError",
+    "ExportNotAppliedError",
     "FsdpViewError",
     "HpError",
     "InjectionCallError",
@@ -127,8 +131,10 @@ __all__ = [
     "finalize_grads",
     "format_named_placement",
     "format_placement",
+    "full_state_dict",
     "hookimpl",
     "inner_wrapper",
+    "iter_full_state_dict",
     "load_checkpoint",
     "load_overrides",
     "load_plan",

@@ -56,3 +56,19 @@ def test_verify_scale_runs(tmp_path):
         for r in rows
     )
     assert rows[0]["exhaustive"]["repeated"] == 0 and out["first_call"]["verify_s"] > 0
+
+
+def test_export_memory_runs(tmp_path):
+    rows = _run(
+        "export_memory", "--layers", "2", "--hidden", "64", "--vocab", "1024", tmp_path=tmp_path
+    )
+    assert [(r["how"], r["rank"]) for r in rows] == [
+        ("stream", 0),
+        ("stream", 1),
+        ("dict", 0),
+        ("dict", 1),
+    ]
+    # rank 0 gets every entry of the tiny llama's state dict (9 per layer + 3), the others none
+    assert [r["tensors"] for r in rows] == [21, 0, 21, 0]
+    assert all(r["peak_rss_bytes"] >= r["baseline_bytes"] > 0 and r["ratio"] > 0 for r in rows)
+    assert all(0 < r["shard_bytes"] < r["full_bytes"] for r in rows)  # each rank holds a shard

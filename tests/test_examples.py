@@ -97,3 +97,29 @@ def test_checkpoint_example_resumes_and_reshards_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "the checkpoint restores the model" in out.stdout
     assert (tmp_path / "ckpt" / ".metadata").exists()  # a real DCP checkpoint was written
+
+
+def test_export_hf_example_round_trips_through_from_pretrained(tmp_path):
+    """docs/checkpoints.md's export recipe: full_state_dict at tp=2, save_pretrained on rank 0,
+    from_pretrained in one process gives the same logits."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(ROOT / "examples" / "export_hf.py"),
+            "--dir",
+            str(tmp_path / "hf"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "the exported model matches" in out.stdout
+    assert (tmp_path / "hf" / "model.safetensors").exists()
+    assert (tmp_path / "hf" / "config.json").exists()
