@@ -29,8 +29,6 @@ from hp_core.checkpoint.errors import ExportArgumentError, ExportNotAppliedError
 from hp_core.checkpoint.gather import full_value
 from hp_core.checkpoint.names import original_names
 from hp_core.runtime.applied import applied, applied_module
-from hp_core.runtime.param_layout import ParamLayout
-from hp_core.runtime.state_dict import ShardedStateDict
 
 __all__ = ["full_state_dict", "iter_full_state_dict"]
 
@@ -67,24 +65,12 @@ def _checked(where: str, model: Any, rank0_only: Any, device: Any) -> torch.devi
     return where_to
 
 
-def _layouts(module: nn.Module) -> dict[str, ParamLayout]:
-    """The production layouts ``apply`` hooked into ``module``'s state dict (none in validate).
-
-    They are read from the hook itself: it is the one record of them that follows the
-    model through a deep copy and through FSDP2, which swaps the parameter objects.
-    """
-    for hook in module._state_dict_hooks.values():
-        owner = getattr(hook, "__self__", None)
-        if isinstance(owner, ShardedStateDict):
-            return owner.layouts
-    return {}
-
-
 def _stream(
     model: nn.Module, rank0_only: bool, device: torch.device, ties: bool
 ) -> Iterator[tuple[str, Any]]:
     module = applied_module(model)
-    layouts = _layouts(module)
+    record = applied(module)
+    layouts = record.layouts if record is not None else {}
     names = original_names(module)
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     state = module.state_dict()
