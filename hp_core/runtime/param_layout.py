@@ -51,8 +51,8 @@ def layout_of(dt: DTensor) -> ParamLayout | None:
 def named_layouts(model: nn.Module, by_id: Mapping[int, ParamLayout]) -> dict[str, ParamLayout]:
     """``parameter name → layout`` for every installed parameter of ``model`` in ``by_id``.
 
-    Names, not parameter objects, key the views: a deep copy of the model or a wrapper that
-    swaps the parameter objects (FSDP2) keeps the names. Tied aliases get the same layout.
+    Names, not parameter objects, key the views: a wrapper that swaps the parameter
+    objects after apply (FSDP2 on dp) keeps the names. Tied aliases get the same layout.
     """
     return {
         name: by_id[id(p)]

@@ -15,7 +15,7 @@ wrong values. ``apply`` therefore hooks the model's ``state_dict`` and ``load_st
 
 Replicated parameters stay plain tensors (identical on every rank, which is what DCP
 assumes of a plain tensor). Expert parameters carry their expert-mesh layout. The hooks
-look layouts up by parameter name, so they hold through a deep copy of the model.
+look layouts up by parameter name, so they hold when FSDP2 swaps the parameter objects.
 """
 
 from __future__ import annotations
