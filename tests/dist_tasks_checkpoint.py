@@ -155,7 +155,37 @@ def expert_round_trip(path: str) -> dict[str, Any]:
         "scrambled": scrambled,
         "restored": restored,
         "logits": float((logits_after - logits).abs().max()),
+        **_experts_across_layouts(path, before, logits, batch),
     }
+
+
+def _experts_across_layouts(
+    path: str, saved: dict[str, torch.Tensor], logits: torch.Tensor, batch: torch.Tensor
+) -> dict[str, Any]:
+    """The ep=2 checkpoint loads into one whole model in one process (rank 0); that model's
+    own checkpoint, saved in one process, loads back into a fresh ep=2 model."""
+    whole_path = path + "-whole"
+    out: dict[str, Any] = {"single": None, "single_logits": None}
+    if dist.get_rank() == 0:
+        whole = build_family("qwen2_moe", seed=1)
+        state = whole.state_dict()
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+        whole.load_state_dict(state)
+        out["single"] = _excess({k: v.detach() for k, v in whole.state_dict().items()}, saved)
+        with torch.no_grad():
+            single_logits = whole(input_ids=batch, use_cache=False).logits
+        out["single_logits"] = float((single_logits - logits).abs().max())
+        dcp.save(whole.state_dict(), checkpoint_id=whole_path, no_dist=True)
+    dist.barrier()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    fresh = build_family("qwen2_moe", seed=2)
+    hp_core.apply(fresh, hp_core.plan(fresh, mesh, ep_size=2, overrides=EP_YAML), mesh)
+    out["fresh_before"] = _excess(_full(fresh.state_dict()), saved)
+    target = get_model_state_dict(fresh)
+    dcp.load(target, checkpoint_id=whole_path)
+    set_model_state_dict(fresh, target)
+    out["back"] = _excess(_full(fresh.state_dict()), saved)
+    return out
 
 
 def _kv4() -> dict[str, Any]:

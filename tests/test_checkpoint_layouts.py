@@ -54,11 +54,16 @@ def test_a_dtensor_of_another_layout_is_redistributed():
 
 
 def test_expert_parameters_save_with_their_expert_mesh_layout(tmp_path):
-    for r in get_world(2).run(tasks.expert_round_trip, str(tmp_path / "ep")):
+    results = get_world(2).run(tasks.expert_round_trip, str(tmp_path / "ep"))
+    for r in results:
         assert r["experts"], r  # the stacked expert projections are DTensors ...
         assert r["meshes"] == {("edp", "ep")}, r  # ... on the derived expert mesh
         assert r["scrambled"] > 0.5  # negative control
         assert r["restored"] <= TOL and r["logits"] <= 1e-5, r
+        # Resharded: into one whole model in one process, and that model's checkpoint back
+        # into a fresh ep=2 model (negative control: the fresh model differs before).
+        assert r["fresh_before"] > 0.01 and r["back"] <= TOL, r
+    assert results[0]["single"] <= TOL and results[0]["single_logits"] <= 1e-5, results[0]
 
 
 def test_reshard_tp2_to_tp4_and_back(tmp_path):
