@@ -8,6 +8,20 @@ with the communication its contract implies.
 from __future__ import annotations
 
 from hp_core.apply import apply
+from hp_core.checkpoint.errors import (
+    CheckpointDtypeError,
+    CheckpointKeysMissingError,
+    CheckpointModelMismatchError,
+    CheckpointNotFoundError,
+    CheckpointReadError,
+    CheckpointShapeError,
+    CheckpointUnexpectedKeysError,
+    CorruptCheckpointError,
+    MissingShardFileError,
+    NotOnMetaError,
+    PretrainedLoadError,
+)
+from hp_core.checkpoint.pretrained import load_pretrained
 from hp_core.context import ParallelContext
 from hp_core.errors import HpError
 from hp_core.hookspecs import PLUGIN_API_VERSION, hookimpl
@@ -75,6 +89,14 @@ __all__ = [
     "ApplyFailedError",
     "ArgumentTypeError",
     "BoundaryTemplate",
+    "CheckpointDtypeError",
+    "CheckpointKeysMissingError",
+    "CheckpointModelMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointReadError",
+    "CheckpointShapeError",
+    "CheckpointUnexpectedKeysError",
+    "CorruptCheckpointError",
     "DuplicateOverrideError",
     "HpError",
     "InjectionCallError",
@@ -82,13 +104,16 @@ __all__ = [
     "MeshAxisName",
     "MeshSpec",
     "MeshTypeError",
+    "MissingShardFileError",
     "ModuleShardingSpec",
     "NamedPlacement",
+    "NotOnMetaError",
     "OverrideEntry",
     "OverridesTypeError",
     "ParallelContext",
     "PlacementMismatchError",
     "PlanTypeError",
+    "PretrainedLoadError",
     "RankTimeoutError",
     "Role",
     "RoleRule",
@@ -114,6 +139,7 @@ __all__ = [
     "inner_wrapper",
     "load_overrides",
     "load_plan",
+    "load_pretrained",
     "local_compute",
     "parse_named_placement",
     "parse_placement",

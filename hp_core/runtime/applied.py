@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from hp_core.plans.model import ShardingPlan
     from hp_core.runtime.boundary import BoundaryForward
     from hp_core.runtime.grads import GradReducer
+    from hp_core.runtime.param_layout import ParamLayout
     from hp_core.runtime.guard import InputGuard
     from hp_core.runtime.rng import RngStreams
     from hp_core.runtime.sequence import SequenceFallback
@@ -62,6 +63,8 @@ class AppliedModel:
     inner_wraps: dict[str, InnerWrap] = dataclasses.field(default_factory=dict)
     #: The parallel context the injections received.
     context: ParallelContext | None = None
+    #: Parameter name → layout of every sharded production parameter (a plain local shard).
+    layouts: dict[str, ParamLayout] = dataclasses.field(default_factory=dict)
 
 
 def applied_module(model: nn.Module) -> nn.Module:

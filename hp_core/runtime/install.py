@@ -186,8 +186,9 @@ def install(
         rng.attach(model, journal)
     journal.phase("parameters")
     sharded.install(model, journal)
+    layouts = named_layouts(model, sharded.layouts)
     if mode == "production":  # validate's parameters are DTensors: their state dict has layouts
-        ShardedStateDict(named_layouts(model, sharded.layouts)).attach(model, journal)
+        ShardedStateDict(layouts).attach(model, journal)
     journal.phase("boundaries")
     strict = mode == "validate"  # validate refuses communication the contract does not declare
     dense = dense_mesh(mesh)  # hp's DTensors and collectives live off the dp axes
@@ -261,6 +262,7 @@ def install(
         fallback=fallback if guard else None,
         inner_wraps=wraps,
         context=pre.context,
+        layouts=layouts,
     )
     journal.set_attr(model, "_hp_applied", state)
     journal.phase("commit")  # after the last mutation
