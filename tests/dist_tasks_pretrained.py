@@ -9,12 +9,12 @@ is wrapped to record what each rank read.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import hp_core
@@ -39,8 +39,8 @@ class ReadLog:
         self._orig = safetensors_files.read_slice
 
     def __enter__(self) -> ReadLog:
-        def spy(files: Any, entry: Any, index: tuple[slice, ...]) -> torch.Tensor:
-            out = self._orig(files, entry, index)
+        def spy(entry: Any, index: tuple[slice, ...]) -> torch.Tensor:
+            out = self._orig(entry, index)
             self.bytes[entry.key] = self.bytes.get(entry.key, 0) + out.numel() * out.itemsize
             if tuple(out.shape) == tuple(entry.shape):
                 self.full.add(entry.key)
@@ -72,10 +72,8 @@ def _mesh(shape: dict[str, int]) -> Any:
 def _build(family: str, mesh: Any, mode: str, overrides: dict, plan_kw: dict) -> Any:
     with torch.device("meta"):
         model = build_family(family, device="meta", **overrides)
-    ids = {id(p) for p in model.parameters()}
     plan = hp_core.plan(model, mesh, **plan_kw)
     hp_core.apply(model, plan, mesh, mode=mode)
-    model._test_param_ids = ids  # noqa: SLF001  (ids of the original objects, for identity)
     return model
 
 
@@ -92,7 +90,6 @@ def load_and_compare(
     overrides = overrides or {}
     mesh = _mesh(mesh_shape)
     plan_kw: dict[str, Any] = {"ep_size": ep, "overrides": EP_YAML} if ep > 1 else {}
-    dense = mesh["tp"] if fsdp else mesh
     model = _build(family, mesh, mode, overrides, plan_kw)
     params_before = [p for _, p in model.named_parameters(remove_duplicate=False)]
     meta_before = all(
@@ -106,14 +103,17 @@ def load_and_compare(
         (p.to_local() if isinstance(p, DTensor) else p).numel() * p.itemsize
         for p in {id(p): p for p in params_after}.values()
     )
+    reference = build_family(family, seed=0, **overrides)
+    params = _excess(model, reference)  # before FSDP2 takes the parameters over
+    sharded = sorted(
+        k
+        for k, v in model.state_dict().items()
+        if isinstance(v, DTensor) and not all(p.is_replicate() for p in v.placements)
+    )
     if fsdp:
-        from torch.distributed.fsdp import fully_shard
-
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
-    del dense
-    reference = build_family(family, seed=0, **overrides)
     batch = family_batch(family, batch=2, seq=16)
     with torch.no_grad():
         out = model(input_ids=batch, labels=batch, use_cache=False)
@@ -130,11 +130,12 @@ def load_and_compare(
         else 0.0,
         "read_bytes": sum(log.bytes.values()),
         "read_full": sorted(log.full),
+        "read_keys": sorted(log.bytes),
+        "sharded": sharded,
+        "params": params,
         "local_bytes": local_bytes,
         "tied": model.lm_head.weight is model.model.embed_tokens.weight,
     }
-    if not fsdp:
-        result["params"] = _excess(model, reference)
     dist.barrier()
     return result
 
@@ -149,48 +150,104 @@ def perturbed_is_caught(path: str, family: str) -> dict[str, Any]:
     return {"bad": sorted(k for k, v in excess.items() if v > 1e-6)}
 
 
-def refused(path: str, family: str, how: str, overrides: dict | None = None) -> dict[str, Any]:
-    """Try a load that must fail; return the error and whether the model stayed on meta."""
-    overrides = overrides or {}
-    mesh = _mesh({"tp": dist.get_world_size()})
-    model = _build(family, mesh, "production", overrides, {})
-    if how == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+def _state(model: Any) -> list[tuple[Any, Any, Any]]:
+    tensors = [*model.parameters(), *model.buffers()]
+    return [(t, t.shape, t.device) for t in tensors]
 
-        dp = _mesh({"dp": dist.get_world_size()})
-        fully_shard(model, mesh=dp)
+
+def _refusal(path: str, how: str) -> dict[str, Any]:
+    mesh = _mesh({"tp": dist.get_world_size()})
+    model = _build("llama", mesh, "production", {}, {})
+    orig = safetensors_files.read_slice
+    if how == "fsdp":
+        fully_shard(model, mesh=_mesh({"dp": dist.get_world_size()}))
     if how == "materialised":
-        with torch.device("meta"):
-            model = build_family(family, seed=0, **overrides)
+        model = build_family("llama", seed=0)
         hp_core.apply(model, hp_core.plan(model, mesh), mesh)
-    if how == "fail_rank1":  # rank 1's reads fail; rank 0's succeed
-        orig = safetensors_files.read_slice
+    if how == "not_applied":
+        model = build_family("llama", device="meta")
+    if how == "no_buffer_init":  # an _init_weights that leaves the rotary buffers alone
+        model._init_weights = lambda module: None
+    if how == "fail_rank1":  # rank 1's reads fail mid-way; rank 0's succeed
 
         def boom(*args: Any) -> Any:
-            if dist.get_rank() == 1:
+            if dist.get_rank() == 1 and "layers.1" in args[0].key:
                 raise OSError("disk went away")
             return orig(*args)
 
         safetensors_files.read_slice = boom
-    if how == "not_applied":
-        model = build_family(family, device="meta")
-    before = [(p, p.shape, p.device) for p in model.parameters()]
+    before = _state(model)
     try:
         hp_core.load_pretrained(model, path)
         error = None
     except hp_core.HpError as e:
         error = f"{type(e).__name__}: {e}"
     finally:
-        if how == "fail_rank1":
-            safetensors_files.read_slice = orig
-    after = [(p, p.shape, p.device) for p in model.parameters()]
-    unchanged = all(
+        safetensors_files.read_slice = orig
+    after = _state(model)
+    unchanged = len(before) == len(after) and all(
         a[0] is b[0] and a[1] == b[1] and a[2] == b[2] for a, b in zip(before, after, strict=True)
     )
+    still_meta = all(
+        (t.to_local() if isinstance(t, DTensor) else t).is_meta
+        for t in [*model.parameters(), *model.buffers()]
+    )
+    return {"error": error, "unchanged": unchanged, "still_meta": still_meta}
+
+
+def refusals(cases: dict[str, tuple[str, str]]) -> dict[str, dict[str, Any]]:
+    """Per case ``name → (checkpoint path, how)``: the error and whether the model stayed
+    exactly as it was (same objects, shapes, devices: still on meta)."""
+    out = {name: _refusal(path, how) for name, (path, how) in cases.items()}
     dist.barrier()
-    return {"error": error, "unchanged": unchanged and len(before) == len(after)}
+    return out
 
 
-def expected_bytes(shape: tuple[int, ...], world: int) -> int:
-    """Bytes of one ``shape`` float32 tensor split ``world`` ways along dim 0."""
-    return math.ceil(shape[0] / world) * math.prod(shape[1:]) * 4
+def cast_load(path: str) -> dict[str, Any]:
+    """A bf16 checkpoint into an fp32 model with cast=True: the values are the bf16 ones."""
+    mesh = _mesh({"tp": dist.get_world_size()})
+    model = _build("llama", mesh, "production", {}, {})
+    hp_core.load_pretrained(model, path, cast=True)
+    reference = build_family("llama", seed=0)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return {
+        "params": max(_excess(model, reference).values()),
+        "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+    }
+
+
+CP_YAML = """
+- match: "*.self_attn"
+  when: cp
+  inner_target: self
+  inner_wrapper: sdpa_hf
+  region_dispatch: false
+"""
+
+
+def cp_load(path: str) -> dict[str, Any]:
+    """cp=2 (parameters replicated): every rank reads every tensor whole; the cp loss equals
+    the single-device loss."""
+    from hp_plugin_cp import enable_cp_loss, shard_batch_for_cp  # the cp case only
+
+    mesh = _mesh({"cp": 2})
+    model = _build("llama", mesh, "production", {}, {"overrides": CP_YAML})
+    with ReadLog() as log:
+        hp_core.load_pretrained(model, path)
+    enable_cp_loss(model, mesh["cp"])
+    reference = build_family("llama", seed=0)
+    ids = family_batch("llama", batch=2, seq=16)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    with torch.no_grad():
+        loss = float(model(**shard_batch_for_cp(batch, mesh["cp"]), use_cache=False).loss)
+        ref = float(reference(**batch, use_cache=False).loss)
+    total = sum(v.numel() * v.itemsize for v in reference.state_dict().values())
+    return {
+        "params": max(_excess(model, reference).values()),
+        "loss": loss,
+        "ref_loss": ref,
+        "read_bytes": sum(log.bytes.values()),
+        "total_bytes": total,
+    }

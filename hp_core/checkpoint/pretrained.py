@@ -48,7 +48,7 @@ from hp_core.checkpoint.errors import (
     NotOnMetaError,
 )
 from hp_core.checkpoint.key_map import Source, map_keys
-from hp_core.checkpoint.safetensors_files import CheckpointFiles, OpenFiles
+from hp_core.checkpoint.safetensors_files import CheckpointFiles
 from hp_core.checkpoint.slices import local_ranges, plain_placements, read_local
 from hp_core.runtime.applied import applied, applied_module
 from hp_core.runtime.param_layout import ParamLayout
@@ -273,10 +273,9 @@ def load_pretrained(
                 "Fix: set them after load_pretrained returns (they are NaN until then), or give "
                 "the owning module an _init_weights branch that computes them."
             )
-        with OpenFiles() as handles:
-            for t in targets:
-                local = read_local(handles, sources[id(t.tensor)], local_ranges(t.shape, t.layout))
-                values[id(t.tensor)] = local.to(device=device, dtype=t.tensor.dtype)
+        for t in targets:
+            local = read_local(sources[id(t.tensor)], local_ranges(t.shape, t.layout))
+            values[id(t.tensor)] = local.to(device=device, dtype=t.tensor.dtype)
     except (OSError, RuntimeError, ValueError) as e:  # a failed read on this rank
         error = e
     if _agree(state.mesh, error is not None, device):

@@ -15,7 +15,6 @@ import json
 import math
 import struct
 from collections.abc import Iterator, Mapping
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -167,25 +166,14 @@ def _indexed(index: Path) -> list[Path]:
     return [index.parent / name for name in files]
 
 
-class OpenFiles:
-    """The checkpoint's files opened once each for lazy slicing (a context manager)."""
+def read_slice(entry: TensorEntry, index: tuple[slice, ...]) -> torch.Tensor:
+    """``entry[index]`` as a tensor of its own, on the CPU, reading only that slice's pages.
 
-    def __init__(self) -> None:
-        self._stack = ExitStack()
-        self._handles: dict[Path, Any] = {}
-
-    def __enter__(self) -> OpenFiles:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-
-    def handle(self, file: Path) -> Any:
-        if file not in self._handles:
-            self._handles[file] = self._stack.enter_context(safe_open(str(file), "pt"))
-        return self._handles[file]
-
-
-def read_slice(files: OpenFiles, entry: TensorEntry, index: tuple[slice, ...]) -> torch.Tensor:
-    """``entry[index]``, reading only that slice from disk (on the CPU)."""
-    return files.handle(entry.file).get_slice(entry.key)[index]
+    safetensors' ``get_slice(...)[index]`` is a view into the memory-mapped file: only the
+    pages under the slice are read, but the view keeps the mapping (and the pages it
+    touched) alive. The copy is what the caller keeps; the file is closed right after, so
+    the touched pages leave this process's memory with it, one tensor at a time.
+    """
+    with safe_open(str(entry.file), "pt") as f:
+        view = f.get_slice(entry.key)[index] if index else f.get_tensor(entry.key)
+        return view.clone(memory_format=torch.contiguous_format)

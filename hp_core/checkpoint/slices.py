@@ -16,7 +16,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from hp_core.checkpoint import safetensors_files
 from hp_core.checkpoint.key_map import Piece, Source
-from hp_core.checkpoint.safetensors_files import OpenFiles
 from hp_core.runtime.param_layout import ParamLayout
 
 __all__ = ["local_ranges", "plain_placements", "read_local"]
@@ -39,18 +38,15 @@ def local_ranges(shape: tuple[int, ...], layout: ParamLayout | None) -> Ranges:
     return tuple((o, o + n) for o, n in zip(offset, local, strict=True))
 
 
-def _read(files: OpenFiles, piece: Piece, ranges: Ranges) -> torch.Tensor:
-    if not ranges:  # a 0-d tensor
-        return files.handle(piece.entry.file).get_tensor(piece.entry.key)
-    index = tuple(slice(a, b) for a, b in ranges)
-    return safetensors_files.read_slice(files, piece.entry, index)
+def _read(piece: Piece, ranges: Ranges) -> torch.Tensor:
+    return safetensors_files.read_slice(piece.entry, tuple(slice(a, b) for a, b in ranges))
 
 
-def read_local(files: OpenFiles, source: Source, ranges: Ranges) -> torch.Tensor:
+def read_local(source: Source, ranges: Ranges) -> torch.Tensor:
     """The ``ranges`` slice of the tensor ``source`` makes, on the CPU in the file's dtype."""
     first = source.pieces[0]
     if first.expert is None:
-        return _read(files, first, ranges)
+        return _read(first, ranges)
     shape = tuple(b - a for a, b in ranges)
     out = torch.empty(shape, dtype=first.entry.dtype)
     (e0, e1), (r0, r1), rest = ranges[0], ranges[1], ranges[2:]
@@ -62,6 +58,6 @@ def read_local(files: OpenFiles, source: Source, ranges: Ranges) -> torch.Tensor
         hi = min(r1, piece.offset + piece.entry.shape[0])
         if lo >= hi:
             continue
-        part = _read(files, piece, ((lo - piece.offset, hi - piece.offset), *rest))
+        part = _read(piece, ((lo - piece.offset, hi - piece.offset), *rest))
         out[piece.expert - e0, lo - r0 : hi - r0] = part
     return out
