@@ -56,3 +56,19 @@ def test_verify_scale_runs(tmp_path):
         for r in rows
     )
     assert rows[0]["exhaustive"]["repeated"] == 0 and out["first_call"]["verify_s"] > 0
+
+
+def test_checkpoint_load_runs(tmp_path):
+    out = _run("checkpoint_load", "--tiny", "--tp", "2", "--dir", str(tmp_path), tmp_path=tmp_path)
+    rows = out["rows"]
+    assert [(r["how"], r["rank"]) for r in rows] == [
+        ("meta", 0),
+        ("meta", 1),
+        ("full", 0),
+        ("full", 1),
+    ]
+    for r in rows:
+        assert r["peak_rss_bytes"] >= r["baseline_bytes"] > 0 and r["shard_bytes"] > 0, r
+    meta = [r for r in rows if r["how"] == "meta"]
+    assert all(r["load_s"] > 0 and r["direct_read_s"] > 0 for r in meta), meta
+    assert not list(tmp_path.glob("hp_ckpt_*"))  # the checkpoint was removed

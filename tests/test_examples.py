@@ -97,3 +97,23 @@ def test_checkpoint_example_resumes_and_reshards_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "the checkpoint restores the model" in out.stdout
     assert (tmp_path / "ckpt" / ".metadata").exists()  # a real DCP checkpoint was written
+
+
+def test_load_pretrained_example_matches_single_device(tmp_path):
+    """docs/checkpoints.md's pretrained recipe: save_pretrained, meta-build, apply at tp=2,
+    load_pretrained; the logits equal the single-device model's."""
+    script = str(ROOT / "examples" / "load_pretrained.py")
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+            *("--nproc-per-node", "2", script, "--dir", str(tmp_path / "ck")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "the sharded load matches the single-device model" in out.stdout
+    assert "q_proj shard (32, 64) of (64, 64)" in out.stdout
+    assert (tmp_path / "ck" / "model.safetensors").is_file()

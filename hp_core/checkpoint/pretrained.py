@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -178,7 +179,7 @@ def _check(
     return out
 
 
-def _check_one(where: os.PathLike[str], t: _Target, source: Source, cast: bool) -> None:
+def _check_one(where: Path, t: _Target, source: Source, cast: bool) -> None:
     files = sorted({str(p.entry.file.name) for p in source.pieces})
     shapes = {p.entry.shape for p in source.pieces if p.expert is not None}
     counts = (
@@ -257,7 +258,7 @@ def load_pretrained(
         )
     root = applied_module(model)
     _refuse_model(root)
-    files = CheckpointFiles.open(path)
+    files = CheckpointFiles.open(Path(path))
     targets = _targets(root, state.layouts)
     sources = _check(root, files, targets, cast)
     device = _device(state.mesh)

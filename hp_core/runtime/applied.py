@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from hp_core.plans.model import ShardingPlan
     from hp_core.runtime.boundary import BoundaryForward
     from hp_core.runtime.grads import GradReducer
-    from hp_core.runtime.param_layout import ParamLayout
     from hp_core.runtime.guard import InputGuard
+    from hp_core.runtime.param_layout import ParamLayout
     from hp_core.runtime.rng import RngStreams
     from hp_core.runtime.sequence import SequenceFallback
     from hp_core.verifier.report import VerifyReport
