@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import queue
-import resource
 import shutil
 import socket
 import sys
@@ -67,22 +66,23 @@ def write_checkpoint(path: Path, values: dict[str, int], shard_bytes: int = 500 
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
-    gen = torch.Generator().manual_seed(0)
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    groups: list[list[str]] = [[]]  # keys per shard file, ~shard_bytes each
     size = 0
     for key, shape in shapes.items():
-        t = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
-        if size + t.numel() * 2 > shard_bytes and shards[-1]:
-            shards.append({})
+        if size + shape.numel() * 2 > shard_bytes and groups[-1]:
+            groups.append([])
             size = 0
-        shards[-1][key] = t
-        size += t.numel() * 2
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        groups[-1].append(key)
+        size += shape.numel() * 2
+    gen = torch.Generator().manual_seed(0)
     weight_map = {}
-    for name, shard in zip(names, shards, strict=True):
+    for i, keys in enumerate(groups):  # one shard in memory at a time
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        shard = {k: (torch.randn(shapes[k], generator=gen) * 0.02).to(torch.bfloat16) for k in keys}
         save_file(shard, path / name, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
-    total = sum(t.numel() * 2 for s in shards for t in s.values())
+        weight_map.update(dict.fromkeys(keys, name))
+        del shard
+    total = sum(shapes[k].numel() * 2 for k in weight_map)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     cfg.save_pretrained(path)
@@ -95,7 +95,12 @@ def _rss() -> int:
 
 
 def _peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    """Peak RSS of this process image (VmHWM). ``ru_maxrss`` would not do: Linux keeps it
+    across fork and exec, so a spawned rank would report its parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
 
 
 def _direct_read(requests: list[tuple[str, str, tuple[slice, ...]]]) -> float:
