@@ -65,9 +65,9 @@ def recompute_buffers(
             old = module._buffers[name]
             if old is None:  # non_persistent_buffers only yields set buffers
                 continue
-            value = torch.empty(old.shape, dtype=old.dtype, device=device)
-            if value.is_floating_point():
-                value.fill_(float("nan"))
+            # NaN marks "not written" (zero for integer buffers, which cannot be marked).
+            fill = float("nan") if old.is_floating_point() else 0
+            value = torch.full(old.shape, fill, dtype=old.dtype, device=device)
             fresh[name] = stand_in._buffers[name] = value
         if callable(init):
             with torch.no_grad():

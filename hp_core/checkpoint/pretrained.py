@@ -263,25 +263,23 @@ def load_pretrained(
     sources = _check(root, files, targets, cast)
     device = _device(state.mesh)
     shapes = {id(t.tensor): torch.Size(t.shape) for t in targets}
+    buffers, unset = recompute_buffers(root, device, shapes)  # the same on every rank
+    if unset:
+        raise CheckpointKeysMissingError(
+            f"{files.path}: the non-persistent buffers {_listed(unset)} are in no "
+            f"checkpoint and {type(root).__name__}._init_weights does not recompute them.\n"
+            "Fix: give the owning module an _init_weights branch that computes them, or load "
+            "into a materialised model with load_state_dict and set them yourself."
+        )
     values: dict[int, torch.Tensor] = {}
-    error: BaseException | None = None
+    error: Exception | None = None
     try:
-        buffers, unset = recompute_buffers(root, device, shapes)
-        if unset:
-            raise CheckpointKeysMissingError(
-                f"{files.path}: the non-persistent buffers {_listed(unset)} are in no "
-                f"checkpoint and {type(root).__name__}._init_weights does not recompute them.\n"
-                "Fix: set them after load_pretrained returns (they are NaN until then), or give "
-                "the owning module an _init_weights branch that computes them."
-            )
         for t in targets:
             local = read_local(sources[id(t.tensor)], local_ranges(t.shape, t.layout))
             values[id(t.tensor)] = local.to(device=device, dtype=t.tensor.dtype)
-    except (OSError, RuntimeError, ValueError) as e:  # a failed read on this rank
+    except Exception as e:  # any failure here must reach the agreement, or the others hang
         error = e
     if _agree(state.mesh, error is not None, device):
-        if isinstance(error, CheckpointKeysMissingError):
-            raise error
         raise CheckpointReadError(
             f"{files.path}: reading the checkpoint failed on "
             f"{'this rank' if error is not None else 'another rank'}"
