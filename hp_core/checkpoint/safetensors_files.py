@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from hp_core.checkpoint.errors import (
     CheckpointNotFoundError,
@@ -174,6 +173,9 @@ def read_slice(entry: TensorEntry, index: tuple[slice, ...]) -> torch.Tensor:
     touched) alive. The copy is what the caller keeps; the file is closed right after, so
     the touched pages leave this process's memory with it, one tensor at a time.
     """
+    # safetensors comes with the hf extra (transformers); ``import hp_core`` works without it.
+    from safetensors import safe_open
+
     with safe_open(str(entry.file), "pt") as f:
         view = f.get_slice(entry.key)[index] if index else f.get_tensor(entry.key)
         return view.clone(memory_format=torch.contiguous_format)
