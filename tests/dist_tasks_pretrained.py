@@ -251,3 +251,14 @@ def cp_load(path: str) -> dict[str, Any]:
         "read_bytes": sum(log.bytes.values()),
         "total_bytes": total,
     }
+
+
+def persistent_buffer(path: str) -> dict[str, Any]:
+    """A persistent buffer (in the checkpoint) loads whole, onto the mesh's device."""
+    mesh = _mesh({"tp": dist.get_world_size()})
+    with torch.device("meta"):
+        model = build_family("llama", device="meta")
+        model.model.register_buffer("pos_scale", torch.empty(4), persistent=True)
+    hp_core.apply(model, hp_core.plan(model, mesh), mesh)
+    hp_core.load_pretrained(model, path)
+    return {"value": model.model.pos_scale.tolist(), "device": str(model.model.pos_scale.device)}

@@ -119,5 +119,12 @@ def test_per_expert_tensors_stack_by_the_conversion_table(tmp_path):
         safetensors_files.read_slice = orig
     assert torch.equal(part, full[1:2, 2:5, 1:3])
     assert seen == [f"layers.0.block_sparse_moe.experts.1.w{i}.weight" for i in (1, 3)]
+    seen.clear()
+    safetensors_files.read_slice = spy
+    try:  # rows of the gate half only: the up tensor is not touched
+        part = read_local(gate_up, ((0, 2), (0, 2), (0, 4)))
+    finally:
+        safetensors_files.read_slice = orig
+    assert torch.equal(part, full[:, 0:2]) and all(".w1." in k for k in seen) and len(seen) == 2
     down = sources[names[1]]
     assert down.shape == (2, 4, 3)

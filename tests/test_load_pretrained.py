@@ -373,3 +373,12 @@ def test_a_read_failing_on_one_rank_loads_nothing_anywhere(refused):
 def test_buffers_nothing_recomputes_are_refused(refused):
     e = _error(refused, "no_buffer_init")
     assert e.startswith("CheckpointKeysMissingError: ") and "model.rotary_emb.inv_freq" in e, e
+
+
+def test_a_persistent_buffer_loads_whole(tmp_path):
+    reference = build_family("llama", seed=0)
+    reference.model.register_buffer("pos_scale", torch.arange(4.0) + 0.5, persistent=True)
+    reference.save_pretrained(tmp_path)
+    assert "model.pos_scale" in load_file(tmp_path / "model.safetensors")
+    for r in get_world(2).run(tasks.persistent_buffer, str(tmp_path)):
+        assert r == {"value": [0.5, 1.5, 2.5, 3.5], "device": "cpu"}, r

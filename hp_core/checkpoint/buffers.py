@@ -22,12 +22,15 @@ from torch import nn
 __all__ = ["non_persistent_buffers", "recompute_buffers"]
 
 
-def non_persistent_buffers(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
-    """``(full name, owning module, attribute)`` of every non-persistent buffer."""
+def non_persistent_buffers(
+    model: nn.Module,
+) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    """``(full name, owning module, attribute, buffer)`` of every non-persistent buffer."""
     for prefix, module in model.named_modules(remove_duplicate=False):
         for name in module._non_persistent_buffers_set:
-            if module._buffers.get(name) is not None:
-                yield (f"{prefix}.{name}" if prefix else name), module, name
+            buffer = module._buffers.get(name)
+            if buffer is not None:
+                yield (f"{prefix}.{name}" if prefix else name), module, name, buffer
 
 
 def recompute_buffers(
@@ -44,9 +47,9 @@ def recompute_buffers(
     init = getattr(model, "_init_weights", None)
     done: dict[str, tuple[nn.Module, str, torch.Tensor]] = {}
     unset: list[str] = []
-    owners: dict[int, tuple[nn.Module, dict[str, str]]] = {}
-    for full, module, name in non_persistent_buffers(model):
-        owners.setdefault(id(module), (module, {}))[1][name] = full
+    owners: dict[int, tuple[nn.Module, dict[str, tuple[str, torch.Tensor]]]] = {}
+    for full, module, name, buffer in non_persistent_buffers(model):
+        owners.setdefault(id(module), (module, {}))[1][name] = (full, buffer)
     for module, names in owners.values():
         stand_in = copy.copy(module)  # shallow: a new module object over copied dicts
         stand_in._parameters = {
@@ -61,10 +64,7 @@ def recompute_buffers(
         stand_in._modules = {}
         stand_in._buffers = dict(module._buffers)
         fresh = {}
-        for name in names:
-            old = module._buffers[name]
-            if old is None:  # non_persistent_buffers only yields set buffers
-                continue
+        for name, (_full, old) in names.items():
             # NaN marks "not written" (zero for integer buffers, which cannot be marked).
             fill = float("nan") if old.is_floating_point() else 0
             value = torch.full(old.shape, fill, dtype=old.dtype, device=device)
@@ -75,7 +75,7 @@ def recompute_buffers(
         for name in fresh:
             written = stand_in._buffers[name]  # an init may rebind rather than write in place
             if written is None or (written.is_floating_point() and bool(written.isnan().any())):
-                unset.append(names[name])
+                unset.append(names[name][0])
             else:
-                done[names[name]] = (module, name, written.to(device))
+                done[names[name][0]] = (module, name, written.to(device))
     return done, unset

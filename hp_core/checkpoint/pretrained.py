@@ -115,7 +115,7 @@ def _targets(model: nn.Module, layouts: dict[str, ParamLayout]) -> list[_Target]
         if isinstance(p, DTensor):  # validate: the parameter is its own layout
             layout = ParamLayout(p.device_mesh, tuple(p.placements), p.shape, p.stride())
         by_id[id(p)] = _Target([name], p, layout)
-    volatile = {n for n, _, _ in non_persistent_buffers(model)}
+    volatile = {n for n, *_ in non_persistent_buffers(model)}
     for prefix, module in model.named_modules():
         for attr, b in module._buffers.items():
             name = f"{prefix}.{attr}" if prefix else attr
@@ -140,7 +140,7 @@ def _check(
         )
     names = [n for t in targets for n in t.names]
     sources, unused = map_keys(model, files.entries, names)
-    volatile = {n for n, _, _ in non_persistent_buffers(model)}
+    volatile = {n for n, *_ in non_persistent_buffers(model)}
     prefix = str(getattr(model, "base_model_prefix", "") or "")
     unused = [
         k for k in unused if not {k, f"{prefix}.{k}", k.removeprefix(f"{prefix}.")} & volatile
@@ -169,13 +169,9 @@ def _check(
             "Fix: build the model from the checkpoint's own config (AutoConfig.from_pretrained), "
             "or drop those tensors from the checkpoint."
         )
-    out: dict[int, Source] = {}
+    out = {key: source for key, source in found.items() if source is not None}  # all, here
     for t in targets:
-        source = found[id(t.tensor)]
-        if source is None:  # refused above
-            continue
-        _check_one(where, t, source, cast)
-        out[id(t.tensor)] = source
+        _check_one(where, t, out[id(t.tensor)], cast)
     return out
 
 
