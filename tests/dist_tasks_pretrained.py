@@ -157,7 +157,8 @@ def _state(model: Any) -> list[tuple[Any, Any, Any]]:
 
 def _refusal(path: str, how: str) -> dict[str, Any]:
     mesh = _mesh({"tp": dist.get_world_size()})
-    model = _build("llama", mesh, "production", {}, {})
+    family = "qwen2_moe" if how == "moe" else "llama"
+    model = _build(family, mesh, "production", {}, {})
     orig = safetensors_files.read_slice
     if how == "fsdp":
         fully_shard(model, mesh=_mesh({"dp": dist.get_world_size()}))

@@ -208,6 +208,11 @@ def refused(ckpts, tmp_path_factory) -> dict[str, dict]:
         {"wte.weight": torch.zeros(4, 4), "h.0.attn.c_attn.weight": torch.zeros(4, 4)},
         foreign / "model.safetensors",
     )
+    ragged = root / "ragged"  # expert 3 lacks its up projection
+    build_family("qwen2_moe", seed=0).save_pretrained(ragged)
+    state = load_file(ragged / "model.safetensors")
+    del state["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(state, ragged / "model.safetensors", metadata={"format": "pt"})
     empty = root / "empty"
     empty.mkdir()
     (empty / "notes.txt").write_text("no weights here")
@@ -237,6 +242,7 @@ def refused(ckpts, tmp_path_factory) -> dict[str, dict]:
         "truncated": (str(truncated), ""),
         "corrupt": (str(corrupt), ""),
         "missing_shard": (str(no_shard), ""),
+        "ragged_experts": (str(ragged), "moe"),
         "no_path": (str(root / "nowhere"), ""),
         "no_safetensors": (str(empty), ""),
         "materialised": (llama, "materialised"),
@@ -296,6 +302,12 @@ def test_shape_mismatch(refused):
         "makes a tensor of shape (64, 60), but the model's "
         "model.layers.0.self_attn.q_proj.weight is (64, 64) as {tp: shard(0)}" in e
     ), e
+
+
+def test_an_expert_missing_a_projection(refused):
+    e = _error(refused, "ragged_experts")
+    assert e.startswith("CheckpointShapeError: ") and "ragged/model.safetensors: 7 stacked" in e, e
+    assert "for the model's model.layers.0.mlp.experts.gate_up_proj do not stack: experts [3]" in e
 
 
 def test_checkpoint_of_another_model_type(refused):

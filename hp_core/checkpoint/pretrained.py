@@ -31,6 +31,7 @@ import dataclasses
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,9 @@ from hp_core.checkpoint.safetensors_files import CheckpointFiles
 from hp_core.checkpoint.slices import local_ranges, plain_placements, read_local
 from hp_core.runtime.applied import applied, applied_module
 from hp_core.runtime.param_layout import ParamLayout
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["load_pretrained"]
 
@@ -177,13 +181,20 @@ def _check(
 
 def _check_one(where: Path, t: _Target, source: Source, cast: bool) -> None:
     files = sorted({str(p.entry.file.name) for p in source.pieces})
-    shapes = {p.entry.shape for p in source.pieces if p.expert is not None}
-    counts = (
-        {sum(1 for p in source.pieces if p.expert == e) for e in range(source.shape[0])}
-        if (shapes)
-        else set()
-    )
-    if source.shape != t.shape or len(shapes) > 1 or len(counts) > 1:
+    # Stacked experts: every expert needs the same pieces (one missing leaves a hole).
+    stacked = [p for p in source.pieces if p.expert is not None]
+    per_expert = [sum(p.expert == e for p in stacked) for e in range(source.shape[0])]
+    lacking = [e for e, n in enumerate(per_expert) if n < max(per_expert, default=0)]
+    if lacking or len({p.entry.shape for p in stacked}) > 1:
+        raise CheckpointShapeError(
+            f"{where / files[0]}: {source.describe()} for the model's {t.names[0]} do not "
+            f"stack: experts {lacking} have fewer tensors than the others "
+            f"({max(per_expert)}), or the experts' shapes differ "
+            f"({sorted({p.entry.shape for p in stacked})}).\n"
+            "Fix: load a complete checkpoint: every expert with every projection, all of one "
+            "shape."
+        )
+    if source.shape != t.shape:
         raise CheckpointShapeError(
             f"{where / files[0]}: {source.describe()} makes a tensor of shape {source.shape}, but "
             f"the model's {t.names[0]} is {t.describe()} (global shape {t.shape}).\n"
@@ -191,7 +202,7 @@ def _check_one(where: Path, t: _Target, source: Source, cast: bool) -> None:
             "and vocabulary as in its config.json)."
         )
     dtype = source.pieces[0].entry.dtype
-    if dtype != t.tensor.dtype and not cast:
+    if any(p.entry.dtype != t.tensor.dtype for p in source.pieces) and not cast:
         raise CheckpointDtypeError(
             f"{where / files[0]}: {source.describe()} is {dtype}, but the model's "
             f"{t.names[0]} is {t.tensor.dtype}; load_pretrained does not cast silently.\n"
@@ -206,19 +217,19 @@ def _check_one(where: Path, t: _Target, source: Source, cast: bool) -> None:
         )
 
 
-def _device(mesh: object) -> torch.device:
-    kind = str(getattr(mesh, "device_type", "cpu"))
+def _device(mesh: DeviceMesh) -> torch.device:
+    kind = mesh.device_type
     if kind == "cpu":
         return torch.device("cpu")
     return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
-def _agree(mesh: object, failed: bool, device: torch.device) -> bool:
+def _agree(mesh: DeviceMesh, failed: bool, device: torch.device) -> bool:
     """Whether any rank of the mesh failed (a MAX all-reduce along each mesh dim)."""
     flag = torch.tensor([1 if failed else 0], device=device)
     if dist.is_available() and dist.is_initialized():
-        for dim in range(getattr(mesh, "ndim", 0)):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))  # type: ignore[attr-defined]
+        for dim in range(mesh.ndim):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
     return bool(flag.item())
 
 
