@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/verify_scale.py
 	$(BIN)/python benchmarks/plugin_discovery.py
 	$(BIN)/python benchmarks/memory.py
+	$(BIN)/python benchmarks/checkpoint_load.py
 	$(BIN)/python benchmarks/collectives.py
 
 clean:

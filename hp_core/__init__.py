@@ -16,8 +16,22 @@ from hp_core.checkpoint.dcp_errors import (
     CheckpointMissingFileError,
 )
 from hp_core.checkpoint.dcp_io import load_checkpoint, save_checkpoint
-from hp_core.checkpoint.errors import ExportArgumentError, ExportNotAppliedError
 from hp_core.checkpoint.export import full_state_dict, iter_full_state_dict
+from hp_core.checkpoint.export_errors import ExportArgumentError, ExportNotAppliedError
+from hp_core.checkpoint.pretrained import load_pretrained
+from hp_core.checkpoint.pretrained_errors import (
+    CheckpointDtypeError,
+    CheckpointKeysMissingError,
+    CheckpointModelMismatchError,
+    CheckpointNotFoundError,
+    CheckpointReadError,
+    CheckpointShapeError,
+    CheckpointUnexpectedKeysError,
+    CorruptSafetensorsError,
+    MissingShardFileError,
+    NotOnMetaError,
+    PretrainedLoadError,
+)
 from hp_core.context import ParallelContext
 from hp_core.errors import HpError
 from hp_core.hookspecs import PLUGIN_API_VERSION, hookimpl
@@ -88,10 +102,18 @@ __all__ = [
     "ArgumentTypeError",
     "BoundaryTemplate",
     "CheckpointCorruptError",
+    "CheckpointDtypeError",
     "CheckpointError",
+    "CheckpointKeysMissingError",
     "CheckpointLoadError",
     "CheckpointMismatchError",
     "CheckpointMissingFileError",
+    "CheckpointModelMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointReadError",
+    "CheckpointShapeError",
+    "CheckpointUnexpectedKeysError",
+    "CorruptSafetensorsError",
     "DuplicateOverrideError",
     "ExportArgumentError",
     "ExportNotAppliedError",
@@ -102,14 +124,17 @@ __all__ = [
     "MeshAxisName",
     "MeshSpec",
     "MeshTypeError",
+    "MissingShardFileError",
     "ModuleShardingSpec",
     "NamedPlacement",
+    "NotOnMetaError",
     "OptimizerStateError",
     "OverrideEntry",
     "OverridesTypeError",
     "ParallelContext",
     "PlacementMismatchError",
     "PlanTypeError",
+    "PretrainedLoadError",
     "RankTimeoutError",
     "Role",
     "RoleRule",
@@ -138,6 +163,7 @@ __all__ = [
     "load_checkpoint",
     "load_overrides",
     "load_plan",
+    "load_pretrained",
     "local_compute",
     "parse_named_placement",
     "parse_placement",

@@ -72,3 +72,19 @@ def test_export_memory_runs(tmp_path):
     assert [r["tensors"] for r in rows] == [21, 0, 21, 0]
     assert all(r["peak_rss_bytes"] >= r["baseline_bytes"] > 0 and r["ratio"] > 0 for r in rows)
     assert all(0 < r["shard_bytes"] < r["full_bytes"] for r in rows)  # each rank holds a shard
+
+
+def test_checkpoint_load_runs(tmp_path):
+    out = _run("checkpoint_load", "--tiny", "--tp", "2", "--dir", str(tmp_path), tmp_path=tmp_path)
+    rows = out["rows"]
+    assert [(r["how"], r["rank"]) for r in rows] == [
+        ("meta", 0),
+        ("meta", 1),
+        ("full", 0),
+        ("full", 1),
+    ]
+    for r in rows:
+        assert r["peak_rss_bytes"] >= r["baseline_bytes"] > 0 and r["shard_bytes"] > 0, r
+    meta = [r for r in rows if r["how"] == "meta"]
+    assert all(r["load_s"] > 0 and r["direct_read_s"] > 0 for r in meta), meta
+    assert not list(tmp_path.glob("hp_ckpt_*"))  # the checkpoint was removed

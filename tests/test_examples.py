@@ -123,3 +123,23 @@ def test_export_hf_example_round_trips_through_from_pretrained(tmp_path):
     assert "the exported model matches" in out.stdout
     assert (tmp_path / "hf" / "model.safetensors").exists()
     assert (tmp_path / "hf" / "config.json").exists()
+
+
+def test_load_pretrained_example_matches_single_device(tmp_path):
+    """docs/checkpoints.md's pretrained recipe: save_pretrained, meta-build, apply at tp=2,
+    load_pretrained; the logits equal the single-device model's."""
+    script = str(ROOT / "examples" / "load_pretrained.py")
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+            *("--nproc-per-node", "2", script, "--dir", str(tmp_path / "ck")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "the sharded load matches the single-device model" in out.stdout
+    assert "q_proj shard (32, 64) of (64, 64)" in out.stdout
+    assert (tmp_path / "ck" / "model.safetensors").is_file()

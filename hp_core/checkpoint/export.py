@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hp_core.checkpoint.errors import ExportArgumentError, ExportNotAppliedError
+from hp_core.checkpoint.export_errors import ExportArgumentError, ExportNotAppliedError
 from hp_core.checkpoint.gather import full_value
 from hp_core.checkpoint.names import original_names
 from hp_core.runtime.applied import applied, applied_module

@@ -1,0 +1,309 @@
+"""Load a Hugging Face safetensors checkpoint into a meta-built, hp-applied model.
+
+``load_pretrained(model, path)`` is for a model built on the meta device, planned and
+applied: hp's apply only chunks meta parameters, so nothing of the model has memory yet.
+It then
+
+1. parses every header of the checkpoint and checks it against the model (missing and
+   unexpected keys, dtypes, shapes against each parameter's *global* shape, the model
+   type), raising before anything is read; every rank checks the same headers, so every
+   rank raises the same error;
+2. reads, on each rank, only the slices the rank owns: a sharded parameter's local
+   range through safetensors' lazy slicing, routed experts only for the rank's experts;
+   replicated parameters and buffers whole;
+3. agrees across the mesh (one small all-reduce per mesh dim) that every rank read
+   everything; only then
+4. commits: each parameter object gets its values in place (``torch.utils.swap_tensors``,
+   so every hook, journal entry and gradient reduction that holds the parameter still
+   holds it; tied parameters are one object and stay tied), persistent buffers are set and
+   non-persistent ones recomputed (``hp_core.checkpoint.buffers``).
+
+A failed load leaves every rank's model as it was: still on meta. Dtypes are never cast
+silently: a checkpoint tensor of another dtype is refused unless ``cast=True``.
+
+FSDP2 comes after: ``apply`` → ``load_pretrained`` → ``fully_shard``. A model that FSDP2
+already wraps is refused (its parameters are FSDP's DTensors over dp, not hp's shards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from hp_core.checkpoint.buffers import non_persistent_buffers, recompute_buffers
+from hp_core.checkpoint.key_map import Source, map_keys
+from hp_core.checkpoint.pretrained_errors import (
+    CheckpointDtypeError,
+    CheckpointKeysMissingError,
+    CheckpointModelMismatchError,
+    CheckpointReadError,
+    CheckpointShapeError,
+    CheckpointUnexpectedKeysError,
+    NotOnMetaError,
+)
+from hp_core.checkpoint.safetensors_files import CheckpointFiles
+from hp_core.checkpoint.slices import local_ranges, plain_placements, read_local
+from hp_core.runtime.applied import applied, applied_module
+from hp_core.runtime.param_layout import ParamLayout
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["load_pretrained"]
+
+CAP = 10  # keys listed in a message
+
+
+@dataclasses.dataclass
+class _Target:
+    """One model tensor to fill: a parameter (all its tied names) or a persistent buffer."""
+
+    names: list[str]
+    tensor: torch.Tensor  # the meta parameter (or buffer) itself
+    layout: ParamLayout | None  # None: replicated, read whole
+    owner: nn.Module | None = None  # for a buffer: where it lives
+    attr: str = ""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.layout.shape) if self.layout is not None else tuple(self.tensor.shape)
+
+    def describe(self) -> str:
+        return self.layout.describe() if self.layout is not None else f"{self.shape} replicated"
+
+
+def _listed(keys: Iterable[str]) -> str:
+    keys = sorted(keys)
+    more = f" and {len(keys) - CAP} more" if len(keys) > CAP else ""
+    return ", ".join(keys[:CAP]) + more
+
+
+def _refuse_model(model: nn.Module) -> None:
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise NotOnMetaError(
+            f"{type(model).__name__}: FSDP2 (fully_shard) already wraps this model, so its "
+            "parameters are FSDP's DTensors over dp, not hp's shards.\n"
+            "Fix: call load_pretrained after hp_core.apply and before fully_shard."
+        )
+    real = [
+        n
+        for n, p in model.named_parameters()
+        if not (p.to_local() if isinstance(p, DTensor) else p).is_meta
+    ]
+    if real:
+        raise NotOnMetaError(
+            f"{type(model).__name__}: load_pretrained fills a model built on the meta device, "
+            f"but {len(real)} parameters hold memory already ({_listed(real)}).\n"
+            'Fix: build the model under `with torch.device("meta"):` '
+            "(AutoModelForCausalLM.from_config), then plan and apply it; or use "
+            "model.load_state_dict on a materialised model."
+        )
+
+
+def _targets(model: nn.Module, layouts: Mapping[str, ParamLayout]) -> list[_Target]:
+    by_id: dict[int, _Target] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in by_id:
+            by_id[id(p)].names.append(name)
+            continue
+        layout = layouts.get(name)
+        if isinstance(p, DTensor):  # validate: the parameter is its own layout
+            layout = ParamLayout(p.device_mesh, tuple(p.placements), p.shape, p.stride())
+        by_id[id(p)] = _Target([name], p, layout)
+    volatile = {n for n, *_ in non_persistent_buffers(model)}
+    for prefix, module in model.named_modules():
+        for attr, b in module._buffers.items():
+            name = f"{prefix}.{attr}" if prefix else attr
+            if b is not None and name not in volatile and id(b) not in by_id:
+                by_id[id(b)] = _Target([name], b, None, module, attr)
+    return list(by_id.values())
+
+
+def _check(
+    model: nn.Module, files: CheckpointFiles, targets: list[_Target], cast: bool
+) -> dict[int, Source]:
+    """Every check, on headers only; ``id(target tensor) → source``."""
+    where = files.path
+    theirs = (files.config or {}).get("model_type")
+    ours = getattr(getattr(model, "config", None), "model_type", None)
+    if theirs is not None and ours is not None and theirs != ours:
+        raise CheckpointModelMismatchError(
+            f"{where}: a checkpoint of a {theirs!r} model (config.json), but the model is "
+            f"{type(model).__name__} ({ours!r}).\n"
+            "Fix: pass the checkpoint of this model, or build the model from that checkpoint's "
+            "config (AutoConfig.from_pretrained(path))."
+        )
+    names = [n for t in targets for n in t.names]
+    sources, unused = map_keys(model, files.entries, names)
+    volatile = {n for n, *_ in non_persistent_buffers(model)}
+    prefix = str(getattr(model, "base_model_prefix", "") or "")
+    unused = [
+        k for k in unused if not {k, f"{prefix}.{k}", k.removeprefix(f"{prefix}.")} & volatile
+    ]
+    found = {
+        id(t.tensor): next((sources[n] for n in t.names if n in sources), None) for t in targets
+    }
+    missing = [t.names[0] for t in targets if found[id(t.tensor)] is None]
+    if missing and len(missing) * 2 > len(targets):
+        raise CheckpointModelMismatchError(
+            f"{where}: the checkpoint holds {len(targets) - len(missing)} of the "
+            f"{len(targets)} tensors of {type(model).__name__} (missing e.g. {_listed(missing)}; "
+            f"it has e.g. {_listed(list(files.entries)[:CAP])}): a checkpoint of another model.\n"
+            "Fix: pass the checkpoint saved from this model's architecture."
+        )
+    if missing:
+        raise CheckpointKeysMissingError(
+            f"{where}: no tensor for {len(missing)} model keys: {_listed(missing)}.\n"
+            "Fix: load a checkpoint saved from this model's configuration (a different number "
+            "of layers or a head the checkpoint lacks shows up here)."
+        )
+    if unused:
+        raise CheckpointUnexpectedKeysError(
+            f"{where}: {len(unused)} checkpoint tensors match no parameter or buffer of "
+            f"{type(model).__name__}: {_listed(unused)}.\n"
+            "Fix: build the model from the checkpoint's own config (AutoConfig.from_pretrained), "
+            "or drop those tensors from the checkpoint."
+        )
+    out = {key: source for key, source in found.items() if source is not None}  # all, here
+    for t in targets:
+        _check_one(where, t, out[id(t.tensor)], cast)
+    return out
+
+
+def _check_one(where: Path, t: _Target, source: Source, cast: bool) -> None:
+    files = sorted({str(p.entry.file.name) for p in source.pieces})
+    # Stacked experts: every expert needs the same pieces (one missing leaves a hole).
+    stacked = [p for p in source.pieces if p.expert is not None]
+    per_expert = [sum(p.expert == e for p in stacked) for e in range(source.shape[0])]
+    lacking = [e for e, n in enumerate(per_expert) if n < max(per_expert, default=0)]
+    if lacking or len({p.entry.shape for p in stacked}) > 1:
+        raise CheckpointShapeError(
+            f"{where / files[0]}: {source.describe()} for the model's {t.names[0]} do not "
+            f"stack: experts {lacking} have fewer tensors than the others "
+            f"({max(per_expert)}), or the experts' shapes differ "
+            f"({sorted({p.entry.shape for p in stacked})}).\n"
+            "Fix: load a complete checkpoint: every expert with every projection, all of one "
+            "shape."
+        )
+    if source.shape != t.shape:
+        raise CheckpointShapeError(
+            f"{where / files[0]}: {source.describe()} makes a tensor of shape {source.shape}, but "
+            f"the model's {t.names[0]} is {t.describe()} (global shape {t.shape}).\n"
+            "Fix: load a checkpoint of this model's configuration (hidden size, heads, experts "
+            "and vocabulary as in its config.json)."
+        )
+    dtype = source.pieces[0].entry.dtype
+    if any(p.entry.dtype != t.tensor.dtype for p in source.pieces) and not cast:
+        raise CheckpointDtypeError(
+            f"{where / files[0]}: {source.describe()} is {dtype}, but the model's "
+            f"{t.names[0]} is {t.tensor.dtype}; load_pretrained does not cast silently.\n"
+            f"Fix: build the model in {dtype} (from_config(cfg, dtype={dtype})), or pass "
+            "cast=True to cast every value to its parameter's dtype."
+        )
+    if t.layout is not None and not plain_placements(t.layout):
+        raise NotOnMetaError(
+            f"{t.names[0]}: its layout {t.describe()} is not made of shard and replicate "
+            "placements only, which load_pretrained reads.\n"
+            "Fix: call load_pretrained right after hp_core.apply, before wrapping the model."
+        )
+
+
+def _device(mesh: DeviceMesh) -> torch.device:
+    kind = mesh.device_type
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def _agree(mesh: DeviceMesh, failed: bool, device: torch.device) -> bool:
+    """Whether any rank of the mesh failed (a MAX all-reduce along each mesh dim)."""
+    flag = torch.tensor([1 if failed else 0], device=device)
+    if dist.is_available() and dist.is_initialized():
+        for dim in range(mesh.ndim):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    return bool(flag.item())
+
+
+def _value(t: _Target, local: torch.Tensor) -> torch.Tensor:
+    if isinstance(t.tensor, DTensor) and t.layout is not None:
+        return DTensor.from_local(
+            local,
+            t.layout.mesh,
+            t.layout.placements,
+            run_check=False,
+            shape=t.layout.shape,
+            stride=t.layout.stride,
+        )
+    return local
+
+
+def load_pretrained(
+    model: nn.Module, path: str | os.PathLike[str], *, cast: bool = False
+) -> nn.Module:
+    """Fill the meta-built, hp-applied ``model`` from the safetensors checkpoint at ``path``.
+
+    ``path`` is a directory with ``model.safetensors`` or ``model.safetensors.index.json``
+    and its shards (what ``save_pretrained`` writes). Each rank reads only its own slices.
+    ``cast=True`` casts checkpoint values to each parameter's dtype (otherwise a dtype
+    difference is refused). Returns ``model``, materialised on the mesh's device.
+    """
+    state = applied(model)
+    if state is None:
+        raise NotOnMetaError(
+            f"{type(model).__name__}: not a model hp_core.apply parallelized, so there are no "
+            "layouts saying which slices this rank owns.\n"
+            "Fix: build on meta, then hp_core.plan and hp_core.apply, then load_pretrained."
+        )
+    root = applied_module(model)
+    _refuse_model(root)
+    files = CheckpointFiles.open(Path(path))
+    targets = _targets(root, state.layouts)
+    sources = _check(root, files, targets, cast)
+    device = _device(state.mesh)
+    shapes = {id(t.tensor): torch.Size(t.shape) for t in targets}
+    buffers, unset = recompute_buffers(root, device, shapes)  # the same on every rank
+    if unset:
+        raise CheckpointKeysMissingError(
+            f"{files.path}: the non-persistent buffers {_listed(unset)} are in no "
+            f"checkpoint and {type(root).__name__}._init_weights does not recompute them.\n"
+            "Fix: give the owning module an _init_weights branch that computes them, or load "
+            "into a materialised model with load_state_dict and set them yourself."
+        )
+    values: dict[int, torch.Tensor] = {}
+    error: Exception | None = None
+    try:
+        for t in targets:
+            local = read_local(sources[id(t.tensor)], local_ranges(t.shape, t.layout))
+            values[id(t.tensor)] = local.to(device=device, dtype=t.tensor.dtype)
+    except Exception as e:  # any failure here must reach the agreement, or the others hang
+        error = e
+    if _agree(state.mesh, error is not None, device):
+        raise CheckpointReadError(
+            f"{files.path}: reading the checkpoint failed on "
+            f"{'this rank' if error is not None else 'another rank'}"
+            f"{f' ({type(error).__name__}: {error})' if error is not None else ''}; "
+            "no rank loaded anything and the model is still on meta.\n"
+            "Fix: check that every rank can read every file of the checkpoint, then retry."
+        ) from error
+    # Commit: nothing below reads or communicates.
+    with torch.no_grad():
+        for t in targets:
+            value = _value(t, values.pop(id(t.tensor)))
+            if t.owner is not None:
+                t.owner._buffers[t.attr] = value
+                continue
+            new = nn.Parameter(value, requires_grad=t.tensor.requires_grad)
+            new.__dict__.update(t.tensor.__dict__)  # attributes others set on the parameter
+            torch.utils.swap_tensors(t.tensor, new)
+        for owner, attr, value in buffers.values():
+            owner._buffers[attr] = value
+    return model
