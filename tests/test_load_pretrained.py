@@ -29,7 +29,7 @@ pytestmark = pytest.mark.distributed
 
 TOL = 1e-6
 TIED = {"tie_word_embeddings": True}
-MODEL_CASES = {"materialised", "not_applied", "fsdp"}
+MODEL_CASES = {"materialised", "not_applied"}
 
 
 def _save(family: str, path: Path, **kw: object) -> str:
@@ -146,6 +146,57 @@ def test_fsdp2_on_dp_after_the_load(ckpts):
         _check_equal(r, NORMS)
 
 
+@pytest.fixture(scope="module")
+def fsdp_first(ckpts) -> list[dict]:
+    return get_world(4).run(tasks.load_after_fully_shard, ckpts["llama"], ckpts["tied"])
+
+
+@pytest.mark.parametrize("case", ["untied", "tied"])
+def test_load_after_fully_shard_reads_only_fsdps_piece(fsdp_first, case):
+    """apply -> fully_shard on meta -> load_pretrained (dp=2 x tp=2): every parameter, the
+    logits, the loss and one AdamW step equal the single-device model's, and each rank
+    read exactly its FSDP piece: a quarter of the model, half of every norm."""
+    for r in (result[case] for result in fsdp_first):
+        assert r["meta_before"] and r["same_objects"] and r["all_fsdp"], r
+        assert max(r["params"].values()) <= TOL, {k: v for k, v in r["params"].items() if v > TOL}
+        assert r["logits"] <= 1e-5 and abs(r["loss"] - r["ref_loss"]) <= 1e-5, r
+        assert r["inv_freq"] == 0.0, r
+        # AdamW's first step is +-lr (1e-3) wherever |grad| >> eps, so rounding in a grad
+        # of ~1e-7 moves an element by a fraction of lr; a missed or misplaced update by lr.
+        assert r["moved"] > 5e-4 and r["stepped"] <= 1e-4, r  # the step moved every tensor
+        assert abs(r["loss2"] - r["ref_loss2"]) <= 1e-5 and r["loss2"] < r["loss"], r
+        norms = len(NORMS) * 64 * 4  # hidden 64, fp32
+        quarter = (r["model_bytes"] - norms) // 4 + norms // 2  # hp and FSDP shard, FSDP only
+        assert r["read_bytes"] == r["local_bytes"] == quarter, r
+        assert r["read_full"] == [], r  # FSDP shards the norms hp replicates
+        for norm in NORMS:
+            assert r["read"][norm] == 64 * 4 // 2, (norm, r["read"])  # hidden 64, fp32
+        assert r["tied"] == (case == "tied"), r
+
+
+def test_a_read_failing_after_fully_shard_loads_nothing_anywhere(fsdp_first):
+    errors = [r["read_fails"]["error"] for r in fsdp_first]
+    assert "failed on this rank (OSError: disk went away)" in errors[1], errors
+    assert all(e.startswith("CheckpointReadError: ") for e in errors), errors
+    assert "failed on another rank" in errors[0] and "failed on another rank" in errors[3]
+    for r in fsdp_first:
+        assert r["read_fails"]["unchanged"] and r["read_fails"]["still_meta"], r["read_fails"]
+
+
+def test_validate_mode_after_fully_shard_refused(fsdp_first):
+    for r in fsdp_first:
+        assert r["validate"]["unchanged"] and r["validate"]["still_meta"], r["validate"]
+        e = r["validate"]["error"]
+        assert e.startswith(
+            "NotOnMetaError: FSDPLlamaForCausalLM: FSDP2 (fully_shard) already wraps this "
+            "validate-mode model"
+        ), e
+        message = e.split(": ", 1)[1]
+        assert not style_problems(message, "FSDPLlamaForCausalLM"), style_problems(
+            message, "FSDPLlamaForCausalLM"
+        )
+
+
 def test_a_perturbed_tensor_is_caught(ckpts, tmp_path):
     """Negative control: the comparison the tests above rely on names a wrong tensor."""
     shutil.copytree(ckpts["llama"], tmp_path / "bad")
@@ -247,7 +298,6 @@ def refused(ckpts, tmp_path_factory) -> dict[str, dict]:
         "no_safetensors": (str(empty), ""),
         "materialised": (llama, "materialised"),
         "not_applied": (llama, "not_applied"),
-        "fsdp": (llama, "fsdp"),
         "read_fails": (llama, "fail_rank1"),
         "no_buffer_init": (llama, "no_buffer_init"),
     }
@@ -365,14 +415,6 @@ def test_model_hp_did_not_apply_refused(refused):
     assert e.startswith(
         "NotOnMetaError: LlamaForCausalLM: not a model hp_core.apply parallelized"
     ), e
-
-
-def test_after_fully_shard_refused(refused):
-    e = _error(refused, "fsdp")
-    assert e.startswith(
-        "NotOnMetaError: FSDPLlamaForCausalLM: FSDP2 (fully_shard) already wraps"
-    ), e
-    assert "before fully_shard" in e
 
 
 def test_a_read_failing_on_one_rank_loads_nothing_anywhere(refused):
