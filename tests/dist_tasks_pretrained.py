@@ -9,7 +9,6 @@ is wrapped to record what each rank read.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -270,20 +269,18 @@ def persistent_buffer(path: str) -> dict[str, Any]:
     return {"value": model.model.pos_scale.tolist(), "device": str(model.model.pos_scale.device)}
 
 
-def _fsdp_first(family: str, mode: str, overrides: dict) -> Any:
-    """dp=2 x tp=2: meta-build, apply, fully_shard per decoder layer and on the root."""
+def _fsdp_first(family: str, mode: str, overrides: dict, hp_on_tp: bool = False) -> Any:
+    """dp=2 x tp=2: meta-build, apply (on the whole mesh, or ``hp_on_tp`` its tp slice),
+    fully_shard per decoder layer and on the root."""
     mesh = _mesh({"dp": 2, "tp": 2})
-    model = _build(family, mesh, mode, overrides, {})
+    model = _build(family, mesh["tp"] if hp_on_tp else mesh, mode, overrides, {})
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     return model, mesh
 
 
-def _loaded_after_fully_shard(
-    path: str, family: str, overrides: dict, step: bool
-) -> dict[str, Any]:
-    began = time.perf_counter()
+def _loaded_after_fully_shard(path: str, family: str, overrides: dict) -> dict[str, Any]:
     model, mesh = _fsdp_first(family, "production", overrides)
     before = [p for _, p in model.named_parameters(remove_duplicate=False)]
     meta_before = all(p.to_local().is_meta for p in before if isinstance(p, DTensor))
@@ -317,10 +314,7 @@ def _loaded_after_fully_shard(
         logits=float((_full(out.logits) - ref.logits).abs().max()),
         loss=float(out.loss),
         ref_loss=float(ref.loss),
-        load_s=time.perf_counter() - began,
     )
-    if not step:
-        return result
     # One AdamW step, each dp rank on its half of the batch (FSDP averages over dp): the
     # parameters equal the single-device model's after its step on the whole batch.
     start = {k: v.clone() for k, v in reference.state_dict().items()}
@@ -334,16 +328,26 @@ def _loaded_after_fully_shard(
     with torch.no_grad():  # the step reached FSDP's storage, which the next forward gathers
         result["loss2"] = float(model(input_ids=batch, labels=batch, use_cache=False).loss)
         result["ref_loss2"] = float(reference(input_ids=batch, labels=batch, use_cache=False).loss)
-    result["step_s"] = time.perf_counter() - began - result["load_s"]
     result["moved"] = min(
         float((v.detach() - start[k]).abs().max()) for k, v in reference.named_parameters()
     )
     return result
 
 
-def _unchanged_refusal(path: str, mode: str, fail_rank: int | None) -> dict[str, Any]:
-    """A refused load after fully_shard: the error, and whether the model stayed as it was."""
-    model, _ = _fsdp_first("llama", mode, {})
+def _unchanged_refusal(
+    path: str, mode: str, fail_rank: int | None = None, how: str = ""
+) -> dict[str, Any]:
+    """A refused load after fully_shard: the error, and whether the model stayed as it was.
+    ``how``: "hp_on_tp" (hp applied on the tp slice: FSDP's dp is not in hp's mesh),
+    "reshaped" (a parameter swapped for one of another shape before fully_shard)."""
+    if how == "reshaped":
+        mesh = _mesh({"dp": 2, "tp": 2})
+        model = _build("llama", mesh, mode, {}, {})
+        attn = model.model.layers[0].self_attn
+        attn.q_proj.weight = torch.nn.Parameter(torch.empty(64, 64, device="meta"))
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        model, _ = _fsdp_first("llama", mode, {}, how == "hp_on_tp")
     orig = safetensors_files.read_slice
 
     def boom(*args: Any) -> Any:
@@ -363,14 +367,16 @@ def _unchanged_refusal(path: str, mode: str, fail_rank: int | None) -> dict[str,
     return _kept(model, before, error)
 
 
-def load_after_fully_shard(path: str, tied_path: str) -> dict[str, Any]:
+def load_after_fully_shard(path: str, uneven_path: str, uneven: dict) -> dict[str, Any]:
     """torchtitan's order (apply, fully_shard on meta, load_pretrained) on dp=2 x tp=2:
-    untied and tied llama, a read failing on rank 1, and validate mode (refused)."""
+    llama, a tied llama whose splits are uneven (``uneven``), a read failing on rank 1, and
+    validate mode (refused)."""
     out = {
-        "untied": _loaded_after_fully_shard(path, "llama", {}, True),
-        "tied": _loaded_after_fully_shard(tied_path, "llama", {"tie_word_embeddings": True}, True),
-        "read_fails": _unchanged_refusal(path, "production", 1),
-        "validate": _unchanged_refusal(path, "validate", None),
+        "untied": _loaded_after_fully_shard(path, "llama", {}),
+        "tied_uneven": _loaded_after_fully_shard(uneven_path, "llama", uneven),
+        "read_fails": _unchanged_refusal(path, "production", 1, "hp_on_tp"),
+        "reshaped": _unchanged_refusal(path, "production", how="reshaped"),
+        "validate": _unchanged_refusal(path, "validate"),
     }
     dist.barrier()
     return out

@@ -29,6 +29,8 @@ pytestmark = pytest.mark.distributed
 
 TOL = 1e-6
 TIED = {"tie_word_embeddings": True}
+# Tied, and 130 rows per tp=2 shard of 65: FSDP's dp=2 split is 33 + 32 rows (padded).
+UNEVEN = {**TIED, "intermediate_size": 130, "vocab_size": 130}
 MODEL_CASES = {"materialised", "not_applied"}
 
 
@@ -45,6 +47,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "llama": _save("llama", root / "llama"),
         "llama_sharded": _save("llama", root / "llama_sharded", max_shard_size="40KB"),
         "tied": _save("llama", root / "tied", overrides=TIED),
+        "uneven": _save("llama", root / "uneven", overrides=UNEVEN),
         "gemma": _save("gemma", root / "gemma"),
         "moe": _save("qwen2_moe", root / "moe", max_shard_size="40KB"),
     }
@@ -148,15 +151,20 @@ def test_fsdp2_on_dp_after_the_load(ckpts):
 
 @pytest.fixture(scope="module")
 def fsdp_first(ckpts) -> list[dict]:
-    return get_world(4).run(tasks.load_after_fully_shard, ckpts["llama"], ckpts["tied"])
+    return get_world(4).run(tasks.load_after_fully_shard, ckpts["llama"], ckpts["uneven"], UNEVEN)
 
 
-@pytest.mark.parametrize("case", ["untied", "tied"])
+@pytest.mark.parametrize("case", ["untied", "tied_uneven"])
 def test_load_after_fully_shard_reads_only_fsdps_piece(fsdp_first, case):
     """apply -> fully_shard on meta -> load_pretrained (dp=2 x tp=2): every parameter, the
     logits, the loss and one AdamW step equal the single-device model's, and each rank
-    read exactly its FSDP piece: a quarter of the model, half of every norm."""
-    for r in (result[case] for result in fsdp_first):
+    read exactly its FSDP piece: a quarter of the model, half of every norm; with uneven
+    splits, FSDP's 33 or 32 rows of hp's 65."""
+    results = [result[case] for result in fsdp_first]
+    norms = len(NORMS) * 64 * 4  # hidden 64, fp32; hp replicates them over tp
+    # All ranks together read the model once, and each norm once per tp rank.
+    assert sum(r["read_bytes"] for r in results) == results[0]["model_bytes"] + norms
+    for rank, r in enumerate(results):
         assert r["meta_before"] and r["same_objects"] and r["all_fsdp"], r
         assert max(r["params"].values()) <= TOL, {k: v for k, v in r["params"].items() if v > TOL}
         assert r["logits"] <= 1e-5 and abs(r["loss"] - r["ref_loss"]) <= 1e-5, r
@@ -165,22 +173,40 @@ def test_load_after_fully_shard_reads_only_fsdps_piece(fsdp_first, case):
         # of ~1e-7 moves an element by a fraction of lr; a missed or misplaced update by lr.
         assert r["moved"] > 5e-4 and r["stepped"] <= 1e-4, r  # the step moved every tensor
         assert abs(r["loss2"] - r["ref_loss2"]) <= 1e-5 and r["loss2"] < r["loss"], r
-        norms = len(NORMS) * 64 * 4  # hidden 64, fp32
-        quarter = (r["model_bytes"] - norms) // 4 + norms // 2  # hp and FSDP shard, FSDP only
-        assert r["read_bytes"] == r["local_bytes"] == quarter, r
+        assert r["read_bytes"] == r["local_bytes"], r
         assert r["read_full"] == [], r  # FSDP shards the norms hp replicates
         for norm in NORMS:
-            assert r["read"][norm] == 64 * 4 // 2, (norm, r["read"])  # hidden 64, fp32
-        assert r["tied"] == (case == "tied"), r
+            assert r["read"][norm] == 64 * 4 // 2, (norm, r["read"])
+        if case == "untied":  # even: hp's and FSDP's splits leave a quarter to each rank
+            assert r["read_bytes"] == (r["model_bytes"] - norms) // 4 + norms // 2, r
+        else:  # rank = 2 * dp + tp; dp rank 0 holds FSDP's padded 33 rows, dp rank 1 32
+            rows = 33 if rank < 2 else 32
+            assert r["read"]["model.layers.0.mlp.gate_proj.weight"] == rows * 64 * 4, r["read"]
+            assert r["read"]["model.embed_tokens.weight"] == rows * 64 * 4, r["read"]
+        assert r["tied"] == (case == "tied_uneven"), r
 
 
 def test_a_read_failing_after_fully_shard_loads_nothing_anywhere(fsdp_first):
+    """hp applied on the tp slice, FSDP on dp: rank 1's read fails, and the ranks of the
+    other tp group (2, 3) refuse too: the agreement covers FSDP's dp as well as hp's mesh."""
     errors = [r["read_fails"]["error"] for r in fsdp_first]
     assert "failed on this rank (OSError: disk went away)" in errors[1], errors
     assert all(e.startswith("CheckpointReadError: ") for e in errors), errors
     assert "failed on another rank" in errors[0] and "failed on another rank" in errors[3]
     for r in fsdp_first:
         assert r["read_fails"]["unchanged"] and r["read_fails"]["still_meta"], r["read_fails"]
+
+
+def test_fsdp_over_a_parameter_hp_did_not_lay_out_refused(fsdp_first):
+    """q_proj swapped for a whole (64, 64) tensor after apply: FSDP wraps a tensor that is
+    not hp's (32, 64) shard, so its pieces say nothing about where they sit."""
+    for r in fsdp_first:
+        assert r["reshaped"]["unchanged"] and r["reshaped"]["still_meta"], r["reshaped"]
+        e = r["reshaped"]["error"]
+        key = "model.layers.0.self_attn.q_proj.weight"
+        assert e.startswith(f"FsdpViewError: {key}: FSDP2's DTensor has the global shape "), e
+        assert "(64, 64), but hp's shard of (64, 64) as {dp: replicate, tp: shard(0)}" in e, e
+        assert not style_problems(e.split(": ", 1)[1], key), style_problems(e, key)
 
 
 def test_validate_mode_after_fully_shard_refused(fsdp_first):
