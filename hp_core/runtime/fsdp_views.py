@@ -14,7 +14,9 @@ fewer rows than the others: 4 rows over dp=3 are 2+2+0). A strided view is there
 checked, for every rank, against where hp and FSDP really hold the values (hp's shard
 offset plus FSDP's inside it); where they differ the view is hp's shard gathered over dp
 instead, a copy of that parameter's tp shard that ``load_state_dict``
-(``set_model_state_dict``) reads back.
+(``set_model_state_dict``) reads back. ``fsdp_box`` says, by the same arithmetic, which
+global rows and columns a rank's FSDP piece holds (what ``load_pretrained`` reads after
+``fully_shard``).
 """
 
 from __future__ import annotations
