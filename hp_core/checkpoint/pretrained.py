@@ -26,8 +26,8 @@ every rank holds hp's whole shard until FSDP splits it over dp. Before (``apply`
 ``fully_shard`` on meta → ``load_pretrained``, torchtitan's order), each parameter is FSDP's
 DTensor over dp of hp's shard, and each rank reads only FSDP's piece of it: hp's shard
 offset plus FSDP's inside it (``hp_core.runtime.fsdp_views.fsdp_box``), a dp-th of the
-memory. The commit then materialises the model with ``to_empty`` (FSDP2's ``_apply``
-re-pads its sharded storage) and copies each value into FSDP's local tensor. Validate mode
+memory. The commit hands each value to FSDP2 through ``nn.Module._apply`` (what
+``to_empty`` uses), whose FSDP2 override adopts it as FSDP's sharded storage. Validate mode
 under FSDP2 is refused (its 2-D DTensors carry no record of which mesh dims are FSDP's).
 """
 
@@ -207,13 +207,17 @@ def _check_one(where: Path, t: _Target, source: Source, cast: bool) -> None:
     files = sorted({str(p.entry.file.name) for p in source.pieces})
     # Stacked experts: every expert needs the same pieces (one missing leaves a hole).
     stacked = [p for p in source.pieces if p.expert is not None]
-    per_expert = [sum(p.expert == e for p in stacked) for e in range(source.shape[0])]
-    lacking = [e for e, n in enumerate(per_expert) if n < max(per_expert, default=0)]
+    # Counted in one pass (dim 0 of a plain tensor is its rows: a vocabulary of 32000).
+    per_expert = [0] * (source.shape[0] if stacked else 0)
+    for e in (p.expert for p in stacked if p.expert is not None):
+        per_expert[e] += 1
+    most = max(per_expert, default=0)
+    lacking = [e for e, n in enumerate(per_expert) if n < most]
     if lacking or len({p.entry.shape for p in stacked}) > 1:
         raise CheckpointShapeError(
             f"{where / files[0]}: {source.describe()} for the model's {t.names[0]} do not "
             f"stack: experts {lacking} have fewer tensors than the others "
-            f"({max(per_expert)}), or the experts' shapes differ "
+            f"({most}), or the experts' shapes differ "
             f"({sorted({p.entry.shape for p in stacked})}).\n"
             "Fix: load a complete checkpoint: every expert with every projection, all of one "
             "shape."
@@ -284,6 +288,42 @@ def _value(t: _Target, local: torch.Tensor) -> torch.Tensor:
     return local
 
 
+def _materialise_fsdp(
+    root: nn.Module, targets: list[_Target], values: dict[int, torch.Tensor], device: torch.device
+) -> None:
+    """Give every parameter of an FSDP2-wrapped model its value, through FSDP2's own path.
+
+    ``nn.Module._apply`` (what ``to_empty`` calls) swaps each parameter's contents in place
+    (the objects stay), and FSDP2's ``_apply`` then calls ``reset_sharded_param``, which
+    takes the new local tensor as its sharded storage (a padded copy only where FSDP pads
+    an uneven dim 0). So the read values become FSDP's storage without a second copy of the
+    model. Buffers get empty tensors here; the caller sets them.
+    """
+    new: dict[int, torch.Tensor] = {}
+    for t in targets:
+        if t.owner is not None:
+            continue
+        p, local = t.tensor, values.pop(id(t.tensor)).contiguous()
+        new[id(p)] = (
+            DTensor.from_local(
+                local,
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
+            if isinstance(p, DTensor)
+            else local
+        )
+
+    def value(tensor: torch.Tensor) -> torch.Tensor:
+        found = new.get(id(tensor))  # a tied parameter is visited once per module
+        return found if found is not None else torch.empty_like(tensor, device=device)
+
+    root._apply(value)
+
+
 def load_pretrained(
     model: nn.Module, path: str | os.PathLike[str], *, cast: bool = False
 ) -> nn.Module:
@@ -334,13 +374,11 @@ def load_pretrained(
         ) from error
     # Commit: nothing below reads or communicates.
     with torch.no_grad():
-        if fsdp:  # FSDP2 allocates (and pads) its sharded storage; the values go into it
-            root.to_empty(device=device)
+        if fsdp:
+            _materialise_fsdp(root, targets, values, device)
         for t in targets:
             if fsdp and t.owner is None:
-                p = t.tensor
-                (p.to_local() if isinstance(p, DTensor) else p).copy_(values.pop(id(p)))
-                continue
+                continue  # materialised above
             value = _value(t, values.pop(id(t.tensor)))
             if t.owner is not None:
                 t.owner._buffers[t.attr] = value
