@@ -5,8 +5,10 @@ model (one file, or sharded with a small ``max_shard_size``). On real gloo world
 is built on meta, planned, applied (tp production and validate, cp, ep, FSDP2 on dp after
 the load), loaded; then every parameter, the logits and the loss equal the single-device
 model's, the rotary buffers are recomputed, tied weights are one object, and each rank
-read exactly its own shard's bytes (``read_slice`` is wrapped to count them). Every bad
-input is refused with its own error, and the model stays on meta.
+read exactly its own shard's bytes (``read_slice`` is wrapped to count them). In
+torchtitan's order (apply, ``fully_shard`` on meta, load) at dp=2 x tp=2 each rank reads
+only FSDP's piece, uneven splits included, and one AdamW step equals the single-device
+step. Every bad input is refused with its own error, and the model stays on meta.
 """
 
 from __future__ import annotations
