@@ -13,7 +13,13 @@ at tp=2 and tp=4 (gloo, one fresh process per rank and job), each rank reports:
   (one ``safe_open`` per file, ``get_slice(key)[index]`` copied) in the same process.
   The files are read once beforehand, so both find them in the page cache.
 
-    python benchmarks/checkpoint_load.py [--tiny] [--tp 2 4] [--json out.json]
+With ``--fsdp``, two more jobs at dp=2 x tp=2 (four ranks, FSDP2 per decoder layer and
+on the root over ``mesh["dp"]``): ``fsdp_first`` (apply → ``fully_shard`` on meta →
+``load_pretrained``: each rank reads FSDP's piece only) and ``fsdp_after`` (apply →
+``load_pretrained`` → ``fully_shard``: each rank holds hp's whole tp shard first). Their
+shard is what FSDP keeps on the rank.
+
+    python benchmarks/checkpoint_load.py [--tiny] [--tp 2 4] [--fsdp] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 FULL = dict(
     hidden_size=2048,
@@ -50,6 +57,13 @@ TINY = dict(
     vocab_size=256,
 )
 MIB = 2**20
+FSDP_JOBS = ("fsdp_first", "fsdp_after")
+JOBS = {
+    "meta": "meta + apply + load_pretrained",
+    "full": "from_pretrained + apply",
+    "fsdp_first": "meta + apply + fully_shard + load_pretrained",
+    "fsdp_after": "meta + apply + load_pretrained + fully_shard",
+}
 
 
 def _config(values: dict[str, int]) -> Any:
@@ -134,20 +148,33 @@ def _rank(rank: int, world: int, port: int, path: str, how: str, values: dict, q
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
     import hp_core
     from hp_core.checkpoint import safetensors_files
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    fsdp = how.startswith("fsdp")
+    if fsdp:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+
+    def shard(model: Any) -> None:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+
     dist.barrier()
     baseline = _rss()
     requests: list[tuple[str, str, tuple[slice, ...]]] = []
     start = time.perf_counter()
-    if how == "meta":
+    if how == "meta" or fsdp:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(_config(values), dtype=torch.bfloat16)
         hp_core.apply(model, hp_core.plan(model, mesh), mesh, mode="production")
+        if how == "fsdp_first":
+            shard(model)
         orig = safetensors_files.read_slice
 
         def spy(entry: Any, index: tuple[slice, ...]) -> torch.Tensor:
@@ -159,13 +186,18 @@ def _rank(rank: int, world: int, port: int, path: str, how: str, values: dict, q
         hp_core.load_pretrained(model, path)
         load_s = time.perf_counter() - t0
         safetensors_files.read_slice = orig
+        if how == "fsdp_after":
+            shard(model)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
         hp_core.apply(model, hp_core.plan(model, mesh), mesh, mode="production")
         load_s = float("nan")
     total_s = time.perf_counter() - start
     peak = _peak()
-    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    held = sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+        for p in model.parameters()
+    )
     held += sum(b.numel() * b.element_size() for b in model.buffers())
     direct_s = _direct_read(requests) if requests else float("nan")
     q.put(
@@ -221,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a tiny Llama (for the tests)")
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--dir", type=Path, default=None, help="where to write the checkpoint")
+    parser.add_argument(
+        "--fsdp", action="store_true", help="also dp=2 x tp=2 under FSDP2, loaded before/after"
+    )
     args = parser.parse_args(argv)
     values = TINY if args.tiny else FULL
     root = Path(tempfile.mkdtemp(prefix="hp_ckpt_", dir=args.dir))
@@ -235,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             for how in ("meta", "full")
             for r in _job(tp, str(root), how, values)
         ]
+        if args.fsdp:
+            rows += [r for how in FSDP_JOBS for r in _job(4, str(root), how, values)]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     lines = [
@@ -246,11 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        job = "meta + apply + load_pretrained" if r["how"] == "meta" else "from_pretrained + apply"
+        job = JOBS[r["how"]]
+        tp = f"2 x {r['tp'] // 2} (dp x tp)" if r["how"] in FSDP_JOBS else r["tp"]
         lines.append(
-            f"| {r['tp']} | {r['rank']} | {job} | {r['baseline_bytes'] / MIB:.0f} | "
+            f"| {tp} | {r['rank']} | {job} | {r['baseline_bytes'] / MIB:.0f} | "
             f"{r['shard_bytes'] / MIB:.0f} | {r['peak_rss_bytes'] / MIB:.0f} | "
-            f"{r['ratio']:.2f} | {r['load_s'] if r['how'] == 'meta' else r['total_s']:.1f} | "
+            f"{r['ratio']:.2f} | {r['total_s'] if r['how'] == 'full' else r['load_s']:.1f} | "
             f"{r['direct_read_s']:.1f} | {r['load_over_direct']:.2f} |"
         )
     print("\n".join(lines))

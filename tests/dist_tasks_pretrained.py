@@ -155,13 +155,25 @@ def _state(model: Any) -> list[tuple[Any, Any, Any]]:
     return [(t, t.shape, t.device) for t in tensors]
 
 
+def _kept(model: Any, before: list[tuple[Any, Any, Any]], error: str | None) -> dict[str, Any]:
+    """The error, whether the model's tensors are the same objects of the same shapes and
+    devices as ``before``, and whether they are all still on meta."""
+    after = _state(model)
+    unchanged = len(before) == len(after) and all(
+        a[0] is b[0] and a[1] == b[1] and a[2] == b[2] for a, b in zip(before, after, strict=True)
+    )
+    still_meta = all(
+        (t.to_local() if isinstance(t, DTensor) else t).is_meta
+        for t in [*model.parameters(), *model.buffers()]
+    )
+    return {"error": error, "unchanged": unchanged, "still_meta": still_meta}
+
+
 def _refusal(path: str, how: str) -> dict[str, Any]:
     mesh = _mesh({"tp": dist.get_world_size()})
     family = "qwen2_moe" if how == "moe" else "llama"
     model = _build(family, mesh, "production", {}, {})
     orig = safetensors_files.read_slice
-    if how == "fsdp":
-        fully_shard(model, mesh=_mesh({"dp": dist.get_world_size()}))
     if how == "materialised":
         model = build_family("llama", seed=0)
         hp_core.apply(model, hp_core.plan(model, mesh), mesh)
@@ -185,15 +197,7 @@ def _refusal(path: str, how: str) -> dict[str, Any]:
         error = f"{type(e).__name__}: {e}"
     finally:
         safetensors_files.read_slice = orig
-    after = _state(model)
-    unchanged = len(before) == len(after) and all(
-        a[0] is b[0] and a[1] == b[1] and a[2] == b[2] for a, b in zip(before, after, strict=True)
-    )
-    still_meta = all(
-        (t.to_local() if isinstance(t, DTensor) else t).is_meta
-        for t in [*model.parameters(), *model.buffers()]
-    )
-    return {"error": error, "unchanged": unchanged, "still_meta": still_meta}
+    return _kept(model, before, error)
 
 
 def refusals(cases: dict[str, tuple[str, str]]) -> dict[str, dict[str, Any]]:
@@ -263,3 +267,116 @@ def persistent_buffer(path: str) -> dict[str, Any]:
     hp_core.apply(model, hp_core.plan(model, mesh), mesh)
     hp_core.load_pretrained(model, path)
     return {"value": model.model.pos_scale.tolist(), "device": str(model.model.pos_scale.device)}
+
+
+def _fsdp_first(family: str, mode: str, overrides: dict, hp_on_tp: bool = False) -> Any:
+    """dp=2 x tp=2: meta-build, apply (on the whole mesh, or ``hp_on_tp`` its tp slice),
+    fully_shard per decoder layer and on the root."""
+    mesh = _mesh({"dp": 2, "tp": 2})
+    model = _build(family, mesh["tp"] if hp_on_tp else mesh, mode, overrides, {})
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model, mesh
+
+
+def _loaded_after_fully_shard(path: str, family: str, overrides: dict) -> dict[str, Any]:
+    model, mesh = _fsdp_first(family, "production", overrides)
+    before = [p for _, p in model.named_parameters(remove_duplicate=False)]
+    meta_before = all(p.to_local().is_meta for p in before if isinstance(p, DTensor))
+    with ReadLog() as log:
+        hp_core.load_pretrained(model, path)
+    # Before any forward: FSDP2 keeps the root's parameters unsharded after one.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    after = [p for _, p in model.named_parameters(remove_duplicate=False)]
+    unique = {id(p): p for p in after}.values()
+    reference = build_family(family, seed=0, **overrides)
+    result: dict[str, Any] = {
+        "meta_before": meta_before,
+        "same_objects": all(a is b for a, b in zip(before, after, strict=True)),
+        "all_fsdp": all(isinstance(p, DTensor) and p.device_mesh == mesh["dp"] for p in unique),
+        "local_bytes": sum(p.to_local().numel() * p.itemsize for p in unique),
+        "model_bytes": sum(p.numel() * p.itemsize for p in reference.parameters()),
+        "read_bytes": sum(log.bytes.values()),
+        "read_full": sorted(log.full),
+        "read": dict(log.bytes),
+        "params": _excess(model, reference),
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+        "inv_freq": float(
+            (model.model.rotary_emb.inv_freq - reference.model.rotary_emb.inv_freq).abs().max()
+        ),
+    }
+    batch = family_batch(family, batch=2, seq=16)
+    with torch.no_grad():
+        out = model(input_ids=batch, labels=batch, use_cache=False)
+        ref = reference(input_ids=batch, labels=batch, use_cache=False)
+    result.update(
+        logits=float((_full(out.logits) - ref.logits).abs().max()),
+        loss=float(out.loss),
+        ref_loss=float(ref.loss),
+    )
+    # One AdamW step, each dp rank on its half of the batch (FSDP averages over dp): the
+    # parameters equal the single-device model's after its step on the whole batch.
+    start = {k: v.clone() for k, v in reference.state_dict().items()}
+    half = batch[mesh["dp"].get_local_rank() :][:1]
+    model(input_ids=half, labels=half, use_cache=False).loss.backward()
+    opt.step()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    reference(input_ids=batch, labels=batch, use_cache=False).loss.backward()
+    ref_opt.step()
+    result["stepped"] = max(_excess(model, reference).values())
+    with torch.no_grad():  # the step reached FSDP's storage, which the next forward gathers
+        result["loss2"] = float(model(input_ids=batch, labels=batch, use_cache=False).loss)
+        result["ref_loss2"] = float(reference(input_ids=batch, labels=batch, use_cache=False).loss)
+    result["moved"] = min(
+        float((v.detach() - start[k]).abs().max()) for k, v in reference.named_parameters()
+    )
+    return result
+
+
+def _unchanged_refusal(
+    path: str, mode: str, fail_rank: int | None = None, how: str = ""
+) -> dict[str, Any]:
+    """A refused load after fully_shard: the error, and whether the model stayed as it was.
+    ``how``: "hp_on_tp" (hp applied on the tp slice: FSDP's dp is not in hp's mesh),
+    "reshaped" (a parameter swapped for one of another shape before fully_shard)."""
+    if how == "reshaped":
+        mesh = _mesh({"dp": 2, "tp": 2})
+        model = _build("llama", mesh, mode, {}, {})
+        attn = model.model.layers[0].self_attn
+        attn.q_proj.weight = torch.nn.Parameter(torch.empty(64, 64, device="meta"))
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        model, _ = _fsdp_first("llama", mode, {}, how == "hp_on_tp")
+    orig = safetensors_files.read_slice
+
+    def boom(*args: Any) -> Any:
+        if dist.get_rank() == fail_rank and "layers.1" in args[0].key:
+            raise OSError("disk went away")
+        return orig(*args)
+
+    safetensors_files.read_slice = boom
+    before = _state(model)
+    try:
+        hp_core.load_pretrained(model, path)
+        error = None
+    except hp_core.HpError as e:
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        safetensors_files.read_slice = orig
+    return _kept(model, before, error)
+
+
+def load_after_fully_shard(path: str, uneven_path: str, uneven: dict) -> dict[str, Any]:
+    """torchtitan's order (apply, fully_shard on meta, load_pretrained) on dp=2 x tp=2:
+    llama, a tied llama whose splits are uneven (``uneven``), a read failing on rank 1, and
+    validate mode (refused)."""
+    out = {
+        "untied": _loaded_after_fully_shard(path, "llama", {}),
+        "tied_uneven": _loaded_after_fully_shard(uneven_path, "llama", uneven),
+        "read_fails": _unchanged_refusal(path, "production", 1, "hp_on_tp"),
+        "reshaped": _unchanged_refusal(path, "production", how="reshaped"),
+        "validate": _unchanged_refusal(path, "validate"),
+    }
+    dist.barrier()
+    return out

@@ -5,8 +5,10 @@ model (one file, or sharded with a small ``max_shard_size``). On real gloo world
 is built on meta, planned, applied (tp production and validate, cp, ep, FSDP2 on dp after
 the load), loaded; then every parameter, the logits and the loss equal the single-device
 model's, the rotary buffers are recomputed, tied weights are one object, and each rank
-read exactly its own shard's bytes (``read_slice`` is wrapped to count them). Every bad
-input is refused with its own error, and the model stays on meta.
+read exactly its own shard's bytes (``read_slice`` is wrapped to count them). In
+torchtitan's order (apply, ``fully_shard`` on meta, load) at dp=2 x tp=2 each rank reads
+only FSDP's piece, uneven splits included, and one AdamW step equals the single-device
+step. Every bad input is refused with its own error, and the model stays on meta.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ pytestmark = pytest.mark.distributed
 
 TOL = 1e-6
 TIED = {"tie_word_embeddings": True}
-MODEL_CASES = {"materialised", "not_applied", "fsdp"}
+# Tied, and 130 rows per tp=2 shard of 65: FSDP's dp=2 split is 33 + 32 rows (padded).
+UNEVEN = {**TIED, "intermediate_size": 130, "vocab_size": 130}
+MODEL_CASES = {"materialised", "not_applied"}
 
 
 def _save(family: str, path: Path, **kw: object) -> str:
@@ -45,6 +49,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "llama": _save("llama", root / "llama"),
         "llama_sharded": _save("llama", root / "llama_sharded", max_shard_size="40KB"),
         "tied": _save("llama", root / "tied", overrides=TIED),
+        "uneven": _save("llama", root / "uneven", overrides=UNEVEN),
         "gemma": _save("gemma", root / "gemma"),
         "moe": _save("qwen2_moe", root / "moe", max_shard_size="40KB"),
     }
@@ -144,6 +149,80 @@ def test_fsdp2_on_dp_after_the_load(ckpts):
     )
     for r in results:
         _check_equal(r, NORMS)
+
+
+@pytest.fixture(scope="module")
+def fsdp_first(ckpts) -> list[dict]:
+    return get_world(4).run(tasks.load_after_fully_shard, ckpts["llama"], ckpts["uneven"], UNEVEN)
+
+
+@pytest.mark.parametrize("case", ["untied", "tied_uneven"])
+def test_load_after_fully_shard_reads_only_fsdps_piece(fsdp_first, case):
+    """apply -> fully_shard on meta -> load_pretrained (dp=2 x tp=2): every parameter, the
+    logits, the loss and one AdamW step equal the single-device model's, and each rank
+    read exactly its FSDP piece: a quarter of the model, half of every norm; with uneven
+    splits, FSDP's 33 or 32 rows of hp's 65."""
+    results = [result[case] for result in fsdp_first]
+    norms = len(NORMS) * 64 * 4  # hidden 64, fp32; hp replicates them over tp
+    # All ranks together read the model once, and each norm once per tp rank.
+    assert sum(r["read_bytes"] for r in results) == results[0]["model_bytes"] + norms
+    for rank, r in enumerate(results):
+        assert r["meta_before"] and r["same_objects"] and r["all_fsdp"], r
+        assert max(r["params"].values()) <= TOL, {k: v for k, v in r["params"].items() if v > TOL}
+        assert r["logits"] <= 1e-5 and abs(r["loss"] - r["ref_loss"]) <= 1e-5, r
+        assert r["inv_freq"] == 0.0, r
+        # AdamW's first step is +-lr (1e-3) wherever |grad| >> eps, so rounding in a grad
+        # of ~1e-7 moves an element by a fraction of lr; a missed or misplaced update by lr.
+        assert r["moved"] > 5e-4 and r["stepped"] <= 1e-4, r  # the step moved every tensor
+        assert abs(r["loss2"] - r["ref_loss2"]) <= 1e-5 and r["loss2"] < r["loss"], r
+        assert r["read_bytes"] == r["local_bytes"], r
+        assert r["read_full"] == [], r  # FSDP shards the norms hp replicates
+        for norm in NORMS:
+            assert r["read"][norm] == 64 * 4 // 2, (norm, r["read"])
+        if case == "untied":  # even: hp's and FSDP's splits leave a quarter to each rank
+            assert r["read_bytes"] == (r["model_bytes"] - norms) // 4 + norms // 2, r
+        else:  # rank = 2 * dp + tp; dp rank 0 holds FSDP's padded 33 rows, dp rank 1 32
+            rows = 33 if rank < 2 else 32
+            assert r["read"]["model.layers.0.mlp.gate_proj.weight"] == rows * 64 * 4, r["read"]
+            assert r["read"]["model.embed_tokens.weight"] == rows * 64 * 4, r["read"]
+        assert r["tied"] == (case == "tied_uneven"), r
+
+
+def test_a_read_failing_after_fully_shard_loads_nothing_anywhere(fsdp_first):
+    """hp applied on the tp slice, FSDP on dp: rank 1's read fails, and the ranks of the
+    other tp group (2, 3) refuse too: the agreement covers FSDP's dp as well as hp's mesh."""
+    errors = [r["read_fails"]["error"] for r in fsdp_first]
+    assert "failed on this rank (OSError: disk went away)" in errors[1], errors
+    assert all(e.startswith("CheckpointReadError: ") for e in errors), errors
+    assert "failed on another rank" in errors[0] and "failed on another rank" in errors[3]
+    for r in fsdp_first:
+        assert r["read_fails"]["unchanged"] and r["read_fails"]["still_meta"], r["read_fails"]
+
+
+def test_fsdp_over_a_parameter_hp_did_not_lay_out_refused(fsdp_first):
+    """q_proj swapped for a whole (64, 64) tensor after apply: FSDP wraps a tensor that is
+    not hp's (32, 64) shard, so its pieces say nothing about where they sit."""
+    for r in fsdp_first:
+        assert r["reshaped"]["unchanged"] and r["reshaped"]["still_meta"], r["reshaped"]
+        e = r["reshaped"]["error"]
+        key = "model.layers.0.self_attn.q_proj.weight"
+        assert e.startswith(f"FsdpViewError: {key}: FSDP2's DTensor has the global shape "), e
+        assert "(64, 64), but hp's shard of (64, 64) as {dp: replicate, tp: shard(0)}" in e, e
+        assert not style_problems(e.split(": ", 1)[1], key), style_problems(e, key)
+
+
+def test_validate_mode_after_fully_shard_refused(fsdp_first):
+    for r in fsdp_first:
+        assert r["validate"]["unchanged"] and r["validate"]["still_meta"], r["validate"]
+        e = r["validate"]["error"]
+        assert e.startswith(
+            "NotOnMetaError: FSDPLlamaForCausalLM: FSDP2 (fully_shard) already wraps this "
+            "validate-mode model"
+        ), e
+        message = e.split(": ", 1)[1]
+        assert not style_problems(message, "FSDPLlamaForCausalLM"), style_problems(
+            message, "FSDPLlamaForCausalLM"
+        )
 
 
 def test_a_perturbed_tensor_is_caught(ckpts, tmp_path):
@@ -247,7 +326,6 @@ def refused(ckpts, tmp_path_factory) -> dict[str, dict]:
         "no_safetensors": (str(empty), ""),
         "materialised": (llama, "materialised"),
         "not_applied": (llama, "not_applied"),
-        "fsdp": (llama, "fsdp"),
         "read_fails": (llama, "fail_rank1"),
         "no_buffer_init": (llama, "no_buffer_init"),
     }
@@ -365,14 +443,6 @@ def test_model_hp_did_not_apply_refused(refused):
     assert e.startswith(
         "NotOnMetaError: LlamaForCausalLM: not a model hp_core.apply parallelized"
     ), e
-
-
-def test_after_fully_shard_refused(refused):
-    e = _error(refused, "fsdp")
-    assert e.startswith(
-        "NotOnMetaError: FSDPLlamaForCausalLM: FSDP2 (fully_shard) already wraps"
-    ), e
-    assert "before fully_shard" in e
 
 
 def test_a_read_failing_on_one_rank_loads_nothing_anywhere(refused):

@@ -21,8 +21,14 @@ It then
 A failed load leaves every rank's model as it was: still on meta. Dtypes are never cast
 silently: a checkpoint tensor of another dtype is refused unless ``cast=True``.
 
-FSDP2 comes after: ``apply`` → ``load_pretrained`` → ``fully_shard``. A model that FSDP2
-already wraps is refused (its parameters are FSDP's DTensors over dp, not hp's shards).
+FSDP2 may come before or after. After (``apply`` → ``load_pretrained`` → ``fully_shard``),
+every rank holds hp's whole shard until FSDP splits it over dp. Before (``apply`` →
+``fully_shard`` on meta → ``load_pretrained``, torchtitan's order), each parameter is FSDP's
+DTensor over dp of hp's shard, and each rank reads only FSDP's piece of it: hp's shard
+offset plus FSDP's inside it (``hp_core.runtime.fsdp_views.fsdp_box``), a dp-th of the
+memory. The commit hands each value to FSDP2 through ``nn.Module._apply`` (what
+``to_empty`` uses), whose FSDP2 override adopts it as FSDP's sharded storage. Validate mode
+under FSDP2 is refused (its 2-D DTensors carry no record of which mesh dims are FSDP's).
 """
 
 from __future__ import annotations
@@ -51,8 +57,9 @@ from hp_core.checkpoint.pretrained_errors import (
     NotOnMetaError,
 )
 from hp_core.checkpoint.safetensors_files import CheckpointFiles
-from hp_core.checkpoint.slices import local_ranges, plain_placements, read_local
-from hp_core.runtime.applied import applied, applied_module
+from hp_core.checkpoint.slices import Ranges, local_ranges, plain_placements, read_local
+from hp_core.runtime.applied import AppliedModel, applied, applied_module
+from hp_core.runtime.fsdp_views import fsdp_box
 from hp_core.runtime.param_layout import ParamLayout
 
 if TYPE_CHECKING:
@@ -72,10 +79,17 @@ class _Target:
     layout: ParamLayout | None  # None: replicated, read whole
     owner: nn.Module | None = None  # for a buffer: where it lives
     attr: str = ""
+    fsdp: bool = False  # FSDP2's DTensor over dp: ``ranges`` is its local piece
+    ranges: Ranges | None = None  # None: the layout's local ranges
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.layout.shape) if self.layout is not None else tuple(self.tensor.shape)
+        if self.layout is not None:
+            return tuple(self.layout.shape)
+        return tuple(self.tensor.shape)
+
+    def local_ranges(self) -> Ranges:
+        return self.ranges if self.ranges is not None else local_ranges(self.shape, self.layout)
 
     def describe(self) -> str:
         return self.layout.describe() if self.layout is not None else f"{self.shape} replicated"
@@ -87,12 +101,16 @@ def _listed(keys: Iterable[str]) -> str:
     return ", ".join(keys[:CAP]) + more
 
 
-def _refuse_model(model: nn.Module) -> None:
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
+def _refuse_model(model: nn.Module, state: AppliedModel) -> bool:
+    """Refuse what cannot be loaded; whether FSDP2 wraps (part of) the model."""
+    fsdp = any(isinstance(m, FSDPModule) for m in model.modules())
+    if fsdp and state.mode != "production":
         raise NotOnMetaError(
-            f"{type(model).__name__}: FSDP2 (fully_shard) already wraps this model, so its "
-            "parameters are FSDP's DTensors over dp, not hp's shards.\n"
-            "Fix: call load_pretrained after hp_core.apply and before fully_shard."
+            f"{type(model).__name__}: FSDP2 (fully_shard) already wraps this {state.mode}-mode "
+            "model; its parameters are FSDP's 2-D DTensors, which do not say which mesh dims "
+            "are FSDP's, so load_pretrained cannot tell which slice this rank owns.\n"
+            "Fix: in validate mode call load_pretrained after hp_core.apply and before "
+            "fully_shard (production mode loads either way)."
         )
     real = [
         n
@@ -107,15 +125,21 @@ def _refuse_model(model: nn.Module) -> None:
             "(AutoModelForCausalLM.from_config), then plan and apply it; or use "
             "model.load_state_dict on a materialised model."
         )
+    return fsdp
 
 
-def _targets(model: nn.Module, layouts: Mapping[str, ParamLayout]) -> list[_Target]:
+def _targets(model: nn.Module, layouts: Mapping[str, ParamLayout], fsdp: bool) -> list[_Target]:
     by_id: dict[int, _Target] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in by_id:
             by_id[id(p)].names.append(name)
             continue
         layout = layouts.get(name)
+        if isinstance(p, DTensor) and fsdp:  # FSDP2's DTensor over dp of hp's shard
+            shape, offset = fsdp_box(name, p, layout)
+            ranges = tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
+            by_id[id(p)] = _Target([name], p, layout, fsdp=True, ranges=ranges)
+            continue
         if isinstance(p, DTensor):  # validate: the parameter is its own layout
             layout = ParamLayout(p.device_mesh, tuple(p.placements), p.shape, p.stride())
         by_id[id(p)] = _Target([name], p, layout)
@@ -183,13 +207,17 @@ def _check_one(where: Path, t: _Target, source: Source, cast: bool) -> None:
     files = sorted({str(p.entry.file.name) for p in source.pieces})
     # Stacked experts: every expert needs the same pieces (one missing leaves a hole).
     stacked = [p for p in source.pieces if p.expert is not None]
-    per_expert = [sum(p.expert == e for p in stacked) for e in range(source.shape[0])]
-    lacking = [e for e, n in enumerate(per_expert) if n < max(per_expert, default=0)]
+    # Counted in one pass (dim 0 of a plain tensor is its rows: a vocabulary of 32000).
+    per_expert = [0] * (source.shape[0] if stacked else 0)
+    for e in (p.expert for p in stacked if p.expert is not None):
+        per_expert[e] += 1
+    most = max(per_expert, default=0)
+    lacking = [e for e, n in enumerate(per_expert) if n < most]
     if lacking or len({p.entry.shape for p in stacked}) > 1:
         raise CheckpointShapeError(
             f"{where / files[0]}: {source.describe()} for the model's {t.names[0]} do not "
             f"stack: experts {lacking} have fewer tensors than the others "
-            f"({max(per_expert)}), or the experts' shapes differ "
+            f"({most}), or the experts' shapes differ "
             f"({sorted({p.entry.shape for p in stacked})}).\n"
             "Fix: load a complete checkpoint: every expert with every projection, all of one "
             "shape."
@@ -224,13 +252,27 @@ def _device(mesh: DeviceMesh) -> torch.device:
     return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
-def _agree(mesh: DeviceMesh, failed: bool, device: torch.device) -> bool:
-    """Whether any rank of the mesh failed (a MAX all-reduce along each mesh dim)."""
+def _agree(meshes: list[DeviceMesh], failed: bool, device: torch.device) -> bool:
+    """Whether any rank of the meshes failed (a MAX all-reduce along each mesh dim)."""
     flag = torch.tensor([1 if failed else 0], device=device)
     if dist.is_available() and dist.is_initialized():
-        for dim in range(mesh.ndim):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        for mesh in meshes:
+            for dim in range(mesh.ndim):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
     return bool(flag.item())
+
+
+def _meshes(state: AppliedModel, targets: list[_Target]) -> list[DeviceMesh]:
+    """hp's mesh, and FSDP2's dp meshes where hp's does not hold them: the ranks that must
+    agree (every rank that holds a piece of any parameter)."""
+    out = [state.mesh]
+    for t in targets:
+        mesh = t.tensor.device_mesh if isinstance(t.tensor, DTensor) else None
+        if mesh is not None and t.fsdp and all(mesh != m for m in out):
+            names = set(mesh.mesh_dim_names or ())
+            if not (names and names <= set(state.mesh.mesh_dim_names or ())):
+                out.append(mesh)
+    return out
 
 
 def _value(t: _Target, local: torch.Tensor) -> torch.Tensor:
@@ -244,6 +286,42 @@ def _value(t: _Target, local: torch.Tensor) -> torch.Tensor:
             stride=t.layout.stride,
         )
     return local
+
+
+def _materialise_fsdp(
+    root: nn.Module, targets: list[_Target], values: dict[int, torch.Tensor], device: torch.device
+) -> None:
+    """Give every parameter of an FSDP2-wrapped model its value, through FSDP2's own path.
+
+    ``nn.Module._apply`` (what ``to_empty`` calls) swaps each parameter's contents in place
+    (the objects stay), and FSDP2's ``_apply`` then calls ``reset_sharded_param``, which
+    takes the new local tensor as its sharded storage (a padded copy only where FSDP pads
+    an uneven dim 0). So the read values become FSDP's storage without a second copy of the
+    model. Buffers get empty tensors here; the caller sets them.
+    """
+    new: dict[int, torch.Tensor] = {}
+    for t in targets:
+        if t.owner is not None:
+            continue
+        p, local = t.tensor, values.pop(id(t.tensor)).contiguous()
+        new[id(p)] = (
+            DTensor.from_local(
+                local,
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
+            if isinstance(p, DTensor)
+            else local
+        )
+
+    def value(tensor: torch.Tensor) -> torch.Tensor:
+        found = new.get(id(tensor))  # a tied parameter is visited once per module
+        return found if found is not None else torch.empty_like(tensor, device=device)
+
+    root._apply(value)
 
 
 def load_pretrained(
@@ -264,9 +342,9 @@ def load_pretrained(
             "Fix: build on meta, then hp_core.plan and hp_core.apply, then load_pretrained."
         )
     root = applied_module(model)
-    _refuse_model(root)
+    fsdp = _refuse_model(root, state)
     files = CheckpointFiles.open(Path(path))
-    targets = _targets(root, state.layouts)
+    targets = _targets(root, state.layouts, fsdp)
     sources = _check(root, files, targets, cast)
     device = _device(state.mesh)
     shapes = {id(t.tensor): torch.Size(t.shape) for t in targets}
@@ -282,11 +360,11 @@ def load_pretrained(
     error: Exception | None = None
     try:
         for t in targets:
-            local = read_local(sources[id(t.tensor)], local_ranges(t.shape, t.layout))
+            local = read_local(sources[id(t.tensor)], t.local_ranges())
             values[id(t.tensor)] = local.to(device=device, dtype=t.tensor.dtype)
     except Exception as e:  # any failure here must reach the agreement, or the others hang
         error = e
-    if _agree(state.mesh, error is not None, device):
+    if _agree(_meshes(state, targets), error is not None, device):
         raise CheckpointReadError(
             f"{files.path}: reading the checkpoint failed on "
             f"{'this rank' if error is not None else 'another rank'}"
@@ -296,7 +374,11 @@ def load_pretrained(
         ) from error
     # Commit: nothing below reads or communicates.
     with torch.no_grad():
+        if fsdp:
+            _materialise_fsdp(root, targets, values, device)
         for t in targets:
+            if fsdp and t.owner is None:
+                continue  # materialised above
             value = _value(t, values.pop(id(t.tensor)))
             if t.owner is not None:
                 t.owner._buffers[t.attr] = value

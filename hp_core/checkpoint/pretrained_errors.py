@@ -79,4 +79,4 @@ class CheckpointReadError(PretrainedLoadError, CheckpointLoadError, OSError):
 
 
 class NotOnMetaError(PretrainedLoadError):
-    """A model that is not a meta-built, hp-applied model (or that FSDP2 already wraps)."""
+    """A model that is not a meta-built, hp-applied model (or a validate-mode one FSDP2 wraps)."""

@@ -14,7 +14,9 @@ fewer rows than the others: 4 rows over dp=3 are 2+2+0). A strided view is there
 checked, for every rank, against where hp and FSDP really hold the values (hp's shard
 offset plus FSDP's inside it); where they differ the view is hp's shard gathered over dp
 instead, a copy of that parameter's tp shard that ``load_state_dict``
-(``set_model_state_dict``) reads back.
+(``set_model_state_dict``) reads back. ``fsdp_box`` says, by the same arithmetic, which
+global rows and columns a rank's FSDP piece holds (what ``load_pretrained`` reads after
+``fully_shard``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from hp_core.errors import HpError
 if TYPE_CHECKING:
     from hp_core.runtime.param_layout import ParamLayout
 
-__all__ = ["FsdpViewError", "combined_view", "fsdp_local", "is_fsdp_shard"]
+__all__ = ["FsdpViewError", "combined_view", "fsdp_box", "fsdp_local", "is_fsdp_shard"]
 
 
 class FsdpViewError(HpError, ValueError):
@@ -84,6 +86,31 @@ def is_fsdp_shard(value: DTensor, layout: ParamLayout) -> bool:
         return False
     local, _ = _local_shape_and_offset(layout.shape, layout.mesh, layout.placements)
     return tuple(value.shape) == local
+
+
+def fsdp_box(
+    key: str, value: DTensor, layout: ParamLayout | None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where this rank's FSDP local tensor sits in the parameter's global tensor:
+    ``(shape, global offset)``. ``layout`` is hp's (None: hp replicates the parameter).
+
+    hp's shard is a box of the global tensor (at its layout's offset) and FSDP's chunk of
+    it a box inside (at FSDP's offset in the shard), so the sum is exact for every split,
+    the uneven ones a ``_StridedShard`` view misplaces included.
+    """
+    outer: tuple[int, ...] = (0,) * value.ndim
+    if layout is not None:
+        shard, outer = _local_shape_and_offset(layout.shape, layout.mesh, layout.placements)
+        if shard != tuple(value.shape):
+            raise FsdpViewError(
+                f"{key}: FSDP2's DTensor has the global shape {tuple(value.shape)}, but hp's "
+                f"shard of {layout.describe()} on this rank is {shard}.\n"
+                "FSDP2 must wrap hp's local shard for its pieces to say where they sit.\n"
+                'Fix: call fully_shard(module, mesh=mesh["dp"]) after hp_core.apply, on the '
+                "model apply returned, and do not re-shard its parameters in between."
+            )
+    local, inner = _local_shape_and_offset(value.shape, value.device_mesh, value.placements)
+    return local, tuple(a + b for a, b in zip(outer, inner, strict=True))
 
 
 def _combined(
