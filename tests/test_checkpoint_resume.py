@@ -18,6 +18,7 @@ from hp_core.testing import get_world
 from hp_core.testing.families import build_family
 from tests import dist_tasks_resume as tasks
 from tests import dist_tasks_resume_fsdp as fsdp_tasks
+from tests import dist_tasks_resume_layouts as layout_tasks
 
 pytestmark = pytest.mark.distributed
 
@@ -169,3 +170,22 @@ def test_models_and_optimizers_are_not_kept_alive():
 def test_other_parameter_groups_get_torchs_own_error(refused):
     for r in refused:
         assert r["groups"] == "loaded state dict has a different number of parameter groups"
+
+
+def test_a_tp2_checkpoint_resumes_at_cp2_x_tp2(tp2_checkpoints):
+    """Back into a context-parallel layout: steps 4-6 at cp=2 x tp=2 match one device."""
+    prod, *_ = tp2_checkpoints
+    for r in get_world(4).run(layout_tasks.resume_at_cp_tp, prod):
+        assert r["moments_before"] > 0.5, r
+        assert r["moments"] <= TOL and r["params"] <= TOL, r
+        assert r["losses"] <= 1e-6, r  # the cp loss sums in fp32
+
+
+def test_expert_parallel_model_and_optimizer_move_to_one_process_and_back(tmp_path):
+    results = get_world(2).run(
+        layout_tasks.expert_state_to_one_process_and_back, str(tmp_path / "ep")
+    )
+    single = results[0]
+    assert single["single_before"] > 0.5 and single["single"] <= 1e-6, single
+    for r in results:
+        assert r["back_before"] > 0.5 and r["back"] <= 1e-6, r
