@@ -130,6 +130,24 @@ def test_ep2_reads_only_its_experts(ckpts, mode):
             assert "model.layers.0.mlp.experts.gate_up_proj" in r["sharded"]
 
 
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_hp_stacked_experts_load_from_per_expert_keys(tmp_path, mode):
+    """hp's own stacks (a ModuleList of experts at ep=2): the per-expert checkpoint keys
+    fill the stacked parameter, each rank reading only its two of the four experts."""
+    from tests._toy_models import list_moe_lm
+
+    torch.manual_seed(0)
+    save_file(
+        {k: v.contiguous() for k, v in list_moe_lm().state_dict().items()},
+        str(tmp_path / "model.safetensors"),
+    )
+    results = get_world(2).run(tasks.hp_stacked_experts, str(tmp_path), mode)
+    for rank, r in enumerate(results):
+        assert r["local_shape"] == (2, 32, 64), r  # stacked: this rank's [E / ep, ffn, hidden]
+        assert r["experts_read"] == [2 * rank, 2 * rank + 1], r
+        assert r["keys"] and r["values"] <= 1e-6 and r["logits"] <= 1e-5, r
+
+
 def test_cp2_replicated_parameters_read_whole(ckpts):
     for r in get_world(2).run(tasks.cp_load, ckpts["llama"]):
         assert r["params"] <= TOL and abs(r["loss"] - r["ref_loss"]) <= 1e-5, r

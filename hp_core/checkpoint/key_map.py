@@ -9,7 +9,10 @@ time (``mlp.experts.3.gate_proj.weight``), converted on load by the model type's
 module reads those entries and describes each model tensor as ``Piece``\\ s: which
 checkpoint tensor lands at which expert and offset, so a rank can read the slices of
 just the experts and rows it owns. Conversions other than stacking and concatenating are
-not interpreted; their tensors show up as missing and unexpected keys.
+not interpreted; their tensors show up as missing and unexpected keys. hp's own stacks
+(a per-expert ``ModuleList`` that expert parallelism turned into one ``[E, ...]``
+parameter, ``hp_core.checkpoint.names``) are pieces the same way: expert ``i`` is the
+``i``-th per-expert key.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from hp_core.checkpoint.names import stacked_names
 from hp_core.checkpoint.safetensors_files import TensorEntry
 
 __all__ = ["Piece", "Source", "map_keys"]
@@ -122,6 +126,15 @@ def map_keys(
     plain = _with_prefix([k for k in renamed if renamed[k] not in used], names, prefix)
     stacked = _with_prefix(parts, names, prefix)
     sources: dict[str, Source] = {}
+    # hp's stacks: the model's name is the stack, the checkpoint's are the per-expert names.
+    by_name = {name: renamed[new] for new, name in plain.items()}
+    for name, originals in stacked_names(model).items():
+        keys = [by_name.get(o) for o in originals]
+        if name in names and all(k is not None for k in keys):
+            found = [entries[k] for k in keys if k is not None]
+            pieces = tuple(Piece(entry, e) for e, entry in enumerate(found))
+            sources[name] = Source(pieces, (len(found), *found[0].shape))
+            used.update(k for k in keys if k is not None)
     for new, name in plain.items():
         if name in names:
             entry = entries[renamed[new]]

@@ -15,10 +15,10 @@ from torch import nn
 from hp_core.runtime.applied import applied, applied_module
 from hp_core.runtime.experts import StackedExperts
 
-__all__ = ["original_names"]
+__all__ = ["original_names", "stacked_names"]
 
 
-def _stacked(model: nn.Module) -> dict[str, tuple[str, ...]]:
+def stacked_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """``stacked name → per-expert names`` for every stack ``apply`` installed on ``model``."""
     state = applied(model)
     if state is None:
@@ -53,5 +53,5 @@ def original_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
     apply maps each key to itself.
     """
     module = applied_module(model)
-    stacked = _stacked(module)
+    stacked = stacked_names(module)
     return {key: stacked.get(key, (key,)) for key in module.state_dict()}
