@@ -1,0 +1,124 @@
+"""Rank-side task of the weights matrix: every family the planner takes loads and exports.
+
+For each family of the differential matrix: the seeded single-device model is written
+with ``save_pretrained`` (rank 0), the same config is built on the meta device, planned
+for tp=2 (following the overrides a refusal proposes, as the training matrix does),
+applied in production, filled with ``hp_core.load_pretrained``; its logits must equal the
+single-device model's and ``hp_core.full_state_dict`` must give back the saved state dict.
+A family the planner refuses is recorded as refused (issue 14's ground), never as loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import hp_core
+from hp_core import HpError
+from hp_core.testing.families import build_family, family_batch
+from tests.dist_tasks_matrix import proposed_overrides
+
+
+def _applied(family: str, mesh: Any, mode: str) -> tuple[Any, str | None]:
+    """The family built on meta and applied at tp=2, following the overrides refusals
+    propose (as the training matrix does); or the last refusal."""
+    overrides: list[dict[str, Any]] = []
+    for _ in range(4):
+        model = build_family(family, device="meta")
+        try:
+            plan = hp_core.plan(model, mesh, sequence_parallel=False, overrides=overrides or None)
+            hp_core.apply(model, plan, mesh, mode=mode)
+            return model, None
+        except HpError as e:
+            refusal = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            fix = proposed_overrides(str(e))
+            if fix is None or all(entry in overrides for entry in fix):
+                return None, refusal
+            overrides += [entry for entry in fix if entry not in overrides]
+    return None, refusal
+
+
+def _one(family: str, root: str, mesh: Any, modes: tuple[str, ...]) -> dict[str, Any]:
+    path = os.path.join(root, family)
+    reference = build_family(family, seed=0)
+    ids = family_batch(family, batch=2, seq=16)
+    with torch.no_grad():
+        want = reference(input_ids=ids, use_cache=False).logits
+    saved = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    if dist.get_rank() == 0:
+        reference.save_pretrained(path)
+    dist.barrier()
+    out: dict[str, Any] = {}
+    for mode in modes:
+        model, refused = _applied(family, mesh, mode)
+        out[mode] = (
+            {"refused": refused} if model is None else _loaded(model, path, ids, want, saved)
+        )
+    return out
+
+
+def _loaded(
+    model: Any, path: str, ids: torch.Tensor, want: torch.Tensor, saved: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    try:
+        hp_core.load_pretrained(model, path)
+    except HpError as e:
+        return {"load_error": f"{type(e).__name__}: {e}"}
+    model.eval()
+    with torch.no_grad():
+        got = model(input_ids=ids, use_cache=False).logits
+    exported = hp_core.full_state_dict(model, rank0_only=False)
+    values = max(
+        (float((exported[k] - saved[k]).abs().max()) for k in saved if k in exported),
+        default=float("inf"),
+    )
+    return {
+        "logits": float((got - want).abs().max()),
+        "export_missing": sorted(set(saved) - set(exported)),
+        "export_extra": sorted(set(exported) - set(saved)),
+        "export_values": values,
+    }
+
+
+def weights_matrix(
+    root: str, families: list[str], modes: tuple[str, ...]
+) -> dict[str, dict[str, Any]]:
+    """Every family in ``families``, in each mode: loaded and exported at tp=2, or refused."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    out: dict[str, dict[str, Any]] = {}
+    for family in families:
+        try:
+            out[family] = _one(family, root, mesh, modes)
+        except Exception as e:  # a crash is a finding: report it, keep the others going
+            out[family] = {"crash": f"{type(e).__name__}: {str(e)[:500]}"}
+        dist.barrier()
+    return out
+
+
+def perturbed_family(root: str, family: str) -> dict[str, Any]:
+    """``_one``'s comparison on a checkpoint whose embedding was perturbed after saving."""
+    from safetensors.torch import load_file, save_file  # the hf extra
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    path = os.path.join(root, family)
+    reference = build_family(family, seed=0)
+    ids = family_batch(family, batch=2, seq=16)
+    with torch.no_grad():
+        want = reference(input_ids=ids, use_cache=False).logits
+    saved = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    if dist.get_rank() == 0:
+        reference.save_pretrained(path)
+        file = os.path.join(path, "model.safetensors")
+        tensors = load_file(file)
+        key = next(k for k in tensors if "embed_tokens" in k)
+        tensors[key] = tensors[key] + 0.01
+        save_file(tensors, file, metadata={"format": "pt"})
+    dist.barrier()
+    model, refused = _applied(family, mesh, "production")
+    if model is None:
+        raise RuntimeError(f"{family} was refused: {refused}")
+    return _loaded(model, path, ids, want, saved)
