@@ -3,8 +3,9 @@
 For each family of the differential matrix: the seeded single-device model is written
 with ``save_pretrained`` (rank 0), the same config is built on the meta device, planned
 for tp=2 (following the overrides a refusal proposes, as the training matrix does),
-applied in production, filled with ``hp_core.load_pretrained``; its logits must equal the
-single-device model's and ``hp_core.full_state_dict`` must give back the saved state dict.
+applied, filled with ``hp_core.load_pretrained``; its logits must equal the single-device
+model's, ``hp_core.full_state_dict`` must give back the saved state dict, and its DCP
+checkpoint must load into one whole model in one process with the same values.
 A family the planner refuses is recorded as refused (issue 14's ground), never as loaded.
 """
 
@@ -15,7 +16,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import hp_core
 from hp_core import HpError
@@ -61,6 +65,22 @@ def _one(family: str, root: str, mesh: Any, modes: tuple[str, ...]) -> dict[str,
     return out
 
 
+def _dcp_to_one_process(model: Any, family: str, path: str, saved: dict[str, Any]) -> float | None:
+    """The model's DCP checkpoint (its state dict carries the layouts) loaded into one whole
+    model in one process (rank 0): the worst difference from ``saved``."""
+    dcp.save(get_model_state_dict(model), checkpoint_id=path)
+    worst = None
+    if dist.get_rank() == 0:
+        whole = build_family(family, seed=1)  # other weights until loaded
+        state = whole.state_dict()
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+        whole.load_state_dict(state)
+        got = whole.state_dict()
+        worst = max(float((got[k] - saved[k]).abs().max()) for k in saved)
+    dist.barrier()
+    return worst
+
+
 def _loaded(
     model: Any, path: str, ids: torch.Tensor, want: torch.Tensor, saved: dict[str, torch.Tensor]
 ) -> dict[str, Any]:
@@ -76,8 +96,11 @@ def _loaded(
         (float((exported[k] - saved[k]).abs().max()) for k in saved if k in exported),
         default=float("inf"),
     )
+    family = os.path.basename(path)
+    mode = "validate" if any(isinstance(p, DTensor) for p in model.parameters()) else "production"
     return {
         "logits": float((got - want).abs().max()),
+        "dcp": _dcp_to_one_process(model, family, f"{path}-dcp-{mode}", saved),
         "export_missing": sorted(set(saved) - set(exported)),
         "export_extra": sorted(set(exported) - set(saved)),
         "export_values": values,

@@ -3,7 +3,8 @@
 Every family of ``hp_core.testing.family_matrix`` is saved with ``save_pretrained``, built on
 the meta device, planned and applied at tp=2 (production and validate) and filled with
 ``hp_core.load_pretrained``: its logits equal the single-device model's and
-``hp_core.full_state_dict`` gives back exactly what was saved. A family the planner (or the
+``hp_core.full_state_dict`` gives back exactly what was saved, and so does its DCP
+checkpoint loaded into one whole model in one process. A family the planner (or the
 verifier) refuses is skipped here and counted: refusing is the planner's job (the training
 matrix checks it); loading and exporting everything it takes is this test's.
 """
@@ -44,6 +45,8 @@ def test_every_family_the_planner_takes_loads_and_exports_exactly(matrix):
                 assert r["logits"] <= 1e-5, (family, mode, r)
                 assert not r["export_missing"] and not r["export_extra"], (family, mode, r)
                 assert r["export_values"] == 0.0, (family, mode, r)
+                if r["dcp"] is not None:  # rank 0 loaded the DCP checkpoint in one process
+                    assert r["dcp"] == 0.0, (family, mode, r)
         assert loaded >= AT_LEAST * len(MODES), loaded
 
 
@@ -55,4 +58,4 @@ def test_the_two_modes_plan_the_same_families(matrix):
 def test_a_wrong_value_in_the_checkpoint_fails_the_comparison(tmp_path):
     """Negative control: the same task on a checkpoint with one perturbed tensor reports it."""
     r = get_world(2).run(tasks.perturbed_family, str(tmp_path), "qwen2")[0]
-    assert r["logits"] > 1e-3 or r["export_values"] > 1e-3, r
+    assert r["logits"] > 1e-3 and r["export_values"] > 1e-3 and r["dcp"] > 1e-3, r
