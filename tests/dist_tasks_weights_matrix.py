@@ -4,8 +4,9 @@ For each family of the differential matrix: the seeded single-device model is wr
 with ``save_pretrained`` (rank 0), the same config is built on the meta device, planned
 for tp=2 (following the overrides a refusal proposes, as the training matrix does),
 applied, filled with ``hp_core.load_pretrained``; its logits must equal the single-device
-model's, ``hp_core.full_state_dict`` must give back the saved state dict, and its DCP
-checkpoint must load into one whole model in one process with the same values.
+model's, greedy ``generate()`` (production) its tokens, ``hp_core.full_state_dict`` must
+give back the saved state dict, and its DCP checkpoint must load into one whole model in
+one process with the same values.
 A family the planner refuses is recorded as refused (issue 14's ground), never as loaded.
 """
 
@@ -53,15 +54,21 @@ def _one(family: str, root: str, mesh: Any, modes: tuple[str, ...]) -> dict[str,
     with torch.no_grad():
         want = reference(input_ids=ids, use_cache=False).logits
     saved = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    prompt = ids[:1, :8]
+    tokens = reference.generate(prompt, max_new_tokens=4, do_sample=False)
     if dist.get_rank() == 0:
         reference.save_pretrained(path)
     dist.barrier()
     out: dict[str, Any] = {}
     for mode in modes:
         model, refused = _applied(family, mesh, mode)
-        out[mode] = (
-            {"refused": refused} if model is None else _loaded(model, path, ids, want, saved)
-        )
+        if model is None:
+            out[mode] = {"refused": refused}
+            continue
+        out[mode] = _loaded(model, path, ids, want, saved)
+        if mode == "production" and "load_error" not in out[mode]:  # KV-cache decoding
+            got = model.generate(prompt, max_new_tokens=4, do_sample=False)
+            out[mode]["generate"] = bool(torch.equal(got, tokens))
     return out
 
 

@@ -2,7 +2,8 @@
 
 Every family of ``hp_core.testing.family_matrix`` is saved with ``save_pretrained``, built on
 the meta device, planned and applied at tp=2 (production and validate) and filled with
-``hp_core.load_pretrained``: its logits equal the single-device model's and
+``hp_core.load_pretrained``: its logits equal the single-device model's, greedy
+``generate()`` gives its tokens (production), and
 ``hp_core.full_state_dict`` gives back exactly what was saved, and so does its DCP
 checkpoint loaded into one whole model in one process. A family the planner (or the
 verifier) refuses is skipped here and counted: refusing is the planner's job (the training
@@ -43,6 +44,8 @@ def test_every_family_the_planner_takes_loads_and_exports_exactly(matrix):
                 loaded += 1
                 assert "load_error" not in r, (family, mode, r)
                 assert r["logits"] <= 1e-5, (family, mode, r)
+                if mode == "production":  # greedy tokens through the KV cache
+                    assert r["generate"], (family, mode, r)
                 assert not r["export_missing"] and not r["export_extra"], (family, mode, r)
                 assert r["export_values"] == 0.0, (family, mode, r)
                 if r["dcp"] is not None:  # rank 0 loaded the DCP checkpoint in one process
