@@ -1,4 +1,4 @@
-"""Every rank fails or none does: ``agree``, one all-reduce of a failure flag.
+"""Every rank fails or none does: ``any_failed`` and ``agree``, an all-reduce of a failure flag.
 
 A rank-local problem (a file only this rank reads, a corrupt item in its shard) must stop
 every rank, or the healthy ranks would load a model the failing rank does not have. Each
@@ -10,14 +10,27 @@ its own error and every other rank raises the same class, the message prefixed w
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from hp_core.checkpoint.dcp_errors import CheckpointError, CheckpointLoadError, error_class
 
-__all__ = ["agree", "unwrap"]
+__all__ = ["agree", "any_failed", "unwrap"]
+
+
+def any_failed(
+    failed: bool, device: torch.device, groups: Sequence[ProcessGroup | None] = (None,)
+) -> bool:
+    """Whether any rank failed: a MAX all-reduce of the flag over each of ``groups`` in turn
+    (``None`` is the whole world; the dims of a mesh, one after the other, cover the mesh)."""
+    flag = torch.tensor([1 if failed else 0], device=device, dtype=torch.int32)
+    if dist.is_available() and dist.is_initialized():
+        for group in groups:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def agree(problem: CheckpointError | None, device: torch.device) -> None:
@@ -26,9 +39,7 @@ def agree(problem: CheckpointError | None, device: torch.device) -> None:
         if problem is not None:
             raise problem
         return
-    flag = torch.tensor([0 if problem is None else 1], device=device, dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if int(flag.item()) == 0:
+    if not any_failed(problem is not None, device):
         return
     mine = None if problem is None else (type(problem).__name__, str(problem))
     gathered: list[tuple[str, str] | None] = [None] * dist.get_world_size()

@@ -11,8 +11,8 @@ It then
 2. reads, on each rank, only the slices the rank owns: a sharded parameter's local
    range through safetensors' lazy slicing, routed experts only for the rank's experts;
    replicated parameters and buffers whole;
-3. agrees across the mesh (one small all-reduce per mesh dim) that every rank read
-   everything; only then
+3. agrees across the mesh (one small all-reduce per mesh dim, ``dcp_agree.any_failed``)
+   that every rank read everything; only then
 4. commits: each parameter object gets its values in place (``torch.utils.swap_tensors``,
    so every hook, journal entry and gradient reduction that holds the parameter still
    holds it; tied parameters are one object and stay tied), persistent buffers are set and
@@ -46,6 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hp_core.checkpoint.buffers import non_persistent_buffers, recompute_buffers
+from hp_core.checkpoint.dcp_agree import any_failed
 from hp_core.checkpoint.key_map import Source, map_keys
 from hp_core.checkpoint.pretrained_errors import (
     CheckpointDtypeError,
@@ -252,16 +253,6 @@ def _device(mesh: DeviceMesh) -> torch.device:
     return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
-def _agree(meshes: list[DeviceMesh], failed: bool, device: torch.device) -> bool:
-    """Whether any rank of the meshes failed (a MAX all-reduce along each mesh dim)."""
-    flag = torch.tensor([1 if failed else 0], device=device)
-    if dist.is_available() and dist.is_initialized():
-        for mesh in meshes:
-            for dim in range(mesh.ndim):
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-    return bool(flag.item())
-
-
 def _meshes(state: AppliedModel, targets: list[_Target]) -> list[DeviceMesh]:
     """hp's mesh, and FSDP2's dp meshes where hp's does not hold them: the ranks that must
     agree (every rank that holds a piece of any parameter)."""
@@ -364,7 +355,9 @@ def load_pretrained(
             values[id(t.tensor)] = local.to(device=device, dtype=t.tensor.dtype)
     except Exception as e:  # any failure here must reach the agreement, or the others hang
         error = e
-    if _agree(_meshes(state, targets), error is not None, device):
+    meshes = _meshes(state, targets) if dist.is_initialized() else []
+    groups = [mesh.get_group(d) for mesh in meshes for d in range(mesh.ndim)]
+    if any_failed(error is not None, device, groups):
         raise CheckpointReadError(
             f"{files.path}: reading the checkpoint failed on "
             f"{'this rank' if error is not None else 'another rank'}"
