@@ -83,7 +83,7 @@ def _stream(
         if key in earlier:  # a tied parameter, gathered under its first name (on every rank)
             full = shared.get(earlier[key])
         else:
-            full = full_value(value, layouts.get(key), rank0_only)
+            full = full_value(value, layouts.get(key), rank0_only, key)
         del value
         if not keep:
             del full

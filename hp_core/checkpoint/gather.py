@@ -1,16 +1,16 @@
 """One state-dict value's full tensor: all-gathered to every rank, or gathered to rank 0.
 
 ``full_value`` is what the export calls per entry. A production shard gets its recorded
-layout first (the DTensor view ``saved_view`` builds, no copy); FSDP2's DTensor over dp
-of hp's value is gathered over dp before that. Then:
+layout first (the DTensor view ``saved_view`` builds, no copy; for FSDP2's DTensor over
+dp of hp's value, one DTensor over dp and hp's dims). Then:
 
 * every rank wanting the tensor: ``DTensor.full_tensor()`` (an all-gather, any layout);
 * rank 0 only, and the tensor is split into even pieces along one dimension of a 1-D
-  mesh (tp, or FSDP2's dp): the ranks of the mesh that holds rank 0 send their piece to
+  mesh (tp): the ranks of the mesh that holds rank 0 send their piece to
   rank 0 (``dist.gather``) and keep no full tensor; the other meshes' ranks (other dp
   replicas of the same shards) do nothing. The senders' memory does not grow, and on
   gloo the export of benchmarks/export_memory.py runs 6x faster than with all-gathers;
-* any other layout (the 2-D expert mesh, FSDP2 over a validate DTensor): the all-gather.
+* any other layout (the 2-D expert mesh, FSDP2's dp x tp views): the all-gather.
 """
 
 from __future__ import annotations
@@ -30,13 +30,11 @@ __all__ = ["full_value"]
 _UNHANDLED = object()
 
 
-def full_value(value: Any, layout: ParamLayout | None, rank0_only: bool) -> Any:
+def full_value(value: Any, layout: ParamLayout | None, rank0_only: bool, key: str = "") -> Any:
     """The full tensor of one state-dict value (collective for DTensors and hp's shards);
     None on a rank that does not get it (``rank0_only`` and not rank 0)."""
-    if layout is not None:
-        if isinstance(value, DTensor) and value.device_mesh != layout.mesh:
-            value = value.full_tensor()  # FSDP2's DTensor over dp of hp's local shard
-        value = saved_view(value, layout)
+    if layout is not None:  # hp's shard, or FSDP2's dp DTensor of it: one DTensor over both
+        value = saved_view(value, layout, key)
     if not isinstance(value, DTensor):
         return value
     if rank0_only:

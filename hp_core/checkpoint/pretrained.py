@@ -62,6 +62,7 @@ from hp_core.checkpoint.slices import Ranges, local_ranges, plain_placements, re
 from hp_core.runtime.applied import AppliedModel, applied, applied_module
 from hp_core.runtime.fsdp_views import fsdp_box
 from hp_core.runtime.param_layout import ParamLayout
+from hp_core.runtime.state_views import saved_view
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -267,15 +268,9 @@ def _meshes(state: AppliedModel, targets: list[_Target]) -> list[DeviceMesh]:
 
 
 def _value(t: _Target, local: torch.Tensor) -> torch.Tensor:
+    """What the parameter holds: a validate DTensor's view over ``local``, or ``local``."""
     if isinstance(t.tensor, DTensor) and t.layout is not None:
-        return DTensor.from_local(
-            local,
-            t.layout.mesh,
-            t.layout.placements,
-            run_check=False,
-            shape=t.layout.shape,
-            stride=t.layout.stride,
-        )
+        return saved_view(local, t.layout)
     return local
 
 

@@ -219,25 +219,14 @@ def _exact(
 def combined_view(key: str, value: DTensor, layout: ParamLayout) -> DTensor:
     """FSDP's dp DTensor ``value`` as one DTensor over dp + hp's layout dims (a view)."""
     mesh, placements = _combined(key, value, layout)
-    if _exact(key, value, layout, mesh, placements):
-        return DTensor.from_local(
-            value.to_local(),
-            mesh,
-            placements,
-            run_check=False,
-            shape=layout.shape,
-            stride=layout.stride,
-        )
-    # torch misplaces this uneven split: gather hp's shard over dp (a copy, this key only).
-    mesh, placements = _combined(key, value, layout, gathered=True)
-    shard = value.redistribute(value.device_mesh, [Replicate()] * value.device_mesh.ndim)
+    local = value.to_local()
+    if not _exact(key, value, layout, mesh, placements):
+        # torch misplaces this uneven split: hp's shard gathered over dp (a copy, this key only)
+        mesh, placements = _combined(key, value, layout, gathered=True)
+        whole = value.redistribute(value.device_mesh, [Replicate()] * value.device_mesh.ndim)
+        local = whole.to_local()
     return DTensor.from_local(
-        shard.to_local(),
-        mesh,
-        placements,
-        run_check=False,
-        shape=layout.shape,
-        stride=layout.stride,
+        local, mesh, placements, run_check=False, shape=layout.shape, stride=layout.stride
     )
 
 
