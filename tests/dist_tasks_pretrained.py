@@ -169,26 +169,17 @@ def _kept(model: Any, before: list[tuple[Any, Any, Any]], error: str | None) -> 
     return {"error": error, "unchanged": unchanged, "still_meta": still_meta}
 
 
-def _refusal(path: str, how: str) -> dict[str, Any]:
-    mesh = _mesh({"tp": dist.get_world_size()})
-    family = "qwen2_moe" if how == "moe" else "llama"
-    model = _build(family, mesh, "production", {}, {})
+def _attempt(model: Any, path: str, fail_rank: int | None) -> dict[str, Any]:
+    """load_pretrained on ``model`` (its reads of layer 1 failing on ``fail_rank``): the
+    error, and whether the model stayed exactly as it was."""
     orig = safetensors_files.read_slice
-    if how == "materialised":
-        model = build_family("llama", seed=0)
-        hp_core.apply(model, hp_core.plan(model, mesh), mesh)
-    if how == "not_applied":
-        model = build_family("llama", device="meta")
-    if how == "no_buffer_init":  # an _init_weights that leaves the rotary buffers alone
-        model._init_weights = lambda module: None
-    if how == "fail_rank1":  # rank 1's reads fail mid-way; rank 0's succeed
 
-        def boom(*args: Any) -> Any:
-            if dist.get_rank() == 1 and "layers.1" in args[0].key:
-                raise OSError("disk went away")
-            return orig(*args)
+    def boom(*args: Any) -> Any:
+        if dist.get_rank() == fail_rank and "layers.1" in args[0].key:
+            raise OSError("disk went away")
+        return orig(*args)
 
-        safetensors_files.read_slice = boom
+    safetensors_files.read_slice = boom
     before = _state(model)
     try:
         hp_core.load_pretrained(model, path)
@@ -198,6 +189,21 @@ def _refusal(path: str, how: str) -> dict[str, Any]:
     finally:
         safetensors_files.read_slice = orig
     return _kept(model, before, error)
+
+
+def _refusal(path: str, how: str) -> dict[str, Any]:
+    mesh = _mesh({"tp": dist.get_world_size()})
+    family = "qwen2_moe" if how == "moe" else "llama"
+    model = _build(family, mesh, "production", {}, {})
+    if how == "materialised":
+        model = build_family("llama", seed=0)
+        hp_core.apply(model, hp_core.plan(model, mesh), mesh)
+    if how == "not_applied":
+        model = build_family("llama", device="meta")
+    if how == "no_buffer_init":  # an _init_weights that leaves the rotary buffers alone
+        model._init_weights = lambda module: None
+    # "fail_rank1": rank 1's reads fail mid-way; rank 0's succeed
+    return _attempt(model, path, 1 if how == "fail_rank1" else None)
 
 
 def refusals(cases: dict[str, tuple[str, str]]) -> dict[str, dict[str, Any]]:
@@ -348,23 +354,7 @@ def _unchanged_refusal(
         fully_shard(model, mesh=mesh["dp"])
     else:
         model, _ = _fsdp_first("llama", mode, {}, how == "hp_on_tp")
-    orig = safetensors_files.read_slice
-
-    def boom(*args: Any) -> Any:
-        if dist.get_rank() == fail_rank and "layers.1" in args[0].key:
-            raise OSError("disk went away")
-        return orig(*args)
-
-    safetensors_files.read_slice = boom
-    before = _state(model)
-    try:
-        hp_core.load_pretrained(model, path)
-        error = None
-    except hp_core.HpError as e:
-        error = f"{type(e).__name__}: {e}"
-    finally:
-        safetensors_files.read_slice = orig
-    return _kept(model, before, error)
+    return _attempt(model, path, fail_rank)
 
 
 def load_after_fully_shard(path: str, uneven_path: str, uneven: dict) -> dict[str, Any]:
