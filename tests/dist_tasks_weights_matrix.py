@@ -20,12 +20,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import fully_shard
 
 import hp_core
 from hp_core import HpError
 from hp_core.testing.families import build_family, family_batch
 from tests.dist_tasks_matrix import proposed_overrides
+
+#: The mode name of the FSDP2 pass: production on dp=2 x tp=2, ``fully_shard`` on dp
+#: (the root) before ``load_pretrained``.
+FSDP2 = "fsdp2"
 
 
 def _applied(family: str, mesh: Any, mode: str) -> tuple[Any, str | None]:
@@ -61,11 +65,13 @@ def _one(family: str, root: str, mesh: Any, modes: tuple[str, ...]) -> dict[str,
     dist.barrier()
     out: dict[str, Any] = {}
     for mode in modes:
-        model, refused = _applied(family, mesh, mode)
+        model, refused = _applied(family, mesh, "production" if mode == FSDP2 else mode)
+        if model is not None and mode == FSDP2:  # torchtitan's order: fully_shard on meta
+            fully_shard(model, mesh=mesh["dp"])
         if model is None:
             out[mode] = {"refused": refused}
             continue
-        out[mode] = _loaded(model, path, ids, want, saved)
+        out[mode] = _loaded(model, path, ids, want, saved, mode)
         if mode == "production" and "load_error" not in out[mode]:  # KV-cache decoding
             got = model.generate(prompt, max_new_tokens=4, do_sample=False)
             out[mode]["generate"] = bool(torch.equal(got, tokens))
@@ -89,7 +95,12 @@ def _dcp_to_one_process(model: Any, family: str, path: str, saved: dict[str, Any
 
 
 def _loaded(
-    model: Any, path: str, ids: torch.Tensor, want: torch.Tensor, saved: dict[str, torch.Tensor]
+    model: Any,
+    path: str,
+    ids: torch.Tensor,
+    want: torch.Tensor,
+    saved: dict[str, torch.Tensor],
+    mode: str,
 ) -> dict[str, Any]:
     try:
         hp_core.load_pretrained(model, path)
@@ -104,7 +115,6 @@ def _loaded(
         default=float("inf"),
     )
     family = os.path.basename(path)
-    mode = "validate" if any(isinstance(p, DTensor) for p in model.parameters()) else "production"
     return {
         "logits": float((got - want).abs().max()),
         "dcp": _dcp_to_one_process(model, family, f"{path}-dcp-{mode}", saved),
@@ -117,8 +127,12 @@ def _loaded(
 def weights_matrix(
     root: str, families: list[str], modes: tuple[str, ...]
 ) -> dict[str, dict[str, Any]]:
-    """Every family in ``families``, in each mode: loaded and exported at tp=2, or refused."""
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    """Every family in ``families``, in each mode: loaded and exported at tp=2 (a world of 2)
+    or at dp=2 x tp=2 under FSDP2 (a world of 4, mode ``FSDP2``), or refused."""
+    if dist.get_world_size() == 4:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     out: dict[str, dict[str, Any]] = {}
     for family in families:
         try:
@@ -151,4 +165,4 @@ def perturbed_family(root: str, family: str) -> dict[str, Any]:
     model, refused = _applied(family, mesh, "production")
     if model is None:
         raise RuntimeError(f"{family} was refused: {refused}")
-    return _loaded(model, path, ids, want, saved)
+    return _loaded(model, path, ids, want, saved, "production")

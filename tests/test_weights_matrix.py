@@ -5,7 +5,8 @@ the meta device, planned and applied at tp=2 (production and validate) and fille
 ``hp_core.load_pretrained``: its logits equal the single-device model's, greedy
 ``generate()`` gives its tokens (production), and
 ``hp_core.full_state_dict`` gives back exactly what was saved, and so does its DCP
-checkpoint loaded into one whole model in one process. A family the planner (or the
+checkpoint loaded into one whole model in one process. The same runs at dp=2 x tp=2 under
+FSDP2 (``fully_shard`` before the load). A family the planner (or the
 verifier) refuses is skipped here and counted: refusing is the planner's job (the training
 matrix checks it); loading and exporting everything it takes is this test's.
 """
@@ -33,8 +34,8 @@ def matrix(tmp_path_factory):
     return get_world(2).run(tasks.weights_matrix, root, list(FAMILY_NAMES), MODES)
 
 
-def test_every_family_the_planner_takes_loads_and_exports_exactly(matrix):
-    for rank_result in matrix:
+def _check(results: list[dict], modes: tuple[str, ...]) -> None:
+    for rank_result in results:
         loaded = 0
         for family, by_mode in rank_result.items():
             assert "crash" not in by_mode, (family, by_mode)
@@ -50,7 +51,18 @@ def test_every_family_the_planner_takes_loads_and_exports_exactly(matrix):
                 assert r["export_values"] == 0.0, (family, mode, r)
                 if r["dcp"] is not None:  # rank 0 loaded the DCP checkpoint in one process
                     assert r["dcp"] == 0.0, (family, mode, r)
-        assert loaded >= AT_LEAST * len(MODES), loaded
+        assert loaded >= AT_LEAST * len(modes), loaded
+
+
+def test_every_family_the_planner_takes_loads_and_exports_exactly(matrix):
+    _check(matrix, MODES)
+
+
+def test_under_fsdp2_on_dp_every_family_loads_after_fully_shard(tmp_path):
+    """dp=2 x tp=2, production, ``fully_shard`` on dp before ``load_pretrained``: each rank
+    reads FSDP's piece; logits, the export and the DCP copy equal one device's."""
+    modes = (tasks.FSDP2,)
+    _check(get_world(4).run(tasks.weights_matrix, str(tmp_path), list(FAMILY_NAMES), modes), modes)
 
 
 def test_the_two_modes_plan_the_same_families(matrix):
