@@ -322,6 +322,45 @@ EXTRA_FAMILIES: tuple[Family, ...] = (
         "q/k norms, llama3 RoPE",
     ),
     Family(
+        "gpt_bigcode",
+        "gpt_bigcode",
+        {
+            "vocab_size": 128,
+            "n_embd": 64,
+            "n_layer": 2,
+            "n_head": 4,
+            "n_inner": 128,
+            "n_positions": 256,
+            "multi_query": True,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "tie_word_embeddings": False,
+            **TOKENS,
+        },
+        notes="multi-query attention (one kv head) in a fused nn.Linear c_attn (q then k, v), "
+        "learned positions, LayerNorm and biases on every linear, c_fc/c_proj gelu MLP",
+    ),
+    Family(
+        "mpt",
+        "mpt",
+        {
+            "vocab_size": 128,
+            "d_model": 64,
+            "n_heads": 4,
+            "n_layers": 2,
+            "max_seq_len": 256,
+            "attn_config": {"clip_qkv": 8.0},  # attn_pdrop defaults to 0
+            "resid_pdrop": 0.0,
+            "emb_pdrop": 0.0,
+            "tie_word_embeddings": False,
+            **TOKENS,
+        },
+        attn_implementation="eager",
+        notes="ALiBi (no RoPE), fused Wqkv clamped (clip_qkv), bias-free linears and "
+        "LayerNorms, MLP 4x hidden, eager attention only",
+    ),
+    Family(
         "hunyuan_v1_dense",
         "hunyuan_v1_dense",
         hd(),

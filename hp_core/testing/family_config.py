@@ -91,8 +91,10 @@ BASE: dict[str, Any] = {
 #: Config keys holding one entry per layer: tiled when ``num_hidden_layers`` is overridden.
 PER_LAYER_KEYS = ("layer_types", "no_rope_layers")
 
-#: A sliding window no shorter than any test sequence (families that need one set).
-WINDOW = 256
+#: The sliding window of the families that have one: shorter than the 16-token test batches
+#: (:func:`~hp_core.testing.families.family_batch`), so a sliding layer's mask really drops
+#: keys, and a plan that lost it would not match a single device.
+WINDOW = 8
 
 #: MoE shape: 4 experts, top-2, expert intermediate 32.
 EXPERTS, TOP_K, EXPERT_FFN = 4, 2, 32

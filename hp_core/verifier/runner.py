@@ -36,6 +36,7 @@ from hp_core.errors import HpError
 from hp_core.mesh import mesh_axes
 from hp_core.plans.model import ShardingPlan
 from hp_core.runtime.preflight import PreflightResult, check_locally
+from hp_core.verifier.attribution import failure_site
 from hp_core.verifier.consistency import (
     arrival_check,
     check_input_gradients,
@@ -58,6 +59,24 @@ if TYPE_CHECKING:
     from hp_core.mesh import MeshLike
 
 __all__ = ["VerifyReport", "verify"]
+
+
+def _unattributed(model: nn.Module, error: Exception) -> str:
+    """The message of a meta run that failed in code no probe of hp's was running."""
+    site = failure_site(error)
+    at = ""
+    if site is not None:
+        name, where = site
+        at = f" in {name!r} ({where})" if name else f" in {where}"
+    first = str(error).splitlines()[0] if str(error) else ""
+    return (
+        f"verify(): running {type(model).__name__} on meta tensors failed{at}, outside what hp "
+        f"can attribute: {type(error).__name__}: {first}. "
+        "Fix: if the model runs on one device, that code gets an activation in a layout it does "
+        "not expect (with sequence parallel, activations between blocks are sequence-sharded): "
+        "plan with sequence_parallel=False, or override the boundary that feeds it to hand over "
+        "a whole (replicated) output."
+    )
 
 
 def verify(
@@ -110,10 +129,7 @@ def verify(
             # A finding (VerificationError, AmbiguousGradientError, PlacementMismatchError, ...).
             raise
         except Exception as e:
-            raise UnverifiableError(
-                f"verify(): running {type(model).__name__} on meta tensors failed outside what hp "
-                f"can attribute: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            ) from e
+            raise UnverifiableError(_unattributed(model, e)) from e
         check_modes_agree(val, prod)
         if plain is not None:
             check_layouts(plain, prod, reduced, sizes)
