@@ -35,6 +35,4 @@ def hp_register_templates(register: Callable[[Any], None]) -> None:
 @hookimpl
 def hp_register_inner_wrappers(register: Callable[..., None]) -> None:
     """Register ``sharded_qk_norm``: full-width q/k norms on a tp-sharded projection."""
-    register(
-        SHARDED_QK_NORM, sharded_qk_norm, region_dispatch=True, collectives=norm_collectives
-    )
+    register(SHARDED_QK_NORM, sharded_qk_norm, region_dispatch=True, collectives=norm_collectives)

@@ -1,6 +1,6 @@
 """A norm over the full width of a tensor-parallel projection, computed on its shard.
 
-OLMo-2, OLMo-3 and OLMoE normalize the whole ``q_proj`` / ``k_proj`` output (heads ×
+OLMo-2, OLMo-3 and OLMoE normalize the whole ``q_proj`` / ``k_proj`` output (heads x
 head_dim) with one RMSNorm. When the projection is sharded by heads on ``tp``, each rank
 holds a slice of that width: the norm's weight is sharded the same way (``Shard(0)``) and
 the one quantity that needs every slice — the mean of the squares over the feature dim —

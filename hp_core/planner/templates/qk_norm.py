@@ -1,6 +1,6 @@
 """Full-width q/k norms in an attention block: sharded with the heads, reduced over tp.
 
-A norm whose weight is as long as a tp-sharded projection's whole output (heads ×
+A norm whose weight is as long as a tp-sharded projection's whole output (heads x
 head_dim: OLMo-2, OLMo-3, OLMoE) meets only this rank's slice of that output. Such a
 norm is found from structure — a child module of the attention block whose parameters
 are all 1-D of one length, equal to the output width of a projection the block shards
