@@ -11,14 +11,20 @@ from __future__ import annotations
 import types
 
 import pytest
-from torch.distributed.tensor import Replicate, Shard
+import torch
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
 
+from hp_core import verify
 from hp_core.artifact import freeze, plan_differences, rebuild, same_plan
 from hp_core.injection import Target
 from hp_core.planner.plan import plan
 from hp_core.planner.sharded_norm import (
     SHARDED_QK_NORM,
     ShardedNormError,
+    _GlobalFeatureMean,
+    _grad_placements,
+    _ShardedNorm,
     norm_collectives,
     sharded_qk_norm,
 )
@@ -111,6 +117,25 @@ def test_the_plan_freezes_and_rebuilds_with_its_norm_widths():
     assert again[ATTN].inner_wrapper == p[ATTN].inner_wrapper
 
 
+@pytest.mark.usefixtures("builtin_only")
+@pytest.mark.parametrize(
+    ("family", "mesh", "extra"),
+    [
+        ("olmo2", "tp=2", {}),
+        ("olmo3", "tp=2", {}),
+        ("olmoe", "tp=2", {}),
+        ("olmo2", "tp=4", {"num_key_value_heads": 4}),
+    ],
+)
+def test_the_verifier_accepts_the_plan(family, mesh, extra):
+    """Both modes' code runs on meta copies: no undeclared redistribution, matching shapes."""
+    m = meta(family, **extra)
+    report = verify(m, plan(m, mesh))
+    assert report.partial()  # the sequence-parallel norms' gradients, as for any model
+    # the sharded norms' gradients are whole on every rank: each holds its own heads' rows
+    assert not [name for name in report.partial() if "q_norm" in name or "k_norm" in name]
+
+
 def test_a_norm_that_is_not_a_submodule_is_refused_by_name():
     attn = meta("olmo2").get_submodule(ATTN)
     attn._hp_fqn = ATTN
@@ -176,9 +201,41 @@ def test_a_local_only_norm_on_the_shard_is_caught_by_the_comparison():
         assert missing == r["norm_calls"][phase]["all_reduce"]
 
 
-@pytestmark_dist
+# ------------------------------------------------------------ the norm's pieces
+
+
 def test_a_norm_without_a_feature_mean_is_refused_by_name():
-    for r in get_world(2).run(tasks.not_a_mean_norm):
-        assert r["error"] == "ShardedNormError"
-        assert "took 0" in r["message"]
-        assert style_problems(r["message"], "model.layers.0.self_attn.q_norm (LayerNorm)") == []
+    """A 'norm' whose forward takes no mean over the feature dim (F.layer_norm) is refused."""
+    ln = nn.LayerNorm(8)
+    norm = _ShardedNorm(f"{ATTN}.q_norm", ln, ln.forward, 16, None)
+    with pytest.raises(ShardedNormError) as e:
+        norm(torch.randn(2, 3, 8))
+    assert "took 0" in str(e.value)
+    assert style_problems(str(e.value), f"{ATTN}.q_norm (LayerNorm)") == [], str(e.value)
+
+
+def test_a_norm_that_sees_its_whole_width_runs_unchanged():
+    """Kept whole on tp (an override replicating the projections): no reduction at all."""
+    ln = nn.LayerNorm(8)
+    x = torch.randn(2, 3, 8)
+    out = _ShardedNorm(f"{ATTN}.q_norm", ln, ln.forward, 8, None)(x)
+    assert torch.equal(out, ln(x))
+
+
+def test_only_one_mean_over_the_feature_dim_is_made_global():
+    mode = _GlobalFeatureMean(8, None)
+    x = torch.randn(2, 3, 8)
+    assert mode._feature_mean((x, -1), {})
+    assert mode._feature_mean((x,), {"dim": (2,)})
+    assert not mode._feature_mean((x, 1), {})  # over the sequence
+    assert not mode._feature_mean((x, [1, 2]), {})
+    assert not mode._feature_mean((torch.randn(2, 3, 4), -1), {})  # another width
+    assert not mode._feature_mean((3.0, -1), {})
+
+
+def test_norm_gradients_are_partial_only_where_tokens_are_split():
+    x = types.SimpleNamespace(placements=(Shard(1), Shard(2)), dim=lambda: 3)
+    weight = types.SimpleNamespace(placements=(Replicate(), Shard(0)))
+    assert _grad_placements(weight, x) == (Partial(), Shard(0))  # cp splits tokens
+    whole = types.SimpleNamespace(placements=(Replicate(), Shard(2)), dim=lambda: 3)
+    assert _grad_placements(weight, whole) == (Replicate(), Shard(0))
