@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from hp_core import apply, plan, verify
-from hp_core.planner.sharded_norm import SHARDED_QK_NORM, _WithShardedNorms
+from hp_core.planner.sharded_norm import SHARDED_QK_NORM, _ShardedNorm, _WithShardedNorms
 from hp_core.plans.prediction import input_check_axes, plugin_collectives, step_collectives
 from hp_core.testing.compare import (
     allclose_excess,
@@ -145,3 +145,31 @@ def qk_norm_case(
         },
         "local_norm_shape": tuple(models["prod"].model.layers[0].self_attn.q_norm.weight.shape),
     }
+
+
+def norm_dtypes() -> dict[str, Any]:
+    """A bf16 input through each family's own q_norm, sharded over tp=2 and whole.
+
+    The sharded norm runs the module's own forward, so it upcasts, normalizes and casts
+    back exactly where the module does: OLMo-2 returns bf16, OLMoE (weight x bf16) fp32.
+    """
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    rank = mesh.get_local_rank()
+    out: dict[str, Any] = {}
+    for family in ("olmo2", "olmoe"):
+        norm = build_family(family, seed=0, num_hidden_layers=1).model.layers[0].self_attn.q_norm
+        width = int(norm.weight.shape[0])
+        g = torch.Generator().manual_seed(1)
+        x = (3 * torch.randn(2, 5, width, generator=g)).to(torch.bfloat16)
+        whole = norm(x)
+        shard = copy.deepcopy(norm)
+        shard.weight = nn.Parameter(norm.weight.detach().chunk(2)[rank].clone())
+        fqn = "model.layers.0.self_attn.q_norm"
+        y = _ShardedNorm(fqn, shard, shard.forward, width, mesh.get_group())(x.chunk(2, -1)[rank])
+        expected = whole.chunk(2, -1)[rank]
+        out[family] = {
+            "dtypes": (str(y.dtype), str(whole.dtype)),
+            "max_diff": (y.float() - expected.float()).abs().max().item(),
+            "ulp": expected.float().abs().max().item() * 2.0**-7,  # one bf16 step at the top
+        }
+    return out

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from hp_core import verify
+from hp_core import cli, verify
 from hp_core.artifact import freeze, plan_differences, rebuild, same_plan
 from hp_core.injection import Target
 from hp_core.planner.plan import plan
@@ -31,7 +31,7 @@ from hp_core.planner.sharded_norm import (
 from hp_core.planner.templates import builtin
 from hp_core.plans.prediction import step_collectives
 from hp_core.testing import get_world
-from hp_core.testing.families import build_family
+from hp_core.testing.families import build_family, tiny_family_config
 from tests import dist_tasks_qk_norm as tasks
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 from tests.test_error_style import style_problems
@@ -136,6 +136,16 @@ def test_the_verifier_accepts_the_plan(family, mesh, extra):
     assert not [name for name in report.partial() if "q_norm" in name or "k_norm" in name]
 
 
+@pytest.mark.usefixtures("builtin_only")
+def test_hp_plan_verifies_a_config_and_prints_the_norm_collectives(capsys, tmp_path):
+    tiny_family_config("olmo3").save_pretrained(tmp_path)
+    code = cli.main(["plan", "--model", str(tmp_path), "--mesh", "tp=2", "--verify"])
+    out, err = capsys.readouterr()
+    assert (code, err) == (0, "")
+    assert "collectives per call of inner wrapper 'sharded_qk_norm'" in out
+    assert "\n\nverified on mesh {'tp': 2} in " in out
+
+
 def test_a_norm_that_is_not_a_submodule_is_refused_by_name():
     attn = meta("olmo2").get_submodule(ATTN)
     attn._hp_fqn = ATTN
@@ -150,6 +160,7 @@ def test_without_tp_the_module_keeps_its_forward():
     attn = meta("olmo2").get_submodule(ATTN)
     ctx = types.SimpleNamespace(tp_mesh=None)
     assert sharded_qk_norm(attn, ctx, {"q_norm": 64}) == attn.forward
+    assert sharded_qk_norm(attn, types.SimpleNamespace(tp_mesh=object())) == attn.forward
 
 
 # ------------------------------------------------------------------ distributed
@@ -239,3 +250,13 @@ def test_norm_gradients_are_partial_only_where_tokens_are_split():
     assert _grad_placements(weight, x) == (Partial(), Shard(0))  # cp splits tokens
     whole = types.SimpleNamespace(placements=(Replicate(), Shard(2)), dim=lambda: 3)
     assert _grad_placements(weight, whole) == (Replicate(), Shard(0))
+
+
+@pytestmark_dist
+def test_the_norm_keeps_the_modules_own_dtype_semantics():
+    """bf16 in: OLMo-2's norm returns bf16 and OLMoE's fp32, sharded exactly as whole."""
+    for r in get_world(2).run(tasks.norm_dtypes):
+        assert r["olmo2"]["dtypes"] == ("torch.bfloat16", "torch.bfloat16")
+        assert r["olmoe"]["dtypes"] == ("torch.float32", "torch.float32")
+        for family in ("olmo2", "olmoe"):
+            assert r[family]["max_diff"] <= r[family]["ulp"], r[family]

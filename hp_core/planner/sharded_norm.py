@@ -197,15 +197,15 @@ class _WithShardedNorms:
 
 
 @inner_wrapper
-def sharded_qk_norm(target_module: nn.Module, ctx: Any, norms: dict[str, int]) -> Any:
+def sharded_qk_norm(target_module: nn.Module, ctx: Any, norms: dict[str, int] | None = None) -> Any:
     """Run the attention module with each norm of ``norms`` (child path → full width) sharded.
 
     Each listed norm's input is this rank's feature slice of its projection's output; the
     norm's mean over the feature dim is made global with one all-reduce over ``tp``.
     """
     tp_mesh = getattr(ctx, "tp_mesh", None)
-    if tp_mesh is None:
-        return target_module.forward  # no tp axis: every norm sees its whole width
+    if tp_mesh is None or not norms:
+        return target_module.forward  # no tp axis (or no norm): nothing to reduce
     missing = [p for p in norms if not _has_submodule(target_module, p)]
     if missing:
         fqn = getattr(target_module, "_hp_fqn", type(target_module).__name__)
