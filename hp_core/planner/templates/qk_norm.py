@@ -9,8 +9,8 @@ replicated). Its parameters are sharded ``Shard(0)`` like the projection's rows,
 attention boundary gets the ``sharded_qk_norm`` inner wrapper, which makes the norm's
 mean over the feature dim global with one small all-reduce per norm per pass
 (:mod:`hp_core.planner.sharded_norm`). Under cp the attention's inner-wrapper slot
-belongs to CP's wrapper, so such a block is left as it was (the verifier refuses it and
-proposes keeping it whole on tp).
+belongs to CP's wrapper, so such a block is left as it was (the verifier refuses it;
+keep it whole on tp there).
 """
 
 from __future__ import annotations
@@ -53,12 +53,12 @@ def full_width_norms(ctx: TemplateContext, params: dict[str, dict]) -> dict[str,
         if width is None or width not in sharded_widths or width == head_dim:
             continue
         rels = [f"{path}.{name}" for name, _ in child.named_parameters(recurse=False)]
-        if all(rel in params and layout_is_replicated_on_tp(params[rel]) for rel in rels):
+        if all(rel in params and _replicated_on_tp(params[rel]) for rel in rels):
             found[path] = width
     return found
 
 
-def layout_is_replicated_on_tp(layout: dict) -> bool:
+def _replicated_on_tp(layout: dict) -> bool:
     return not isinstance(layout.get("tp"), Shard)
 
 
