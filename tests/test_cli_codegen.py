@@ -17,6 +17,7 @@ from hp_core.planner.plan import plan
 from hp_core.presets import build_model
 from hp_core.testing.families import tiny_family_config
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
+from tests._qk_norm_helpers import no_qk_norm_scheme  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("builtin_only")
 
@@ -283,6 +284,7 @@ def test_check_reports_lint_problems(capsys, tmp_path):
     )
 
 
+@pytest.mark.usefixtures("no_qk_norm_scheme")  # the planner as before it sharded such norms
 def test_check_refuses_a_plan_the_verifier_refuses(capsys, tmp_path):
     config = tmp_path / "olmo2"
     tiny_family_config("olmo2").save_pretrained(config)  # q/k norms span all heads: tp=2 is wrong

@@ -23,6 +23,7 @@ from hp_core.presets import (
 )
 from hp_core.testing.families import tiny_family_config
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
+from tests._qk_norm_helpers import disable_full_width_norms
 
 pytestmark = pytest.mark.usefixtures("builtin_only")
 
@@ -228,8 +229,10 @@ def summary_of(out: str, mesh: str) -> str:
 
 
 @pytest.fixture
-def olmo2_config(tmp_path) -> Path:
-    """A tiny OLMo-2 config folder: q/k norms span all heads, so tp=2 attention is refused."""
+def olmo2_config(tmp_path, monkeypatch) -> Path:
+    """A tiny OLMo-2 config folder: q/k norms span all heads, so tp=2 attention is refused
+    (by the planner as it was before it sharded such norms)."""
+    disable_full_width_norms(monkeypatch)
     folder = tmp_path / "olmo2"
     tiny_family_config("olmo2").save_pretrained(folder)
     return folder

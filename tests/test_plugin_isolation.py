@@ -501,7 +501,8 @@ def test_an_unknown_wrapper_gets_no_install_hint(capsys, tmp_path):
     assert (code, out) == (2, "")
     line = one_error_line(err, "plan")
     assert "UnknownRegistryItemError: unknown inner wrapper 'my_ring_attention'." in line
-    assert "pip install" not in line and "Known inner wrappers: sdpa_qkv (plugin 'cp'" in line
+    assert "pip install" not in line and "Known inner wrappers: " in line
+    assert "sdpa_qkv (plugin 'cp'" in line and "sharded_qk_norm (plugin 'builtin'" in line
     assert hp(capsys, *argv, "--allow-missing-plugins")[0] == 0
 
 

@@ -27,6 +27,7 @@ from hp_core.verifier import (
 from hp_core.verifier.meta import MetaValues, meta_clone
 from hp_core.verifier.repeats import find_repeats
 from tests import _toy_models as toys
+from tests._qk_norm_helpers import no_qk_norm_scheme  # noqa: F401  (fixture)
 
 
 def meta(family: str, **config) -> nn.Module:
@@ -141,6 +142,7 @@ def test_an_index_attribute_may_differ_but_nothing_else():
 # ------------------------------------------------------------------ what it refuses
 
 
+@pytest.mark.usefixtures("no_qk_norm_scheme")  # the planner as before it sharded such norms
 def test_full_width_qk_norm_on_sharded_projections_is_refused_with_a_fix_that_verifies():
     m = meta("olmo2")
     with pytest.raises(

@@ -13,10 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 from hp_core.hookspecs import PLUGIN_API_VERSION, hookimpl
+from hp_core.planner.sharded_norm import SHARDED_QK_NORM, norm_collectives, sharded_qk_norm
 from hp_core.planner.templates.builtin import DEFAULT_BOUNDARY_TEMPLATES
 from hp_core.planner.templates.roles import DEFAULT_ROLE_RULES
 
-__all__ = ["HP_PLUGIN_API", "hp_register_templates"]
+__all__ = ["HP_PLUGIN_API", "hp_register_inner_wrappers", "hp_register_templates"]
 
 #: The plugin contract this plugin is built for (checked like any plugin's).
 HP_PLUGIN_API = PLUGIN_API_VERSION
@@ -29,3 +30,9 @@ def hp_register_templates(register: Callable[[Any], None]) -> None:
         register(rule)
     for template in DEFAULT_BOUNDARY_TEMPLATES:
         register(template)
+
+
+@hookimpl
+def hp_register_inner_wrappers(register: Callable[..., None]) -> None:
+    """Register ``sharded_qk_norm``: full-width q/k norms on a tp-sharded projection."""
+    register(SHARDED_QK_NORM, sharded_qk_norm, region_dispatch=True, collectives=norm_collectives)

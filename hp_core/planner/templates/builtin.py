@@ -11,6 +11,7 @@ from torch.distributed.tensor import Shard
 
 from hp_core.planner.lints import FusedProjectionError
 from hp_core.planner.templates.context import TemplateContext
+from hp_core.planner.templates.qk_norm import shard_full_width_norms
 from hp_core.planner.templates.roles import BoundaryTemplate, Role
 from hp_core.spec.module_spec import ModuleShardingSpec
 
@@ -44,7 +45,7 @@ def attention(ctx: TemplateContext) -> ModuleShardingSpec:
         out_names=[out, "attn_weights"] if ctx.returns_tuple() else None,
     )
     spec.with_derived(needs_cp_attn=True)
-    return spec
+    return shard_full_width_norms(ctx, spec)  # norms over the whole q/k width (OLMo-2)
 
 
 def mlp(ctx: TemplateContext) -> ModuleShardingSpec:
