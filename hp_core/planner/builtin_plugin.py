@@ -14,6 +14,7 @@ from typing import Any
 
 from hp_core.hookspecs import PLUGIN_API_VERSION, hookimpl
 from hp_core.planner.templates.builtin import DEFAULT_BOUNDARY_TEMPLATES
+from hp_core.planner.templates.linear import SINGLE_MODULE_TEMPLATES
 from hp_core.planner.templates.roles import DEFAULT_ROLE_RULES
 
 __all__ = ["HP_PLUGIN_API", "hp_register_templates"]
@@ -27,5 +28,5 @@ def hp_register_templates(register: Callable[[Any], None]) -> None:
     """Register the default role rules (in precedence order) and boundary templates."""
     for rule in DEFAULT_ROLE_RULES:
         register(rule)
-    for template in DEFAULT_BOUNDARY_TEMPLATES:
+    for template in (*DEFAULT_BOUNDARY_TEMPLATES, *SINGLE_MODULE_TEMPLATES):
         register(template)

@@ -12,7 +12,9 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from hp_core.planner.infer_roles import Inference, infer_roles, is_linear_like
 from hp_core.planner.lints import CoverageError
+from hp_core.planner.templates.module_rules import ModuleRule, kind_role
 from hp_core.planner.templates.roles import Role, RoleRule, classify_param
 from hp_core.spec.module_spec import ModuleShardingSpec
 
@@ -53,6 +55,8 @@ class Block:
     module: nn.Module
     params: dict[str, Role]  # relative param path -> role
     shapes: dict[str, tuple[int, ...]]
+    #: Rank of the activation a single-Linear block reads (the trace's, else 3: [B, S, H]).
+    ndim: int = 3
 
 
 @dataclasses.dataclass
@@ -64,6 +68,8 @@ class ModelStructure:
     module_names: list[str]
     #: Parameters no template claims: param FQN -> (owning module FQN, shape).
     unclaimed: dict[str, tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    #: What the structural inference could not do (e.g. the meta trace failed).
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def model_architectures(model: nn.Module) -> tuple[str, ...]:
@@ -112,6 +118,33 @@ def _ancestors(fqn: str) -> list[str]:
     return out
 
 
+def _split_enclosing(
+    pair_roots: dict[str, str], leaves: dict[str, dict[str, Role]], modules: dict[str, nn.Module]
+) -> dict[str, str]:
+    """An MLP "block" that encloses an attention block is a decoder layer whose MLP has no
+    module of its own (OPT, BioGPT: ``fc1``/``fc2`` beside ``self_attn``): each of its
+    column/row-parallel Linears becomes a boundary of its own instead."""
+    attention = [r for r, k in pair_roots.items() if k == "attention"]
+    out: dict[str, str] = {}
+    for root, kind in pair_roots.items():
+        encloses = any(a != root and (not root or a.startswith(root + ".")) for a in attention)
+        linears = leaves.get(root, {})
+        if not (
+            kind == "mlp"
+            and encloses
+            and linears
+            and all(
+                is_linear_like(modules[leaf]) and role in (Role.COLWISE, Role.ROWWISE)
+                for leaf, role in linears.items()
+            )
+        ):
+            out[root] = kind
+            continue
+        for leaf, role in linears.items():
+            out[leaf] = "linear_colwise" if role is Role.COLWISE else "linear_rowwise"
+    return out
+
+
 def _claim_pass(
     params: Iterable[str],
     roots: dict[str, str],
@@ -137,7 +170,49 @@ def _claim_pass(
             claimed[fqn] = (best, roots[best])
 
 
-def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
+def _named_role(
+    fqn: str, scoped: list[RoleRule], general: list[RoleRule], archs: tuple[str, ...]
+) -> tuple[Role | None, bool]:
+    """``(role, decisive)``: a scoped rule decides; a general one is a hint; none: ``None``."""
+    if scoped and any(r.matches(fqn, archs) for r in scoped):
+        return classify_param(fqn, scoped, archs), True
+    if any(r.matches(fqn, archs) for r in general):
+        return classify_param(fqn, general, archs), False
+    return None, False
+
+
+def _decide_roles(
+    model: nn.Module,
+    params: dict[str, str],
+    rules: list[RoleRule],
+    module_rules: list[ModuleRule],
+    archs: tuple[str, ...],
+) -> tuple[dict[str, Role], Inference]:
+    """Every parameter's role: scoped name rules, then ModuleRules, general name rules
+    (hints), then structure (:mod:`~hp_core.planner.infer_roles`) for the rest."""
+    scoped = [r for r in rules if r.architectures]
+    general = [r for r in rules if not r.architectures]
+    inferred = infer_roles(model, [], module_rules, archs)  # module kinds only
+    roles: dict[str, Role] = {}
+    undecided: list[str] = []
+    for fqn, owner in params.items():
+        role, decisive = _named_role(fqn, scoped, general, archs)
+        kind = inferred.kinds.get(owner)
+        if not decisive and kind is not None and (kind_role(kind) or kind == "keep"):
+            role = kind_role(kind) or Role.REPLICATED
+        if role is None:
+            undecided.append(fqn)
+            role = Role.REPLICATED
+        roles[fqn] = role
+    if undecided or any(k in ("attention", "mlp") for k in inferred.kinds.values()):
+        inferred = infer_roles(model, undecided, module_rules, archs)
+        roles.update(inferred.roles)
+    return roles, inferred
+
+
+def analyse(
+    model: nn.Module, rules: Iterable[RoleRule], module_rules: Iterable[ModuleRule] = ()
+) -> ModelStructure:
     """Classify every parameter and group them into blocks (docs/plans.md, steps 1-2)."""
     rules = list(rules)
     archs = model_architectures(model)
@@ -152,13 +227,13 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
             if p is None:
                 continue
             fqn = f"{mfqn}.{pname}" if mfqn else pname
-            roles[fqn] = classify_param(fqn, rules, archs)
             owner[fqn] = mfqn
             tensors[fqn] = p
             if id(p) in first_by_id:
                 tied[fqn] = first_by_id[id(p)]
             else:
                 first_by_id[id(p)] = fqn
+    roles, inferred = _decide_roles(model, owner, rules, list(module_rules), archs)
 
     claimed: dict[str, tuple[str, str]] = {}  # param fqn -> (block fqn, kind)
 
@@ -179,15 +254,25 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
 
     # 2. Attention / MLP: the parent of each projection leaf, outside MoE blocks.
     pair_roots: dict[str, str] = {}
+    leaves: dict[str, dict[str, Role]] = {}  # root -> projection leaf -> role
     for fqn, role in roles.items():
         if fqn in claimed or role not in _PROJECTION_ROLES:
             continue
         leaf = owner[fqn]
         root = _parent(leaf)
+        leaves.setdefault(root, {}).setdefault(leaf, role)
         if root not in pair_roots:
             pair_roots[root] = "mlp"
-        if role is Role.FUSED_QKV or leaf.rpartition(".")[2] in _ATTENTION_LEAVES:
+        if (
+            role is Role.FUSED_QKV
+            or leaf.rpartition(".")[2] in _ATTENTION_LEAVES
+            or leaf in inferred.attention
+        ):
             pair_roots[root] = "attention"
+    for root, kind in inferred.kinds.items():
+        if root in pair_roots and kind in ("attention", "mlp"):
+            pair_roots[root] = kind
+    pair_roots = _split_enclosing(pair_roots, leaves, modules)
     _claim_pass(roles, pair_roots, claimed, inclusive_owner=owner)
 
     # 3. Embedding, lm_head, norms: their owning module (and whatever lies under it).
@@ -197,6 +282,8 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
             if role is wanted and fqn not in claimed:
                 leaf_roots.setdefault(owner[fqn], kind)
     _claim_pass(roles, leaf_roots, claimed, inclusive_owner=owner)
+    keep_roots = {m: "keep" for m, k in inferred.kinds.items() if k == "keep"}
+    _claim_pass(roles, keep_roots, claimed, inclusive_owner=owner)
 
     # Parameters no template claims: an override may still declare them (checked after
     # the merge by check_unclaimed), so they are recorded here, not rejected.
@@ -240,8 +327,9 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
             rel = fqn[len(mfqn) + 1 :] if mfqn else fqn
             params[rel] = roles[fqn]
             shapes[rel] = tuple(tensors[fqn].shape)
-        blocks.append(Block(mfqn, kinds[mfqn], modules[mfqn], params, shapes))
-    return ModelStructure(blocks, roles, tied, archs, list(modules), unclaimed)
+        ndim = inferred.ndims.get(mfqn, 3)
+        blocks.append(Block(mfqn, kinds[mfqn], modules[mfqn], params, shapes, ndim))
+    return ModelStructure(blocks, roles, tied, archs, list(modules), unclaimed, inferred.notes)
 
 
 def check_unclaimed(structure: ModelStructure, modules: Mapping[str, ModuleShardingSpec]) -> None:
