@@ -298,7 +298,11 @@ def analyse(
     #    hybrid model's linear-attention layer has no attention block that names itself so,
     #    and its layer must shard the residual stream like the others).
     layer_roots: list[str] = []
-    stacks = {f for f, m in modules.items() if isinstance(m, nn.ModuleList | nn.Sequential)}
+    stacks = {
+        f
+        for f, m in modules.items()
+        if isinstance(m, nn.ModuleList | nn.ModuleDict | nn.Sequential)
+    }
     for r, kind in [*pair_roots.items(), *moe_roots.items()]:
         layer = _parent(r)
         in_stack = _parent(layer) in stacks and layer.rpartition(".")[2].isdigit()
