@@ -1,0 +1,79 @@
+"""Models written outside transformers plan with zero configuration and match one device.
+
+Each model of ``hp_core.testing.external_models`` is planned at tp=2 (sequence parallel on
+and off) with no override, no plugin and no registered name: loss, logits and every
+gradient over 2 AdamW steps match a single device in production and validate mode, and
+production matches validate. Fused q/k/v projections (nanoGPT's ``c_attn``, Megatron's
+``linear_qkv``) are refused with FusedProjectionError before any collective.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from hp_core import plan
+from hp_core.planner.lints import FusedProjectionError
+from hp_core.testing import get_world
+from hp_core.testing.external_models import EXTERNAL_MODELS, TitanTransformer, build_external
+from tests import dist_tasks_external as tasks
+
+TOL = 1e-5
+MATCH = ["torchtitan_llama", "megatron_split", "own_llama", "tiny_gpt"]
+FUSED = ["nanogpt", "megatron_fused"]
+CASES = [(n, sp) for n in [*MATCH, *FUSED] for sp in (True, False)]
+
+
+def test_the_zoo_is_fully_listed():
+    assert set(EXTERNAL_MODELS) == {*MATCH, *FUSED}
+
+
+@pytest.mark.distributed
+def test_external_models_match_one_device_or_are_refused_clearly():
+    results = get_world(2).run(tasks.external_cases, CASES)
+    for rank_results in results:
+        for (name, sp), r in zip(CASES, rank_results, strict=True):
+            where = f"{name} (sp={sp})"
+            if name in FUSED:
+                assert r.get("refused") == "FusedProjectionError", (where, r)
+                assert ".params." in r["message"] and "Fix" not in r["message"][:20], where
+                continue
+            assert "refused" not in r, (where, r.get("message", "")[:500])
+            bad = {k: v for k, v in r["excess"].items() if not v <= TOL}
+            assert not bad, (where, bad)
+            assert r["n_grads"] > 0 and not any(r["unmoved"].values()), (where, r["unmoved"])
+            assert r["collectives"] == 0, where
+            assert {"prod-ref:grad", "val-ref:logits", "prod-val:loss"} <= set(r["excess"])
+
+
+@pytest.mark.distributed
+def test_a_runtime_that_forgets_the_gradient_sums_is_caught():
+    """Negative control: the comparison above must be able to fail."""
+    (r, _) = get_world(2).run(tasks.external_case, "own_llama", True, "no_reductions")
+    assert any(v > TOL for k, v in r["excess"].items() if k.endswith(":grad")), r["excess"]
+
+
+def test_fused_projections_found_by_the_trace_are_refused_by_name():
+    """Megatron's ``linear_qkv`` matches no name rule: the trace sees q and k from one matrix."""
+    with pytest.raises(FusedProjectionError, match=r"linear_qkv\.weight is a fused q/k/v"):
+        plan(build_external("megatron_fused"), "tp=2")
+
+
+def _plan_seconds(layers: int) -> float:
+    with torch.device("meta"):
+        model = TitanTransformer(n_layers=layers)
+    t0 = time.perf_counter()
+    p = plan(model, "tp=2")
+    elapsed = time.perf_counter() - t0
+    assert f"layers.{layers - 1}.attention" in p.modules
+    return elapsed
+
+
+def test_planning_stays_linear_in_depth():
+    """Planning (the meta trace included) 4x the layers costs about 4x, not 16x."""
+    _plan_seconds(8)  # warm caches
+    small = min(_plan_seconds(256) for _ in range(2))
+    large = _plan_seconds(1024)
+    assert large / small < 8.0, f"256 layers: {small:.2f}s, 1024 layers: {large:.2f}s"
