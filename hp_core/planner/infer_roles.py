@@ -82,7 +82,7 @@ def _linear_roles(flows: FlowTrace, hidden: int | None, vocab: int | None) -> di
     heads = [f for f in fl.values() if vocab is not None and f.out_width == vocab]
     if heads:
         last = max(heads, key=lambda f: f.order)
-        if not producers(last) and ATTN not in last.inputs:
+        if ATTN not in last.inputs and not last.feeds_attention and hidden in (None, last.in_width):
             out[last.fqn] = Role.LM_HEAD
 
     def reads_stream(fqn: str) -> bool:

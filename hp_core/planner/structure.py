@@ -195,10 +195,12 @@ def _decide_roles(
     inferred = infer_roles(model, [], module_rules, archs)  # module kinds only
     roles: dict[str, Role] = {}
     undecided: list[str] = []
+    whole = {m: k for m, k in inferred.kinds.items() if kind_role(k) or k == "keep"}
     for fqn, owner in params.items():
         role, decisive = _named_role(fqn, scoped, general, archs)
-        kind = inferred.kinds.get(owner)
-        if not decisive and kind is not None and (kind_role(kind) or kind == "keep"):
+        declared = [a for a in (owner, *_ancestors(owner)) if a in whole] if whole else []
+        kind = whole[declared[0]] if declared else None
+        if not decisive and kind is not None:
             role = kind_role(kind) or Role.REPLICATED
         if role is None:
             undecided.append(fqn)
@@ -356,10 +358,12 @@ def check_unclaimed(structure: ModelStructure, modules: Mapping[str, ModuleShard
     more = f"\n  ... and {len(missing) - 10} more" if len(missing) > 10 else ""
     mod = structure.unclaimed[missing[0]][0]
     rel = missing[0][len(mod) + 1 :] if mod else missing[0]
+    why = "".join(f"\n({note})" for note in structure.notes)
     raise UncoveredParameterError(
         "no boundary template claims these parameters, so hp cannot know their layout:\n"
-        f"{lines}{more}\n"
+        f"{lines}{more}{why}\n"
         "Declare them in an override; to keep one whole without wrapping its module's forward:\n"
         f"  - match: {mod!r}\n    is_boundary: false\n    params: {{{rel}: {{tp: replicate}}}}\n"
-        "or register a RoleRule for your architecture through a plugin (docs/plugins.md)."
+        "or register a RoleRule (or a ModuleRule) for your architecture through a plugin "
+        "(docs/plugins.md)."
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,9 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class _Rotary(nn.Module):
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int) -> None:
         super().__init__()
         inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
@@ -178,14 +182,14 @@ class NanoGPT(nn.Module):
             }
         )
         self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
-        self.lm_head.weight = self.transformer["wte"].weight
+        self.lm_head.weight = cast(nn.Embedding, self.transformer["wte"]).weight
 
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, use_cache: bool = False
     ) -> LMOutput:
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.transformer["wte"](input_ids) + self.transformer["wpe"](pos)
-        for block in self.transformer["h"]:
+        for block in self.transformer["h"].children():
             x = block(x)
         return _lm_output(self.lm_head(self.transformer["ln_f"](x)), labels)
 
@@ -352,6 +356,8 @@ class OwnLlama(nn.Module):
 
 # --------------------------------------------------------------------- hand-written GPT
 class EagerSelfAttention(nn.Module):
+    causal: torch.Tensor
+
     def __init__(self) -> None:
         super().__init__()
         self.query = nn.Linear(DIM, DIM)

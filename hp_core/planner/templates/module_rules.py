@@ -46,33 +46,37 @@ class ModuleRule:
     def __post_init__(self) -> None:
         if self.kind not in MODULE_KINDS:
             raise TemplateDefinitionError(
-                f"ModuleRule {self.name!r}: kind must be one of {MODULE_KINDS}, got {self.kind!r}"
+                f"ModuleRule {self.name!r}: kind must be one of {MODULE_KINDS}, got {self.kind!r}. "
+                "Fix: pass one of those kinds (a module to leave unsharded is 'keep')."
             )
         if isinstance(self.architectures, str) or not all(
             isinstance(a, str) for a in self.architectures
         ):
             raise TemplateDefinitionError(
                 f"ModuleRule {self.name!r}: architectures must be a tuple of class names, got "
-                f"{self.architectures!r}"
+                f"{self.architectures!r}. Fix: pass e.g. architectures=('LlamaForCausalLM',)."
             )
         object.__setattr__(self, "architectures", tuple(self.architectures))
         if isinstance(self.match, type):
             if not issubclass(self.match, nn.Module):
                 raise TemplateDefinitionError(
                     f"ModuleRule {self.name!r}: match must be an nn.Module subclass, a class name "
-                    f"or an FQN pattern, got the class {self.match.__name__}"
+                    f"or an FQN pattern, got the class {self.match.__name__}. Fix: match the "
+                    "module's own class (or its name)."
                 )
             return
         if not isinstance(self.match, str):
             raise TemplateDefinitionError(
                 f"ModuleRule {self.name!r}: match must be a regular expression, a class name or "
-                f"an nn.Module subclass, got {self.match!r}"
+                f"an nn.Module subclass, got {self.match!r}. Fix: pass e.g. "
+                "match=r'\\.attn$' or match='MyAttention'."
             )
         try:
             re.compile(self.match)
         except re.error as e:
             raise TemplateDefinitionError(
-                f"ModuleRule {self.name!r}: match {self.match!r} is not a regular expression: {e}"
+                f"ModuleRule {self.name!r}: match {self.match!r} is not a regular expression: {e}. "
+                "Fix: escape the special characters (re.escape) or correct the pattern."
             ) from None
 
     def matches(self, fqn: str, module: nn.Module, architectures: Sequence[str] = ()) -> bool:
