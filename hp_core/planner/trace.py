@@ -25,6 +25,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from hp_core.errors import HpError
+
 __all__ = ["ATTN", "NORM", "STREAM", "FlowTrace", "ProjectionFlow", "TraceFailedError", "trace"]
 
 #: Markers carried in tag sets next to projection module names.
@@ -61,8 +63,9 @@ _NORM_FUNCS: frozenset[Callable[..., Any]] = frozenset(
 )
 
 
-class TraceFailedError(RuntimeError):
-    """The model's forward could not run on the meta device (the planner falls back)."""
+class TraceFailedError(HpError, RuntimeError):
+    """The model's forward could not run on the meta device (the planner falls back and
+    records a plan note; this error never reaches the user)."""
 
 
 @dataclasses.dataclass
