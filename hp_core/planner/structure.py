@@ -42,6 +42,9 @@ _ATTENTION_LEAVES = (
 )
 
 
+_STACKS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
 class UncoveredParameterError(CoverageError):
     """A parameter that no boundary template claims (the planner cannot guess its layout)."""
 
@@ -122,16 +125,21 @@ def _split_enclosing(
     pair_roots: dict[str, str], leaves: dict[str, dict[str, Role]], modules: dict[str, nn.Module]
 ) -> dict[str, str]:
     """An MLP "block" that encloses an attention block is a decoder layer whose MLP has no
-    module of its own (OPT, BioGPT: ``fc1``/``fc2`` beside ``self_attn``): each of its
-    column/row-parallel Linears becomes a boundary of its own instead."""
+    module of its own (OPT, BioGPT: ``fc1``/``fc2`` beside ``self_attn``), and a block that
+    is an element of a layer stack holds the residual add too: each of their column/row-
+    parallel Linears becomes a boundary of its own instead."""
     attention = [r for r, k in pair_roots.items() if k == "attention"]
+    stacks = {f for f, m in modules.items() if isinstance(m, _STACKS)}
     out: dict[str, str] = {}
     for root, kind in pair_roots.items():
-        encloses = any(a != root and (not root or a.startswith(root + ".")) for a in attention)
+        encloses = kind == "mlp" and any(
+            a != root and (not root or a.startswith(root + ".")) for a in attention
+        )
+        # A stack element is a decoder layer: its residual add sits beside the projections.
+        is_layer = bool(root) and _parent(root) in stacks and root.rpartition(".")[2].isdigit()
         linears = leaves.get(root, {})
         if not (
-            kind == "mlp"
-            and encloses
+            (encloses or is_layer)
             and linears
             and all(
                 is_linear_like(modules[leaf]) and role in (Role.COLWISE, Role.ROWWISE)

@@ -3,7 +3,8 @@
 They are what a new user brings: a torchtitan-style Llama, a nanoGPT-style GPT (fused
 ``c_attn``), Megatron-style definitions (fused ``linear_qkv``, and a variant with
 separate ``linear_q``/``linear_k``/``linear_v``), a Llama whose author chose their own
-names, and a hand-written GPT with learned positions and eager attention. None registers
+names, a hand-written GPT with learned positions and eager attention, and one whose
+blocks hold their projections directly. None registers
 anything with hp: the planner must read their structure. Every model takes
 ``forward(input_ids, labels=None, use_cache=None)`` and returns ``.loss`` / ``.logits``
 like a transformers causal LM, so the differential matrix trains them unchanged.
@@ -413,6 +414,48 @@ class TinyGPT(nn.Module):
         return _lm_output(self.head(self.norm_out(x)), labels)
 
 
+# --------------------------------------------------------------------- flat blocks
+class FlatBlock(nn.Module):
+    """Everything in one module: norm, projections, attention and both residual adds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(DIM)
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+        self.ln2 = nn.LayerNorm(DIM)
+        self.i, self.j = nn.Linear(DIM, FFN), nn.Linear(FFN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seq, _ = x.shape
+        h = self.ln(x)
+        q, k, v = (
+            f(h).view(bs, seq, -1, HEAD_DIM).transpose(1, 2) for f in (self.q, self.k, self.v)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(bs, seq, -1))
+        return x + self.j(F.relu(self.i(self.ln2(x))))
+
+
+class FlatGPT(nn.Module):
+    """Blocks whose projections are direct children of the layer (no attention/MLP module):
+    each Linear becomes a boundary of its own."""
+
+    def __init__(self, n_layers: int = LAYERS) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(FlatBlock() for _ in range(n_layers))
+        self.ln_out = nn.LayerNorm(DIM)
+        self.proj_vocab = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, use_cache: bool = False
+    ) -> LMOutput:
+        x = self.wte(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return _lm_output(self.proj_vocab(self.ln_out(x)), labels)
+
+
 EXTERNAL_MODELS: dict[str, Callable[[], nn.Module]] = {
     "torchtitan_llama": TitanTransformer,
     "nanogpt": NanoGPT,
@@ -420,6 +463,7 @@ EXTERNAL_MODELS: dict[str, Callable[[], nn.Module]] = {
     "megatron_split": lambda: MegatronGPT(fused=False),
     "own_llama": OwnLlama,
     "tiny_gpt": TinyGPT,
+    "flat_gpt": FlatGPT,
 }
 
 
