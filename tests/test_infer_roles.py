@@ -16,7 +16,7 @@ from transformers.pytorch_utils import Conv1D
 
 from hp_core import ModuleRule, Role, RoleRule, plan
 from hp_core.planner.infer_roles import infer_roles, is_linear_like
-from hp_core.planner.lints import FusedProjectionError
+from hp_core.planner.lints import FusedProjectionError, PlanningError
 from hp_core.planner.structure import UncoveredParameterError, analyse
 from hp_core.planner.templates import DEFAULT_ROLE_RULES, TemplateDefinitionError
 from hp_core.planner.trace import TraceFailedError, is_norm_module, trace
@@ -229,3 +229,15 @@ def test_undecided_parameters_only_are_inferred():
     assert inf.roles == {} and inf.notes == []
     inf = infer_roles(build_external("tiny_gpt"), ["pos.weight"])
     assert inf.roles == {"pos.weight": Role.REPLICATED} and inf.kinds == {"pos": "keep"}
+
+
+def test_projections_beside_a_layer_code_attention_refuse_context_parallelism():
+    with torch.device("meta"):
+        model = build_external("flat_gpt")
+    p = plan(model, "tp=2")
+    assert p["blocks.0.q"].params["weight"]["tp"] == Shard(0)  # one boundary per Linear
+    assert p["blocks.0.j"].params["weight"]["tp"] == Shard(1)
+    with pytest.raises(PlanningError, match=r"^blocks\.0\.q: this projection feeds") as e:
+        plan(model, "tp=2,cp=2")
+    assert "Fix:" in str(e.value)
+    plan(build_external("tiny_gpt"), "tp=2,cp=2")  # its attention is a module of its own

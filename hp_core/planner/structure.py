@@ -60,6 +60,9 @@ class Block:
     shapes: dict[str, tuple[int, ...]]
     #: Rank of the activation a single-Linear block reads (the trace's, else 3: [B, S, H]).
     ndim: int = 3
+    #: A single-Linear block split out of an attention block: the attention product runs
+    #: in the enclosing layer's own code.
+    in_attention: bool = False
 
 
 @dataclasses.dataclass
@@ -122,7 +125,10 @@ def _ancestors(fqn: str) -> list[str]:
 
 
 def _split_enclosing(
-    pair_roots: dict[str, str], leaves: dict[str, dict[str, Role]], modules: dict[str, nn.Module]
+    pair_roots: dict[str, str],
+    leaves: dict[str, dict[str, Role]],
+    modules: dict[str, nn.Module],
+    split_attention: set[str],
 ) -> dict[str, str]:
     """An MLP "block" that encloses an attention block is a decoder layer whose MLP has no
     module of its own (OPT, BioGPT: ``fc1``/``fc2`` beside ``self_attn``), and a block that
@@ -150,6 +156,8 @@ def _split_enclosing(
             continue
         for leaf, role in linears.items():
             out[leaf] = "linear_colwise" if role is Role.COLWISE else "linear_rowwise"
+            if kind == "attention":
+                split_attention.add(leaf)
     return out
 
 
@@ -282,7 +290,8 @@ def analyse(
     for root, kind in inferred.kinds.items():
         if root in pair_roots and kind in ("attention", "mlp"):
             pair_roots[root] = kind
-    pair_roots = _split_enclosing(pair_roots, leaves, modules)
+    split_attention: set[str] = set()
+    pair_roots = _split_enclosing(pair_roots, leaves, modules, split_attention)
     _claim_pass(roles, pair_roots, claimed, inclusive_owner=owner)
 
     # 3. Embedding, lm_head, norms: their owning module (and whatever lies under it).
@@ -342,7 +351,9 @@ def analyse(
             params[rel] = roles[fqn]
             shapes[rel] = tuple(tensors[fqn].shape)
         ndim = inferred.ndims.get(mfqn, 3)
-        blocks.append(Block(mfqn, kinds[mfqn], modules[mfqn], params, shapes, ndim))
+        blocks.append(
+            Block(mfqn, kinds[mfqn], modules[mfqn], params, shapes, ndim, mfqn in split_attention)
+        )
     return ModelStructure(blocks, roles, tied, archs, list(modules), unclaimed, inferred.notes)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Replicate, Shard
 
+from hp_core.planner.lints import PlanningError
 from hp_core.planner.templates.context import TemplateContext
 from hp_core.planner.templates.roles import BoundaryTemplate
 from hp_core.spec.module_spec import ModuleShardingSpec
@@ -31,7 +32,19 @@ def _features(ctx: TemplateContext) -> NamedPlacement:
     return ctx.layout(tp=Shard(ctx.block.ndim - 1))
 
 
+def _check_cp(ctx: TemplateContext) -> None:
+    if ctx.block.in_attention and ctx.cp > 1:
+        layer = ctx.fqn.rpartition(".")[0]
+        raise PlanningError(
+            f"{ctx.fqn}: this projection feeds or reads an attention product computed in "
+            f"{layer!r}'s own code, which hp cannot make context-parallel (each rank would attend "
+            f"only to its own part of the sequence, cp={ctx.cp}). Fix: plan without cp, or move "
+            "the attention into a module of its own (its projections as children)."
+        )
+
+
 def linear_colwise(ctx: TemplateContext) -> ModuleShardingSpec:
+    _check_cp(ctx)
     x = ctx.first_input()
     params = {rel: ctx.tp_param(Shard(0)) for rel in ctx.block.params}
     return ModuleShardingSpec(
@@ -44,6 +57,7 @@ def linear_colwise(ctx: TemplateContext) -> ModuleShardingSpec:
 
 
 def linear_rowwise(ctx: TemplateContext) -> ModuleShardingSpec:
+    _check_cp(ctx)
     x = ctx.first_input()
     params = {
         rel: ctx.tp_param(Shard(1)) if rel == "weight" else ctx.replicated()
