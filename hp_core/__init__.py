@@ -47,6 +47,7 @@ from hp_core.injection import (
 from hp_core.mesh import MeshSpec
 from hp_core.planner.lints import MeshTypeError, TemplateBuildError
 from hp_core.planner.plan import plan
+from hp_core.planner.templates.module_rules import ModuleRule
 from hp_core.planner.templates.roles import (
     BoundaryTemplate,
     Role,
@@ -125,6 +126,7 @@ __all__ = [
     "MeshSpec",
     "MeshTypeError",
     "MissingShardFileError",
+    "ModuleRule",
     "ModuleShardingSpec",
     "NamedPlacement",
     "NotOnMetaError",

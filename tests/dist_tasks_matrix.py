@@ -59,7 +59,8 @@ def proposed_overrides(message: str) -> list[dict[str, Any]] | None:
     return entries if isinstance(entries, list) and entries else None
 
 
-def _train(models: dict[str, Any], family: str, mesh: Any) -> dict[str, Any]:
+def _train(models: dict[str, Any], family: str, mesh: Any, batch: Any = None) -> dict[str, Any]:
+    """``batch(seed)`` gives the input ids of a step (default: the family's own batch)."""
     # Adam divides each update by that element's own gradient size: an element whose gradient
     # is rounding noise in both runs (an embedding row no token used, a bias whose gradient is
     # mathematically zero) gets a noise-driven update of up to lr * |noise| / eps. eps 1e-5
@@ -72,7 +73,7 @@ def _train(models: dict[str, Any], family: str, mesh: Any) -> dict[str, Any]:
     worst: dict[str, float] = {}
     unmoved: dict[str, set[str]] = {k: set() for k in models}
     for step in range(STEPS):
-        ids = family_batch(family, seed=step)
+        ids = batch(step) if batch is not None else family_batch(family, seed=step)
         res: dict[str, Any] = {}
         for k, m in models.items():
             opts[k].zero_grad(set_to_none=True)

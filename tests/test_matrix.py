@@ -60,7 +60,7 @@ EXPECTED: dict[str, str | tuple[str, str]] = {
     "olmoe": UNAIDED,
     "deepseek_v2": FIXED,
     "deepseek_v3": (REFUSED, FIXED),  # sequence parallel on, off
-    "gpt2": REFUSED,
+    "gpt2": (REFUSED, FIXED),  # fused c_attn (FusedProjectionError), Conv1D MLP
     "gpt_neox": REFUSED,
     "falcon": REFUSED,
     "phi": UNAIDED,
@@ -83,13 +83,13 @@ EXPECTED: dict[str, str | tuple[str, str]] = {
     "ministral": UNAIDED,
     "exaone4": UNAIDED,
     "nemotron": UNAIDED,
-    "persimmon": REFUSED,
-    "gptj": REFUSED,
-    "codegen": REFUSED,
+    "persimmon": FIXED,  # fused query_key_value kept whole; its MLP from structure
+    "gptj": UNAIDED,
+    "codegen": FIXED,  # fused qkv_proj kept whole; its MLP from structure
     "bloom": REFUSED,
-    "opt": REFUSED,
-    "biogpt": REFUSED,
-    "dbrx": REFUSED,
+    "opt": (REFUSED, UNAIDED),  # under SP its layer flattens tokens to 2-D for the MLP
+    "biogpt": UNAIDED,
+    "dbrx": FIXED,  # fused Wqkv kept whole; norm_1/norm_2 are norms by type
     "jetmoe": REFUSED,
     "gpt_oss": FIXED,
     "qwen3_next": FIXED,

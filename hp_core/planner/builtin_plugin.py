@@ -15,6 +15,7 @@ from typing import Any
 from hp_core.hookspecs import PLUGIN_API_VERSION, hookimpl
 from hp_core.planner.sharded_norm import SHARDED_QK_NORM, norm_collectives, sharded_qk_norm
 from hp_core.planner.templates.builtin import DEFAULT_BOUNDARY_TEMPLATES
+from hp_core.planner.templates.linear import SINGLE_MODULE_TEMPLATES
 from hp_core.planner.templates.roles import DEFAULT_ROLE_RULES
 
 __all__ = ["HP_PLUGIN_API", "hp_register_inner_wrappers", "hp_register_templates"]
@@ -28,7 +29,7 @@ def hp_register_templates(register: Callable[[Any], None]) -> None:
     """Register the default role rules (in precedence order) and boundary templates."""
     for rule in DEFAULT_ROLE_RULES:
         register(rule)
-    for template in DEFAULT_BOUNDARY_TEMPLATES:
+    for template in (*DEFAULT_BOUNDARY_TEMPLATES, *SINGLE_MODULE_TEMPLATES):
         register(template)
 
 

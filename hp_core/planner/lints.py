@@ -326,7 +326,7 @@ def compute_deferred_biases(
     module = _module(model, fqn)
     deferred = []
     for rel, named in params.items():
-        if not rel.endswith(".bias"):
+        if not (rel == "bias" or rel.endswith(".bias")):  # "bias": the boundary is the Linear
             continue
         weight = params.get(rel[: -len("bias")] + "weight", {})
         w_tp, b_tp = weight.get("tp"), named.get("tp", Replicate())

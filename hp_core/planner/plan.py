@@ -23,6 +23,7 @@ from hp_core.planner.lints import (
 )
 from hp_core.planner.structure import analyse, check_unclaimed
 from hp_core.planner.templates.context import TemplateContext
+from hp_core.planner.templates.module_rules import ModuleRule
 from hp_core.planner.templates.roles import BoundaryTemplate, RoleRule
 from hp_core.plans.errors import ArgumentTypeError, PlanError
 from hp_core.plans.model import ShardingPlan
@@ -37,11 +38,13 @@ __all__ = ["plan"]
 
 
 def _registered() -> tuple[list[RoleRule], list[BoundaryTemplate]]:
-    rules = [i.value for i in TEMPLATE_REGISTRY.values() if isinstance(i.value, RoleRule)]
-    templates = [
-        i.value for i in TEMPLATE_REGISTRY.values() if isinstance(i.value, BoundaryTemplate)
-    ]
-    return rules, templates
+    values = [i.value for i in TEMPLATE_REGISTRY.values()]
+    rules = [v for v in values if isinstance(v, RoleRule)]
+    return rules, [v for v in values if isinstance(v, BoundaryTemplate)]
+
+
+def _module_rules() -> list[ModuleRule]:
+    return [i.value for i in TEMPLATE_REGISTRY.values() if isinstance(i.value, ModuleRule)]
 
 
 def _pick(
@@ -181,7 +184,7 @@ def plan(
     if loss_parallel:
         _check_loss(model)
     rules, templates = _registered()
-    structure = analyse(model, rules)
+    structure = analyse(model, rules, _module_rules())
     derived: dict[str, ModuleShardingSpec] = {}
     first_layer = True
     for block in structure.blocks:
@@ -233,5 +236,5 @@ def plan(
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
         ep_size=ep_size,
-        notes=notes,
+        notes=[*structure.notes, *notes],
     )

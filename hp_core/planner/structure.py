@@ -12,7 +12,9 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from hp_core.planner.infer_roles import Inference, infer_roles, is_linear_like
 from hp_core.planner.lints import CoverageError
+from hp_core.planner.templates.module_rules import ModuleRule, kind_role
 from hp_core.planner.templates.roles import Role, RoleRule, classify_param
 from hp_core.spec.module_spec import ModuleShardingSpec
 
@@ -40,6 +42,9 @@ _ATTENTION_LEAVES = (
 )
 
 
+_STACKS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
 class UncoveredParameterError(CoverageError):
     """A parameter that no boundary template claims (the planner cannot guess its layout)."""
 
@@ -53,6 +58,11 @@ class Block:
     module: nn.Module
     params: dict[str, Role]  # relative param path -> role
     shapes: dict[str, tuple[int, ...]]
+    #: Rank of the activation a single-Linear block reads (the trace's, else 3: [B, S, H]).
+    ndim: int = 3
+    #: A single-Linear block split out of an attention block: the attention product runs
+    #: in the enclosing layer's own code.
+    in_attention: bool = False
 
 
 @dataclasses.dataclass
@@ -64,6 +74,8 @@ class ModelStructure:
     module_names: list[str]
     #: Parameters no template claims: param FQN -> (owning module FQN, shape).
     unclaimed: dict[str, tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    #: What the structural inference could not do (e.g. the meta trace failed).
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def model_architectures(model: nn.Module) -> tuple[str, ...]:
@@ -112,6 +124,43 @@ def _ancestors(fqn: str) -> list[str]:
     return out
 
 
+def _split_enclosing(
+    pair_roots: dict[str, str],
+    leaves: dict[str, dict[str, Role]],
+    modules: dict[str, nn.Module],
+    split_attention: set[str],
+) -> dict[str, str]:
+    """An MLP "block" that encloses an attention block is a decoder layer whose MLP has no
+    module of its own (OPT, BioGPT: ``fc1``/``fc2`` beside ``self_attn``), and a block that
+    is an element of a layer stack holds the residual add too: each of their column/row-
+    parallel Linears becomes a boundary of its own instead."""
+    attention = [r for r, k in pair_roots.items() if k == "attention"]
+    stacks = {f for f, m in modules.items() if isinstance(m, _STACKS)}
+    out: dict[str, str] = {}
+    for root, kind in pair_roots.items():
+        encloses = kind == "mlp" and any(
+            a != root and (not root or a.startswith(root + ".")) for a in attention
+        )
+        # A stack element is a decoder layer: its residual add sits beside the projections.
+        is_layer = bool(root) and _parent(root) in stacks and root.rpartition(".")[2].isdigit()
+        linears = leaves.get(root, {})
+        if not (
+            (encloses or is_layer)
+            and linears
+            and all(
+                is_linear_like(modules[leaf]) and role in (Role.COLWISE, Role.ROWWISE)
+                for leaf, role in linears.items()
+            )
+        ):
+            out[root] = kind
+            continue
+        for leaf, role in linears.items():
+            out[leaf] = "linear_colwise" if role is Role.COLWISE else "linear_rowwise"
+            if kind == "attention":
+                split_attention.add(leaf)
+    return out
+
+
 def _claim_pass(
     params: Iterable[str],
     roots: dict[str, str],
@@ -137,7 +186,51 @@ def _claim_pass(
             claimed[fqn] = (best, roots[best])
 
 
-def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
+def _named_role(
+    fqn: str, scoped: list[RoleRule], general: list[RoleRule], archs: tuple[str, ...]
+) -> tuple[Role | None, bool]:
+    """``(role, decisive)``: a scoped rule decides; a general one is a hint; none: ``None``."""
+    if scoped and any(r.matches(fqn, archs) for r in scoped):
+        return classify_param(fqn, scoped, archs), True
+    if any(r.matches(fqn, archs) for r in general):
+        return classify_param(fqn, general, archs), False
+    return None, False
+
+
+def _decide_roles(
+    model: nn.Module,
+    params: dict[str, str],
+    rules: list[RoleRule],
+    module_rules: list[ModuleRule],
+    archs: tuple[str, ...],
+) -> tuple[dict[str, Role], Inference]:
+    """Every parameter's role: scoped name rules, then ModuleRules, general name rules
+    (hints), then structure (:mod:`~hp_core.planner.infer_roles`) for the rest."""
+    scoped = [r for r in rules if r.architectures]
+    general = [r for r in rules if not r.architectures]
+    inferred = infer_roles(model, [], module_rules, archs)  # module kinds only
+    roles: dict[str, Role] = {}
+    undecided: list[str] = []
+    whole = {m: k for m, k in inferred.kinds.items() if kind_role(k) or k == "keep"}
+    for fqn, owner in params.items():
+        role, decisive = _named_role(fqn, scoped, general, archs)
+        declared = [a for a in (owner, *_ancestors(owner)) if a in whole] if whole else []
+        kind = whole[declared[0]] if declared else None
+        if not decisive and kind is not None:
+            role = kind_role(kind) or Role.REPLICATED
+        if role is None:
+            undecided.append(fqn)
+            role = Role.REPLICATED
+        roles[fqn] = role
+    if undecided or any(k in ("attention", "mlp") for k in inferred.kinds.values()):
+        inferred = infer_roles(model, undecided, module_rules, archs)
+        roles.update(inferred.roles)
+    return roles, inferred
+
+
+def analyse(
+    model: nn.Module, rules: Iterable[RoleRule], module_rules: Iterable[ModuleRule] = ()
+) -> ModelStructure:
     """Classify every parameter and group them into blocks (docs/plans.md, steps 1-2)."""
     rules = list(rules)
     archs = model_architectures(model)
@@ -152,13 +245,13 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
             if p is None:
                 continue
             fqn = f"{mfqn}.{pname}" if mfqn else pname
-            roles[fqn] = classify_param(fqn, rules, archs)
             owner[fqn] = mfqn
             tensors[fqn] = p
             if id(p) in first_by_id:
                 tied[fqn] = first_by_id[id(p)]
             else:
                 first_by_id[id(p)] = fqn
+    roles, inferred = _decide_roles(model, owner, rules, list(module_rules), archs)
 
     claimed: dict[str, tuple[str, str]] = {}  # param fqn -> (block fqn, kind)
 
@@ -179,15 +272,26 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
 
     # 2. Attention / MLP: the parent of each projection leaf, outside MoE blocks.
     pair_roots: dict[str, str] = {}
+    leaves: dict[str, dict[str, Role]] = {}  # root -> projection leaf -> role
     for fqn, role in roles.items():
         if fqn in claimed or role not in _PROJECTION_ROLES:
             continue
         leaf = owner[fqn]
         root = _parent(leaf)
+        leaves.setdefault(root, {}).setdefault(leaf, role)
         if root not in pair_roots:
             pair_roots[root] = "mlp"
-        if role is Role.FUSED_QKV or leaf.rpartition(".")[2] in _ATTENTION_LEAVES:
+        if (
+            role is Role.FUSED_QKV
+            or leaf.rpartition(".")[2] in _ATTENTION_LEAVES
+            or leaf in inferred.attention
+        ):
             pair_roots[root] = "attention"
+    for root, kind in inferred.kinds.items():
+        if root in pair_roots and kind in ("attention", "mlp"):
+            pair_roots[root] = kind
+    split_attention: set[str] = set()
+    pair_roots = _split_enclosing(pair_roots, leaves, modules, split_attention)
     _claim_pass(roles, pair_roots, claimed, inclusive_owner=owner)
 
     # 3. Embedding, lm_head, norms: their owning module (and whatever lies under it).
@@ -197,6 +301,8 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
             if role is wanted and fqn not in claimed:
                 leaf_roots.setdefault(owner[fqn], kind)
     _claim_pass(roles, leaf_roots, claimed, inclusive_owner=owner)
+    keep_roots = {m: "keep" for m, k in inferred.kinds.items() if k == "keep"}
+    _claim_pass(roles, keep_roots, claimed, inclusive_owner=owner)
 
     # Parameters no template claims: an override may still declare them (checked after
     # the merge by check_unclaimed), so they are recorded here, not rejected.
@@ -211,7 +317,11 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
     #    hybrid model's linear-attention layer has no attention block that names itself so,
     #    and its layer must shard the residual stream like the others).
     layer_roots: list[str] = []
-    stacks = {f for f, m in modules.items() if isinstance(m, nn.ModuleList | nn.Sequential)}
+    stacks = {
+        f
+        for f, m in modules.items()
+        if isinstance(m, nn.ModuleList | nn.ModuleDict | nn.Sequential)
+    }
     for r, kind in [*pair_roots.items(), *moe_roots.items()]:
         layer = _parent(r)
         in_stack = _parent(layer) in stacks and layer.rpartition(".")[2].isdigit()
@@ -240,8 +350,11 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
             rel = fqn[len(mfqn) + 1 :] if mfqn else fqn
             params[rel] = roles[fqn]
             shapes[rel] = tuple(tensors[fqn].shape)
-        blocks.append(Block(mfqn, kinds[mfqn], modules[mfqn], params, shapes))
-    return ModelStructure(blocks, roles, tied, archs, list(modules), unclaimed)
+        ndim = inferred.ndims.get(mfqn, 3)
+        blocks.append(
+            Block(mfqn, kinds[mfqn], modules[mfqn], params, shapes, ndim, mfqn in split_attention)
+        )
+    return ModelStructure(blocks, roles, tied, archs, list(modules), unclaimed, inferred.notes)
 
 
 def check_unclaimed(structure: ModelStructure, modules: Mapping[str, ModuleShardingSpec]) -> None:
@@ -264,10 +377,12 @@ def check_unclaimed(structure: ModelStructure, modules: Mapping[str, ModuleShard
     more = f"\n  ... and {len(missing) - 10} more" if len(missing) > 10 else ""
     mod = structure.unclaimed[missing[0]][0]
     rel = missing[0][len(mod) + 1 :] if mod else missing[0]
+    why = "".join(f"\n({note})" for note in structure.notes)
     raise UncoveredParameterError(
         "no boundary template claims these parameters, so hp cannot know their layout:\n"
-        f"{lines}{more}\n"
+        f"{lines}{more}{why}\n"
         "Declare them in an override; to keep one whole without wrapping its module's forward:\n"
         f"  - match: {mod!r}\n    is_boundary: false\n    params: {{{rel}: {{tp: replicate}}}}\n"
-        "or register a RoleRule for your architecture through a plugin (docs/plugins.md)."
+        "or register a RoleRule (or a ModuleRule) for your architecture through a plugin "
+        "(docs/plugins.md)."
     )

@@ -134,7 +134,18 @@ def classify_param(fqn: str, rules: Iterable[RoleRule], architectures: Sequence[
 
 
 #: Boundary kinds the planner recognises in a model's structure.
-BOUNDARY_KINDS = ("embed", "lm_head", "norm", "attention", "mlp", "moe", "layer")
+BOUNDARY_KINDS = (
+    "embed",
+    "lm_head",
+    "norm",
+    "attention",
+    "mlp",
+    "moe",
+    "layer",
+    "keep",
+    "linear_colwise",
+    "linear_rowwise",
+)
 
 
 @keyword_checked

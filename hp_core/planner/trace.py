@@ -1,0 +1,236 @@
+"""A dataflow trace of a model on the meta device: which projection feeds what.
+
+The model runs once through ``torch.func.functional_call`` with meta copies of its
+parameters and buffers and tiny meta input ids, so nothing of the user's model is
+copied, allocated or kept. A ``TorchFunctionMode`` tags every tensor with the
+projections whose outputs it derives from (reset at each projection and each norm) and
+records, per projection module: what its input derives from, whether its output meets
+another projection's in an activation-by-activation product (the attention product), and
+its widths. Embedding lookups are recorded with whether they read the input ids.
+
+Tag sets are capped (a tensor derived from many projections is the residual stream), so
+each op costs O(1) and the trace is linear in the model's depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from hp_core.errors import HpError
+
+__all__ = ["ATTN", "NORM", "STREAM", "FlowTrace", "ProjectionFlow", "TraceFailedError", "trace"]
+
+#: Markers carried in tag sets next to projection module names.
+ATTN = "<attention product>"
+NORM = "<norm>"
+STREAM = "<stream>"
+INPUT = "<input ids>"
+_MARKERS = (ATTN, NORM, STREAM, INPUT)
+_CAP = 6  # more producers than this: the residual stream
+
+_LINEAR_FUNCS: frozenset[Callable[..., Any]] = frozenset(
+    {F.linear, torch.addmm, torch.mm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+)
+_PRODUCT_FUNCS: frozenset[Callable[..., Any]] = frozenset(
+    {
+        F.scaled_dot_product_attention,
+        torch.matmul,
+        torch.Tensor.matmul,
+        torch.Tensor.__matmul__,
+        torch.bmm,
+        torch.Tensor.bmm,
+        torch.baddbmm,
+        torch.einsum,
+    }
+)
+_DATA_FUNCS: dict[Callable[..., Any], Any] = {
+    torch.Tensor.item: 0,
+    torch.Tensor.__bool__: True,
+    torch.Tensor.__int__: 0,
+    torch.Tensor.__index__: 0,
+}
+_NORM_FUNCS: frozenset[Callable[..., Any]] = frozenset(
+    {F.layer_norm, F.rms_norm, F.group_norm, torch.layer_norm, torch.rms_norm}
+)
+
+
+class TraceFailedError(HpError, RuntimeError):
+    """The model's forward could not run on the meta device (the planner falls back and
+    records a plan note; this error never reaches the user)."""
+
+
+@dataclasses.dataclass
+class ProjectionFlow:
+    """What the trace saw of one projection module (a Linear-like parameter owner)."""
+
+    fqn: str
+    order: int  # first call, in forward order
+    in_width: int
+    out_width: int
+    in_ndim: int
+    inputs: set[str] = dataclasses.field(default_factory=set)  # projections / markers
+    feeds_attention: bool = False
+    #: Its output meets itself in an attention product (q and k from one matrix).
+    fused_attention: bool = False
+
+
+@dataclasses.dataclass
+class FlowTrace:
+    projections: dict[str, ProjectionFlow]
+    #: Embedding module FQN → whether it looked up the model's input ids.
+    embeddings: dict[str, bool]
+
+
+def is_norm_module(module: nn.Module) -> bool:
+    """LayerNorm/RMSNorm-like: a norm class (by type or class name) holding only 1-D params."""
+    params = list(module.parameters(recurse=False))
+    if not params or any(p.dim() != 1 for p in params) or list(module.children()):
+        return False
+    if isinstance(module, nn.LayerNorm | nn.GroupNorm | nn.RMSNorm):
+        return True
+    return "norm" in type(module).__name__.lower()
+
+
+class _Tagger(TorchFunctionMode):
+    def __init__(self, owners: dict[int, str], ids: torch.Tensor) -> None:
+        super().__init__()
+        self.owners = owners  # id(meta param) -> owning module fqn
+        self.tags: dict[int, frozenset[str]] = {id(ids): frozenset({INPUT})}
+        self.keep: list[torch.Tensor] = [ids]  # ids stay unique while the trace runs
+        self.flows: dict[str, ProjectionFlow] = {}
+        self.embeddings: dict[str, bool] = {}
+
+    def _tag(self, out: Any, tags: frozenset[str]) -> None:
+        if len(tags) > _CAP:
+            tags = frozenset({STREAM})
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.tags[id(t)] = tags
+                self.keep.append(t)
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _DATA_FUNCS:
+            # Meta tensors hold no values: a data-dependent check (a mask's "all ones?", a
+            # packed-sequence test) gets the answer of the ordinary, unpacked batch.
+            return _DATA_FUNCS[func]
+        out = func(*args, **kwargs)
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        owners = [self.owners[id(t)] for t in leaves if id(t) in self.owners]
+        acts = [t for t in leaves if id(t) not in self.owners]
+        act_tags = [self.tags.get(id(t), frozenset()) for t in acts]
+        union = frozenset().union(*act_tags)
+        if owners and not acts:
+            # A view or cast of a parameter (``weight.T``, ``weight.to(dtype)``) is still it.
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.owners[id(t)] = owners[0]
+                    self.keep.append(t)
+        elif owners and func is F.embedding:
+            self.embeddings.setdefault(owners[0], INPUT in union)
+            self._tag(out, frozenset({f"<embed {owners[0]}>"}))
+        elif owners and func in _LINEAR_FUNCS and acts:
+            self._projection(owners[0], acts[0], out, union)
+        elif owners and func in _NORM_FUNCS:
+            self._tag(out, frozenset({NORM}))
+        elif func in _PRODUCT_FUNCS and not owners and self._is_product(act_tags):
+            seen: set[str] = set()
+            for tags in act_tags:
+                for name in tags & self.flows.keys():
+                    self.flows[name].feeds_attention = True
+                    if name in seen:
+                        self.flows[name].fused_attention = True
+                    seen.add(name)
+            self._tag(out, frozenset({ATTN}))
+        else:
+            self._tag(out, union)
+        return out
+
+    @staticmethod
+    def _is_product(act_tags: list[frozenset[str]]) -> bool:
+        fed = [t for t in act_tags if t - {INPUT, NORM, STREAM}]
+        return len(fed) >= 2
+
+    def _projection(self, fqn: str, x: torch.Tensor, out: Any, union: frozenset[str]) -> None:
+        flow = self.flows.get(fqn)
+        width = out.shape[-1] if isinstance(out, torch.Tensor) and out.dim() else 0
+        if flow is None:
+            flow = self.flows[fqn] = ProjectionFlow(
+                fqn, len(self.flows), x.shape[-1] if x.dim() else 0, width, x.dim()
+            )
+        flow.inputs |= union
+        self._tag(out, frozenset({fqn}))
+
+
+def _meta_copy(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, device="meta")
+
+
+def _call_kwargs(model: nn.Module) -> dict[str, Any]:
+    try:
+        names = set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):  # pragma: no cover - every nn.Module forward is introspectable
+        return {}
+    return {"use_cache": False} if "use_cache" in names else {}
+
+
+def trace(model: nn.Module, *, seq: int = 4) -> FlowTrace:
+    """Run ``model`` once on the meta device and return what its projections feed.
+
+    Raises :class:`TraceFailedError` when the forward cannot run on meta tensors.
+    """
+    owners: dict[int, str] = {}
+    meta: dict[str, torch.Tensor] = {}
+    by_id: dict[int, torch.Tensor] = {}
+    for mfqn, mod in model.named_modules(remove_duplicate=False):
+        for pname, p in mod._parameters.items():
+            if p is None:
+                continue
+            fqn = f"{mfqn}.{pname}" if mfqn else pname
+            copy = by_id.get(id(p))
+            if copy is None:
+                copy = by_id[id(p)] = _meta_copy(p)
+                owners[id(copy)] = mfqn
+            meta[fqn] = copy
+        for bname, b in mod._buffers.items():
+            if b is not None:
+                meta[f"{mfqn}.{bname}" if mfqn else bname] = _meta_copy(b)
+    norms = {id(m) for m in model.modules() if is_norm_module(m)}
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    tagger = _Tagger(owners, ids)
+
+    def norm_hook(module: nn.Module, args: Any, output: Any) -> None:
+        if id(module) in norms:
+            tagger._tag(output, frozenset({NORM}))
+
+    handle = nn.modules.module.register_module_forward_hook(norm_hook)
+    try:
+        with torch.no_grad(), tagger:
+            torch.func.functional_call(
+                model, meta, (ids,), _call_kwargs(model), tie_weights=False, strict=False
+            )
+    except Exception as e:  # any failure of user code on meta: the caller falls back
+        raise TraceFailedError(f"{type(e).__name__}: {e}") from e
+    finally:
+        handle.remove()
+    return FlowTrace(tagger.flows, tagger.embeddings)
+
+
+def producers(flow: ProjectionFlow) -> set[str]:
+    """The projections ``flow``'s input derives from (markers left out)."""
+    return {t for t in flow.inputs if t not in _MARKERS and not t.startswith("<")}
