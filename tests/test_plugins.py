@@ -107,8 +107,16 @@ def test_discovery_is_lazy_and_runs_once(monkeypatch):
 
 def test_builtin_plugin_registers_default_role_rules_through_the_hook():
     from hp_core.planner.templates.builtin import DEFAULT_BOUNDARY_TEMPLATES
+    from hp_core.planner.templates.linear import SINGLE_MODULE_TEMPLATES
 
-    names = [r.name for r in (*templates.DEFAULT_ROLE_RULES, *DEFAULT_BOUNDARY_TEMPLATES)]
+    names = [
+        r.name
+        for r in (
+            *templates.DEFAULT_ROLE_RULES,
+            *DEFAULT_BOUNDARY_TEMPLATES,
+            *SINGLE_MODULE_TEMPLATES,
+        )
+    ]
     builtin = [i for i in TEMPLATE_REGISTRY.values() if i.provider == "builtin"]
     assert [i.name for i in builtin] == names
     assert all(i.distribution == "hp-core" and i.kind is RegistryKind.TEMPLATE for i in builtin)
