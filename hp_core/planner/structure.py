@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from hp_core.planner.lints import CoverageError
+from hp_core.planner.templates.mla import latent_projections
 from hp_core.planner.templates.roles import Role, RoleRule, classify_param
 from hp_core.spec.module_spec import ModuleShardingSpec
 
@@ -188,6 +189,8 @@ def analyse(model: nn.Module, rules: Iterable[RoleRule]) -> ModelStructure:
             pair_roots[root] = "mlp"
         if role is Role.FUSED_QKV or leaf.rpartition(".")[2] in _ATTENTION_LEAVES:
             pair_roots[root] = "attention"
+        elif root in modules and latent_projections(modules[root]) is not None:
+            pair_roots[root] = "attention"  # MLA: no leaf named like a q/k/v projection
     _claim_pass(roles, pair_roots, claimed, inclusive_owner=owner)
 
     # 3. Embedding, lm_head, norms: their owning module (and whatever lies under it).
