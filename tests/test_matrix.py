@@ -59,7 +59,7 @@ EXPECTED: dict[str, str | tuple[str, str]] = {
     "olmo2": FIXED,
     "olmoe": FIXED,
     "deepseek_v2": UNAIDED,
-    "deepseek_v3": UNAIDED
+    "deepseek_v3": UNAIDED,
     "gpt2": REFUSED,
     "gpt_neox": REFUSED,
     "falcon": REFUSED,

@@ -34,7 +34,6 @@ from hp_core.collectives import grad_is_partial
 from hp_core.errors import HpError
 from hp_core.mesh import mesh_axes
 from hp_core.runtime.broadcast import BroadcastToShards
-from hp_core.runtime.broadcast import BroadcastToShards
 from hp_core.runtime.fixes import keep_whole_yaml
 from hp_core.runtime.layouts import Redistribution, same_placement, to_placements
 from hp_core.runtime.partial import contract_partial_axes, is_expert_param
