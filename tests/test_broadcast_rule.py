@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from hp_core.runtime.broadcast import BroadcastToShards
+from hp_core.runtime.broadcast import BroadcastToShards, _broadcast_chunk, _sharded_new
 
 
 @pytest.fixture
@@ -43,9 +43,12 @@ def test_a_shared_rope_key_is_copied_as_this_ranks_chunk_and_its_gradient_is_par
     assert buf.placements == (Shard(1),)
     assert buf.to_local().shape == (2, 2, 3, 7)
     assert torch.equal(buf.to_local()[..., 5:], shared.expand(-1, 2, -1, -1))
-    buf.sum().backward()
-    assert k.grad.placements == (Partial(),)
-    assert torch.equal(k.grad.to_local(), torch.full((2, 1, 3, 2), 2.0))  # 2 local heads
+    # the heads downstream are sharded (as attention's are), so the key's gradient is too
+    w = distribute_tensor(torch.ones(2, 4, 3, 7), mesh, [Shard(1)])
+    with BroadcastToShards():
+        (grad,) = torch.autograd.grad((buf * w).sum(), [k])  # raw, as the verifier reads it
+    assert grad.placements == (Partial(),)
+    assert torch.equal(grad.to_local(), torch.full((2, 1, 3, 2), 2.0))  # this rank's 2 heads
 
 
 def test_cat_takes_a_broadcast_piece_as_its_chunk_and_new_zeros_follows_the_shards(mesh):
@@ -73,7 +76,20 @@ def test_everything_else_is_left_to_dtensor(mesh):
     assert ones.placements == (Shard(1),)  # same shape: DTensor itself follows the input
     assert on_cat_dim.shape == (2, 8, 3, 5)
     assert torch.equal(plain, torch.ones(3))
-    broad = DTensor.from_local(torch.ones(2, 1, 3, 5), mesh, [Replicate()])
-    with BroadcastToShards():  # ndim differs: no chunk (DTensor broadcasts by itself)
-        mixed = heads + broad.expand(-1, 4, -1, -1)[0]
-    assert mixed.shape == (2, 4, 3, 5)
+
+
+def test_the_chunk_rule_declines_what_is_not_a_broadcast_along_the_shards(mesh):
+    _, heads = _heads(mesh)
+    one = torch.ones(2, 1, 3, 5)
+    broad = DTensor.from_local(one, mesh, [Replicate()]).expand(-1, 4, -1, -1)
+    assert _broadcast_chunk(broad, heads).placements == (Shard(1),)
+    assert _broadcast_chunk(broad[0], heads) is None  # other rank
+    assert _broadcast_chunk(broad, heads, skip_dim=1) is None  # sharded on the cat dim
+    assert _broadcast_chunk(heads, heads) is None  # already sharded
+    real = distribute_tensor(torch.ones(2, 4, 3, 5), mesh, [Replicate()])
+    assert _broadcast_chunk(real, heads) is None  # real data, not stride 0
+    whole = distribute_tensor(torch.ones(2, 4, 3, 5), mesh, [Replicate()])
+    assert _broadcast_chunk(broad, whole) is None  # nothing sharded to follow
+    partial = DTensor.from_local(torch.ones(2, 4, 3, 5), mesh, [Partial()])
+    assert _sharded_new(torch.ops.aten.new_empty.default, partial, [2, 4, 3, 5], (), {}) is None
+    assert _sharded_new(torch.ops.aten.new_empty.default, heads, [2, 4, 3], (), {}) is None
