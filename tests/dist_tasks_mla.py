@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from hp_core import HpError, apply, plan, verify
-from hp_core.testing.compare import GradientCheckError, gather_full_grads
+from hp_core.testing.compare import GradientCheckError, gather_full_grads, run_excess
 from hp_core.testing.families import build_family, family_batch
 from hp_core.testing.probe import CollectiveCounter
 from tests.dist_tasks_matrix import _train
@@ -122,3 +122,44 @@ def without_broadcast_rule(family: str) -> dict[str, Any]:
         return {"refused": None}
     finally:
         boundary.BroadcastToShards = saved  # type: ignore[misc]
+
+
+def with_experts(family: str, sp: bool) -> dict[str, Any]:
+    """tp=2 with ep=2 (hp-plugin-moe's compute for the architecture): MLA attention and the
+    routed experts sharded together; one step's loss, logits and every gradient against
+    one device, in both modes, and each rank's share of the experts."""
+    mesh = _mesh(2)
+    base = build_family(family, seed=0)
+    moe = [
+        {
+            "match": "model.layers.1.mlp",  # layer 0 is dense (first_k_dense_replace)
+            "when": "ep",
+            "local_compute_fn": "deepseekv3",
+            "region_dispatch": False,
+        }
+    ]
+    ids = family_batch(family, seed=0)
+    ref = copy.deepcopy(base)
+    out = ref(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    expected = (
+        out.loss.detach(),
+        out.logits.detach(),
+        {n: p.grad for n, p in ref.named_parameters()},
+    )
+    p = plan(base, mesh, sequence_parallel=sp, ep_size=2, overrides=moe)
+    res: dict[str, Any] = {}
+    for mode in ("production", "validate"):
+        m = copy.deepcopy(base)
+        apply(m, p, mesh, mode=mode)
+        got = m(input_ids=ids, labels=ids, use_cache=False)
+        got.loss.backward()
+        grads = gather_full_grads(m, ref, mesh, expert_groups=m._hp_applied.expert_meshes)
+        res[mode] = run_excess((got.loss.detach(), got.logits.detach(), grads), expected)
+        experts = [n for n, t in m.named_parameters() if ".experts." in n]
+        res[f"{mode}:experts"] = {
+            n: list((t.to_local() if isinstance(t, DTensor) else t).shape)
+            for n in experts
+            for t in [m.get_parameter(n)]
+        }
+    return res

@@ -162,3 +162,28 @@ def test_plans_without_tp_keep_every_block_as_before():
     p = plan(m, "cp=2")
     assert not any("kept whole" in n for n in p.notes)
     assert plan(m, "tp=2").modules["model.layers.0.linear_attn"].region_dispatch is False
+
+
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
+def test_deepseek_v3_with_expert_parallelism(sp):
+    """MLA on tp=2 next to the routed experts on ep=2 (hp-plugin-moe's deepseekv3 compute):
+    loss, logits and every gradient match one device in both modes; each rank holds 2 of
+    the 4 experts."""
+    for r in get_world(2).run(tasks.with_experts, "deepseek_v3", sp):
+        for mode in ("production", "validate"):
+            assert all(v <= TOL for v in r[mode].values()), r
+            assert r[f"{mode}:experts"] == {
+                "model.layers.1.mlp.experts.gate_up_proj": [2, 64, 64],
+                "model.layers.1.mlp.experts.down_proj": [2, 64, 32],
+            }
+
+
+def test_head_counts_need_a_head_count_and_a_width():
+    """Modules that say nothing about heads are not MLA and have no per-head parameters."""
+
+    class Heads(torch.nn.Module):
+        num_heads = 4
+
+    assert head_counts(torch.nn.Linear(4, 4)) is None
+    assert head_counts(Heads()) is None  # no head_dim, no hidden size
+    assert latent_projections(Heads()) is None
