@@ -111,10 +111,10 @@ def test_the_shared_rope_key_gradient_is_summed_over_tp(config):
         assert kept[mode]["gather"] == "ok"
     dropped = get_world(2).run(tasks.k_pe_rows, "deepseek_v2", True, config)[0]
     prod = dropped["production"]
-    assert prod["k_pe"] > 100 * TOL, dropped
+    assert prod["k_pe"] > 0.1 * prod["scale"], dropped  # off by the other rank's share
     assert "replicas differ" in prod["gather"] and tasks.KV_A.format(0) in prod["gather"]
     val = dropped["validate"]
-    assert "caught" in val or val["k_pe"] > 100 * TOL, dropped
+    assert "caught" in val or val["k_pe"] > 0.1 * val["scale"], dropped
 
 
 def test_without_the_broadcast_rule_the_verifier_refuses_mla():
