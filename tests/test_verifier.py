@@ -159,22 +159,29 @@ def test_full_width_qk_norm_on_sharded_projections_is_refused_with_a_fix_that_ve
     verify(m, plan(m, "tp=2", overrides=fix))
 
 
+def _kept_whole(m: nn.Module, *rels: str) -> list[dict]:
+    """The zero-config attention plan with ``rels`` replicated (the planner shards them)."""
+    params = dict(plan(m, "tp=2")["model.layers.0.self_attn"].params)
+    params.update({rel: {"tp": "replicate"} for rel in rels})
+    return [{"match": "model.layers.*.self_attn", "params": params}]
+
+
 def test_per_head_tensor_kept_whole_while_heads_split_is_refused():
     m = meta("cohere")  # q_norm/k_norm weights [heads, head_dim]
     with pytest.raises(UndeclaredCommunicationError, match="CohereAttention"):
-        verify(m, plan(m, "tp=2"))
+        verify(m, plan(m, "tp=2", overrides=_kept_whole(m, "q_norm.weight", "k_norm.weight")))
 
 
 def test_attention_sinks_kept_whole_are_refused():
     m = meta("gpt_oss")
     with pytest.raises(UndeclaredCommunicationError, match="GptOssAttention"):
-        verify(m, plan(m, "tp=2"))
+        verify(m, plan(m, "tp=2", overrides=_kept_whole(m, "sinks")))
 
 
 def test_mla_projection_left_replicated_next_to_sharded_ones_is_refused():
     m = meta("deepseek_v2")
     with pytest.raises(UndeclaredCommunicationError, match="DeepseekV2Attention"):
-        verify(m, plan(m, "tp=2"))
+        verify(m, plan(m, "tp=2", overrides=_kept_whole(m, "kv_b_proj.weight")))
 
 
 def test_dropout_on_a_partial_sum_is_refused_and_p_zero_is_not():

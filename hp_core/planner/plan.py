@@ -24,6 +24,7 @@ from hp_core.planner.lints import (
 from hp_core.planner.structure import analyse, check_unclaimed
 from hp_core.planner.templates.context import TemplateContext
 from hp_core.planner.templates.module_rules import ModuleRule
+from hp_core.planner.templates.mixers import kept_whole_note
 from hp_core.planner.templates.roles import BoundaryTemplate, RoleRule
 from hp_core.plans.errors import ArgumentTypeError, PlanError
 from hp_core.plans.model import ShardingPlan
@@ -221,6 +222,9 @@ def plan(
         active=active,
         mesh_axis_names=ms.axis_names,
     )
+    if ms.size("tp") > 1:
+        kept = (kept_whole_note(b) for b in structure.blocks if b.fqn in derived)
+        notes = [*(n for n in kept if n is not None), *notes]
     if "tp" in ms or "cp" in ms:  # as lint_plan's coverage check: else nothing is sharded
         check_unclaimed(structure, modules)
     lint_plan(model, modules, ms, structure.roles)

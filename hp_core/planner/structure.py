@@ -15,6 +15,7 @@ from torch import nn
 from hp_core.planner.infer_roles import Inference, infer_roles, is_linear_like
 from hp_core.planner.lints import CoverageError
 from hp_core.planner.templates.module_rules import ModuleRule, kind_role
+from hp_core.planner.templates.mla import latent_projections
 from hp_core.planner.templates.roles import Role, RoleRule, classify_param
 from hp_core.spec.module_spec import ModuleShardingSpec
 
@@ -287,6 +288,8 @@ def analyse(
             or leaf in inferred.attention
         ):
             pair_roots[root] = "attention"
+        elif root in modules and latent_projections(modules[root]) is not None:
+            pair_roots[root] = "attention"  # MLA: no leaf named like a q/k/v projection
     for root, kind in inferred.kinds.items():
         if root in pair_roots and kind in ("attention", "mlp"):
             pair_roots[root] = kind

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hp_core.collectives import grad_is_partial
 from hp_core.errors import HpError
 from hp_core.mesh import mesh_axes
+from hp_core.runtime.broadcast import BroadcastToShards
 from hp_core.runtime.fixes import keep_whole_yaml
 from hp_core.runtime.layouts import Redistribution, same_placement, to_placements
 from hp_core.runtime.partial import contract_partial_axes, is_expert_param
@@ -365,10 +366,11 @@ class BoundaryForward:
         shards — would not do it: the two modes would differ.
         """
         if not self.strict:
-            yield
+            with BroadcastToShards():
+                yield
             return
         try:
-            with ExplicitRedistributionContext(strict=True):
+            with ExplicitRedistributionContext(strict=True), BroadcastToShards():
                 yield
         except RuntimeError as e:
             if "Implicit redistribution" not in str(e):

@@ -12,6 +12,8 @@ from torch.distributed.tensor import Shard
 from hp_core.planner.lints import FusedProjectionError
 from hp_core.planner.templates.context import TemplateContext
 from hp_core.planner.templates.qk_norm import shard_full_width_norms
+from hp_core.planner.templates.head_params import head_params, mla_divide_attrs
+from hp_core.planner.templates.mixers import whole_block, whole_reason
 from hp_core.planner.templates.roles import BoundaryTemplate, Role
 from hp_core.spec.module_spec import ModuleShardingSpec
 
@@ -36,19 +38,24 @@ def _pair_params(ctx: TemplateContext) -> dict[str, dict]:
 def attention(ctx: TemplateContext) -> ModuleShardingSpec:
     x = ctx.first_input()
     out = "attn_output" if ctx.returns_tuple() else "output"
+    if ctx.has_tp and whole_reason(ctx.block) is not None:
+        return whole_block(ctx, out, [out, "attn_weights"] if ctx.returns_tuple() else None)
     spec = ModuleShardingSpec(
-        params=_pair_params(ctx),
+        params=head_params(ctx, _pair_params(ctx)),
         in_src=ctx.io(x, ctx.hidden),
         in_dst=ctx.io(x, ctx.gathered),
         out_src=ctx.io(out, ctx.partial if ctx.has_tp else ctx.gathered),
         out_dst=ctx.io(out, ctx.hidden),
         out_names=[out, "attn_weights"] if ctx.returns_tuple() else None,
+        tp_divide_attrs=mla_divide_attrs(ctx),
     )
     spec.with_derived(needs_cp_attn=True)
     return shard_full_width_norms(ctx, spec)  # norms over the whole q/k width (OLMo-2)
 
 
 def mlp(ctx: TemplateContext) -> ModuleShardingSpec:
+    if ctx.has_tp and whole_reason(ctx.block) is not None:
+        return whole_block(ctx, "output", None)
     x = ctx.first_input()
     return ModuleShardingSpec(
         params=_pair_params(ctx),
