@@ -23,8 +23,8 @@ from hp_core.planner.lints import (
 )
 from hp_core.planner.structure import analyse, check_unclaimed
 from hp_core.planner.templates.context import TemplateContext
-from hp_core.planner.templates.module_rules import ModuleRule
 from hp_core.planner.templates.mixers import kept_whole_note
+from hp_core.planner.templates.module_rules import ModuleRule
 from hp_core.planner.templates.roles import BoundaryTemplate, RoleRule
 from hp_core.plans.errors import ArgumentTypeError, PlanError
 from hp_core.plans.model import ShardingPlan

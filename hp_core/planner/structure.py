@@ -14,8 +14,8 @@ from torch import nn
 
 from hp_core.planner.infer_roles import Inference, infer_roles, is_linear_like
 from hp_core.planner.lints import CoverageError
-from hp_core.planner.templates.module_rules import ModuleRule, kind_role
 from hp_core.planner.templates.mla import latent_projections
+from hp_core.planner.templates.module_rules import ModuleRule, kind_role
 from hp_core.planner.templates.roles import Role, RoleRule, classify_param
 from hp_core.spec.module_spec import ModuleShardingSpec
 

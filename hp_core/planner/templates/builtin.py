@@ -11,9 +11,9 @@ from torch.distributed.tensor import Shard
 
 from hp_core.planner.lints import FusedProjectionError
 from hp_core.planner.templates.context import TemplateContext
-from hp_core.planner.templates.qk_norm import shard_full_width_norms
 from hp_core.planner.templates.head_params import head_params, mla_divide_attrs
 from hp_core.planner.templates.mixers import whole_block, whole_reason
+from hp_core.planner.templates.qk_norm import shard_full_width_norms
 from hp_core.planner.templates.roles import BoundaryTemplate, Role
 from hp_core.spec.module_spec import ModuleShardingSpec
 
