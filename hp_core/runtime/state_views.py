@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hp_core.errors import HpError
 from hp_core.runtime.fsdp_views import combined_view, fsdp_local, is_fsdp_shard
+from hp_core.runtime.fused_views import fused_local, fused_saved
 from hp_core.runtime.param_layout import ParamLayout
 
 __all__ = ["StateDictLayoutError", "local_value", "saved_view"]
@@ -34,6 +35,8 @@ def saved_view(value: Any, layout: ParamLayout, key: str = "") -> Any:
     """
     if isinstance(value, DTensor) and is_fsdp_shard(value, layout):
         return combined_view(key or layout.describe(), value, layout)
+    if layout.fused is not None and isinstance(value, torch.Tensor):
+        return fused_saved(value, layout)
     if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
         return DTensor.from_local(
             value,
@@ -64,6 +67,8 @@ def local_value(key: str, value: Any, layout: ParamLayout, like: torch.Tensor | 
             "Fix: load a checkpoint of this model (saved with torch.distributed.checkpoint "
             "or as full tensors), not a state dict of plain local shards."
         )
+    if layout.fused is not None:
+        return fused_local(value, layout)
     if isinstance(like, DTensor) and is_fsdp_shard(like, layout):
         return fsdp_local(key, value, layout, like)
     if isinstance(value, DTensor):

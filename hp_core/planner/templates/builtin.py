@@ -11,6 +11,7 @@ from torch.distributed.tensor import Shard
 
 from hp_core.planner.lints import FusedProjectionError
 from hp_core.planner.templates.context import TemplateContext
+from hp_core.planner.templates.projections import projection_param, region_dispatch
 from hp_core.planner.templates.roles import BoundaryTemplate, Role
 from hp_core.spec.module_spec import ModuleShardingSpec
 
@@ -20,15 +21,9 @@ __all__ = ["DEFAULT_BOUNDARY_TEMPLATES", "FusedProjectionError"]
 def _pair_params(ctx: TemplateContext) -> dict[str, dict]:
     params: dict[str, dict] = {}
     for rel, role in ctx.block.params.items():
-        is_bias = rel.endswith("bias")
-        # Fused projections derive Shard(0) like colwise ones; lint_plan rejects that after
-        # the overrides are merged (an override replicating them is the way out).
-        if role in (Role.COLWISE, Role.FUSED_QKV, Role.FUSED_GATE_UP):
-            params[rel] = ctx.tp_param(Shard(0))
-        elif role is Role.ROWWISE and not is_bias:
-            params[rel] = ctx.tp_param(Shard(1))
-        else:  # rowwise biases (added once after the reduction), per-head norms, ...
-            params[rel] = ctx.replicated()
+        placed = projection_param(ctx, rel, role)
+        # Rowwise biases (added once after the reduction), per-head norms, ...: whole.
+        params[rel] = placed if placed is not None else ctx.replicated()
     return {k: v for k, v in params.items() if v}
 
 
@@ -42,6 +37,7 @@ def attention(ctx: TemplateContext) -> ModuleShardingSpec:
         out_src=ctx.io(out, ctx.partial if ctx.has_tp else ctx.gathered),
         out_dst=ctx.io(out, ctx.hidden),
         out_names=[out, "attn_weights"] if ctx.returns_tuple() else None,
+        region_dispatch=region_dispatch(ctx),
     )
     spec.with_derived(needs_cp_attn=True)
     return spec
@@ -55,6 +51,7 @@ def mlp(ctx: TemplateContext) -> ModuleShardingSpec:
         in_dst=ctx.io(x, ctx.gathered),
         out_src=ctx.io("output", ctx.partial if ctx.has_tp else ctx.gathered),
         out_dst=ctx.io("output", ctx.hidden),
+        region_dispatch=region_dispatch(ctx),
     )
 
 
