@@ -71,7 +71,6 @@ def _stream(
     module = applied_module(model)
     record = applied(module)
     layouts = record.layouts if record is not None else {}
-    fused = record.fused if record is not None else {}
     names = original_names(module)
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     state = module.state_dict()
@@ -85,8 +84,6 @@ def _stream(
             full = shared.get(earlier[key])
         else:
             full = full_value(value, layouts.get(key), rank0_only, key)
-            if key in fused and full is not None:  # validate's re-arranged fused DTensor
-                full = fused[key].restore(full)
         del value
         if not keep:
             del full

@@ -6,8 +6,8 @@ of the model's layout can view it. ``fused_saved`` therefore gives the checkpoin
 the re-arranged DTensor is gathered, put back in the model's order and re-sliced
 contiguously (each rank keeps only its slice of the copy; the gather is transient), so
 DCP saves the model's own layout and reshards it to any tp or to one process.
-``fused_local`` is the way back: whatever the checkpoint offers (a DTensor of any layout
-or the full tensor) is made whole, re-arranged and sliced to this rank's shard. A load
+``fused_full`` is the way back: whatever the checkpoint offers (a DTensor of any layout
+or the full tensor) is made whole and re-arranged, for the caller to slice. A load
 therefore lands in the model through ``load_state_dict`` (what ``hp_core.load_checkpoint``
 and ``set_model_state_dict`` call after ``dcp.load``), not by ``dcp.load`` writing into the
 saved views. Both are collectives over the parameter's mesh.
@@ -23,38 +23,22 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_ten
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from hp_core.runtime.param_layout import ParamLayout
+    from hp_core.runtime.fused import FusedShards
 
-__all__ = ["fused_local", "fused_saved", "zero_bias"]
-
-
-def _whole(value: torch.Tensor) -> torch.Tensor:
-    return value.full_tensor() if isinstance(value, DTensor) else value
+__all__ = ["fused_full", "fused_saved", "zero_bias"]
 
 
-def fused_saved(local: torch.Tensor, layout: ParamLayout) -> DTensor:
-    """This rank's shard ``local`` as a DTensor of the model's own layout (a copy)."""
-    if layout.fused is None:  # pragma: no cover - callers check
-        raise TypeError("fused_saved needs a fused layout")
-    shard = local.to_local() if isinstance(local, DTensor) else local
-    view = DTensor.from_local(
-        shard,
-        layout.mesh,
-        layout.placements,
-        run_check=False,
-        shape=layout.shape,
-        stride=layout.stride,
-    )
-    original = layout.fused.restore(view.full_tensor())
-    return distribute_tensor(original, layout.mesh, layout.placements, src_data_rank=None)
+def fused_saved(view: DTensor, fused: FusedShards) -> DTensor:
+    """A DTensor view of the re-arranged tensor as a DTensor of the model's own layout (a
+    copy, with the view's mesh and placements)."""
+    original = fused.restore(view.full_tensor())
+    return distribute_tensor(original, view.device_mesh, view.placements, src_data_rank=None)
 
 
-def fused_local(value: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
-    """This rank's shard of the re-arranged tensor, from a value in the model's own layout."""
-    if layout.fused is None:  # pragma: no cover - callers check
-        raise TypeError("fused_local needs a fused layout")
-    full = layout.fused.rearrange(_whole(value).detach())
-    return distribute_tensor(full, layout.mesh, layout.placements, src_data_rank=None).to_local()
+def fused_full(value: torch.Tensor, fused: FusedShards) -> torch.Tensor:
+    """The whole re-arranged tensor, from a value in the model's layout (a DTensor or full)."""
+    whole = value.full_tensor() if isinstance(value, DTensor) else value
+    return fused.rearrange(whole.detach())
 
 
 def zero_bias(bias: torch.Tensor | None, mesh: DeviceMesh, dispatch: bool) -> torch.Tensor | None:

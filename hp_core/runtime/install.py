@@ -24,6 +24,7 @@ from hp_core.runtime.boundary import BoundaryForward, InnerOutputCheck
 from hp_core.runtime.experts import expert_grad_reductions
 from hp_core.runtime.fixes import fix_match
 from hp_core.runtime.fused import set_local_attr
+from hp_core.runtime.fused_state import FusedStateDict
 from hp_core.runtime.grads import GradReducer, GradReduction
 from hp_core.runtime.guard import InputGuard
 from hp_core.runtime.journal import Journal, set_forward
@@ -197,6 +198,8 @@ def install(
     if mode == "production":  # validate's parameters are DTensors: their state dict has layouts
         ShardedStateDict(layouts).attach(model, journal)
         watch_optimizers(model, journal)  # and so do their optimizer states
+    elif fused:  # validate's re-arranged fused DTensors: saved in the model's own layout
+        FusedStateDict(fused).attach(model, journal)
     journal.phase("boundaries")
     strict = mode == "validate"  # validate refuses communication the contract does not declare
     dense = dense_mesh(mesh)  # hp's DTensors and collectives live off the dp axes
