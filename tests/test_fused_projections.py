@@ -196,3 +196,17 @@ def test_malformed_layouts_in_a_plan_document_are_refused():
         FusedLayout.from_data(
             {"kind": "zigzag", "dim": 0, "parts": [1], "units": [1], "names": ["a"]}, "x"
         )
+
+
+def test_freeze_and_rebuild_carry_the_layouts():
+    from hp_core.artifact import freeze, rebuild
+
+    model = build_family("phi3", device="meta")
+    plan = hp_core.plan(model, "tp=2")
+    meta = freeze(plan)
+    (rule,) = [r for r in meta["injections"] if r["match"] == "model.layers.0.self_attn"]
+    assert rule["fused_layouts"]["qkv_proj.weight"]["parts"] == [64, 32, 32]
+    again = rebuild(meta, model=model)
+    for fqn, spec in plan.items():
+        assert again[fqn]._fused_layouts == spec._fused_layouts, fqn
+        assert again[fqn]._tp_local_attr_plan == spec._tp_local_attr_plan, fqn

@@ -228,18 +228,34 @@ def fused_layouts(
         if role not in (Role.FUSED_QKV, Role.FUSED_GATE_UP) or not isinstance(placement, Shard):
             continue
         param = block.get_parameter(rel)
-        layout = derive(block, rel, role, param, getattr(model, "config", None))
         where = f"{fqn}.{rel}" if fqn else rel
-        if placement.dim != layout.dim:
-            continue  # not split along the fused dim: every rank holds all parts of its slice
-        if layout.size() != param.shape[layout.dim]:
+        try:
+            layout = derive(block, rel, role, param, getattr(model, "config", None))
+            if placement.dim != layout.dim:
+                continue  # not split along the fused dim: each rank holds all parts of a slice
+            if layout.size() != param.shape[layout.dim]:
+                raise FusedProjectionError(
+                    f"fused projection of shape {tuple(param.shape)}, but its config gives "
+                    f"{layout.describe()} (sum {layout.size()}): hp cannot tell how the forward "
+                    "splits it.\nFix: keep the boundary whole on tp, or add a plugin template "
+                    "for this family."
+                )
+            layout.check("", tuple(param.shape), tp)
+        except FusedProjectionError as e:
             raise FusedProjectionError(
-                f"{where}: fused projection of shape {tuple(param.shape)}, but its config "
-                f"gives {layout.describe()} (sum {layout.size()}): hp cannot tell how the "
-                "forward splits it.\nFix: keep the boundary whole on tp (an override "
-                "replicating its parameters, output replicated), or add a plugin template "
-                "for this family."
-            )
-        layout.check(where, tuple(param.shape), tp)
+                f"{where}: {str(e).lstrip(': ')}{_keep_whole(fqn, spec)}"
+            ) from None
         out[rel] = layout.to_data()
     return out
+
+
+def _keep_whole(fqn: str, spec: ModuleShardingSpec) -> str:
+    """The override that keeps boundary ``fqn`` whole on tp, as YAML to paste."""
+    params = spec.params if isinstance(spec.params, dict) else {}
+    whole = ", ".join(f"{p}: {{tp: replicate}}" for p in params)
+    outs = spec.out_src if isinstance(spec.out_src, dict) and spec.out_src else {"output": {}}
+    outputs = ", ".join(f"{o}: {{tp: replicate}}" for o in outs)
+    return (
+        f" Keeping it whole:\n  - match: {fqn!r}\n    params: {{{whole}}}\n"
+        f"    out_src: {{{outputs}}}\n"
+    )
