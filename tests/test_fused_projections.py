@@ -210,3 +210,53 @@ def test_freeze_and_rebuild_carry_the_layouts():
     for fqn, spec in plan.items():
         assert again[fqn]._fused_layouts == spec._fused_layouts, fqn
         assert again[fqn]._tp_local_attr_plan == spec._tp_local_attr_plan, fqn
+
+
+def _falcon(**cfg):
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, **cfg
+    )
+    with torch.device("meta"):
+        return FalconForCausalLM(config)
+
+
+def test_falcon_kv_groups_split_as_they_are_and_multi_query_is_refused():
+    model = _falcon(new_decoder_architecture=True, num_kv_heads=2)
+    spec = hp_core.plan(model, "tp=2", sequence_parallel=False)["transformer.h.0.self_attention"]
+    layout = spec._fused_layouts["query_key_value.weight"]
+    assert (layout["kind"], layout["units"]) == ("grouped", [2])  # per kv group [q q k v]
+    assert spec.region_dispatch is None  # contiguous shards are whole groups: nothing moves
+    with pytest.raises(FusedProjectionError, match="multi-query"):
+        hp_core.plan(_falcon(multi_query=True), "tp=2", sequence_parallel=False)
+
+
+def test_a_config_that_does_not_describe_the_weight_is_refused():
+    model = build_family("phi3", device="meta")
+    for layer in model.model.layers:
+        layer.self_attn.num_key_value_heads = 4  # the weight was built for 2
+    with pytest.raises(FusedProjectionError) as e:
+        hp_core.plan(model, "tp=2")
+    msg = str(e.value)
+    assert msg.startswith("model.layers.0.self_attn.qkv_proj.weight: fused projection of shape")
+    assert "cannot tell how the forward splits it" in msg and "- match: " in msg
+
+
+def test_a_fused_weight_sharded_off_its_fused_dim_is_not_rearranged():
+    model = build_family("phi3", device="meta")
+    params = {"qkv_proj.weight": {"tp": "shard(1)"}, "o_proj.weight": {"tp": "replicate"}}
+    over = [{"match": "model.layers.*.self_attn", "params": params}]
+    spec = hp_core.plan(model, "tp=2", overrides=over)["model.layers.0.self_attn"]
+    assert "qkv_proj.weight" not in spec._fused_layouts
+
+
+def test_nothing_moves_for_one_part_and_zero_biases():
+    from hp_core.runtime.fused import FusedShards
+    from hp_core.runtime.fused_views import zero_bias
+
+    one = FusedShards(FusedLayout("interleaved", 0, (8,), (4,), ("qkv",)), 2)
+    t = torch.arange(8.0)
+    assert one.restore(t) is t and one.rearrange(t) is t and not one.moves
+    assert zero_bias(None, None, False) is None  # type: ignore[arg-type]
+    assert torch.equal(zero_bias(torch.ones(3), None, False), torch.zeros(3))  # type: ignore[arg-type]
