@@ -43,6 +43,7 @@ def _matched(r: dict) -> None:
         ("glm", {"gate_up"}),
         ("gpt2", {"concatenated"}),
         ("persimmon", {"interleaved"}),
+        ("dbrx", {"concatenated"}),
     ],
 )
 def test_family_matches_one_device_in_both_modes_at_tp2(family, kinds):

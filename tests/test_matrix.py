@@ -89,7 +89,7 @@ EXPECTED: dict[str, str | tuple[str, str]] = {
     "bloom": REFUSED,
     "opt": REFUSED,
     "biogpt": REFUSED,
-    "dbrx": REFUSED,
+    "dbrx": UNAIDED,
     "jetmoe": REFUSED,
     "gpt_oss": FIXED,
     "qwen3_next": FIXED,

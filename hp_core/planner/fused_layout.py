@@ -131,12 +131,16 @@ def _int(*values: Any) -> int | None:
 
 def _qkv(module: nn.Module, config: Any, n_out: int, dim: int) -> FusedLayout:
     heads = _int(
-        getattr(module, "num_heads", None),
+        *(getattr(module, a, None) for a in ("num_heads", "num_attention_heads", "n_heads")),
         getattr(config, "num_attention_heads", None),
         getattr(config, "n_head", None),
         getattr(config, "n_heads", None),
     )
-    hidden = _int(getattr(config, "hidden_size", None), getattr(config, "n_embd", None))
+    hidden = _int(
+        getattr(module, "hidden_size", None),
+        getattr(config, "hidden_size", None),
+        getattr(config, "n_embd", None),
+    )
     hd = _int(getattr(module, "head_dim", None), getattr(config, "head_dim", None))
     if hd is None and heads and hidden:
         hd = hidden // heads

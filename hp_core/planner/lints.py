@@ -48,9 +48,15 @@ HEAD_COUNT_ATTRS = (
     "n_head",
     "n_kv_heads",
 )
-#: What the forward of a fused q/k/v projection reads besides the head counts: GPT-2's width
-#: of each part, and (on a private copy of the module's config) the config's head counts.
-FUSED_QKV_ATTRS = ("split_size", "config.num_attention_heads", "config.num_key_value_heads")
+#: What the forward of a fused q/k/v projection reads besides the head counts: the width of
+#: the query part (GPT-2's ``split_size``, DBRX's ``hidden_size``), and (on a private copy of
+#: the module's config) the config's head counts.
+FUSED_QKV_ATTRS = (
+    "split_size",
+    "hidden_size",
+    "config.num_attention_heads",
+    "config.num_key_value_heads",
+)
 _Q_NAMES = ("q_proj", "query")
 _KV_NAMES = ("k_proj", "v_proj", "key", "value")
 

@@ -104,7 +104,11 @@ DEFAULT_ROLE_RULES: tuple[RoleRule, ...] = (
     _r("shared_expert_gate", r"(^|\.)shared_expert_gate\.weight$", Role.SHARED_EXPERT_GATE),
     _r("embed", r"(^|\.)(embed_tokens|wte|wpe|word_embeddings|embed_in)\.weight$", Role.EMBED),
     _r("lm_head", r"(^|\.)(lm_head|embed_out)\.weight$", Role.LM_HEAD),
-    _r("norm", r"(norm|layernorm|ln_f|ln_[0-9]|ln_attn|ln_mlp)\.(weight|bias)$", Role.NORM),
+    _r(
+        "norm",
+        r"(norm|layernorm|ln_f|ln_[0-9]|ln_attn|ln_mlp|norm_[0-9f])\.(weight|bias)$",
+        Role.NORM,
+    ),
     _r(
         "fused_qkv", r"(^|\.)(qkv_proj|query_key_value|c_attn|Wqkv)\.(weight|bias)$", Role.FUSED_QKV
     ),
