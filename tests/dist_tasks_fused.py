@@ -234,3 +234,79 @@ def dcp_reshard(family: str, path: str, mode: str, **config: Any) -> float:
     _dcp_back(model, path)
     with torch.no_grad():
         return float((model(input_ids=ids, use_cache=False).logits - want).abs().max())
+
+
+def config_rollback(mode: str) -> dict[str, Any]:
+    """A fault after the attribute phase: the attention's private config and head counts are
+    undone, the model's shared config was never touched."""
+    from tests.dist_tasks_faults import Fault
+
+    mesh = _mesh(2)
+    model = build_family("phi3", seed=0)
+    plan = hp_core.plan(model, mesh)
+    report = hp_core.verify(model, plan, mesh)
+    attn = model.get_submodule("model.layers.0.self_attn")
+    shared, kv = model.config, attn.num_key_value_heads
+    raised = None
+    try:
+        with Fault("gradient reductions", "runtime"):
+            hp_core.apply(model, plan, mesh, mode=mode, verify=report)
+    except Exception as e:
+        raised = type(e).__name__
+    return {
+        "raised": raised,
+        "same_config": attn.config is shared,
+        "heads": shared.num_attention_heads,
+        "kv": attn.num_key_value_heads == kv,
+        "marker": "_hp_private_config" in attn.__dict__,
+    }
+
+
+def _stepped(family: str, mesh: Any, mode: str | None, **config: Any) -> tuple[Any, Any]:
+    model = build_family(family, seed=0, **config)
+    if mode is not None:
+        hp_core.apply(model, hp_core.plan(model, mesh), mesh, mode=mode)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    ids = family_batch(family, seed=0)
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    opt.step()
+    return model, opt
+
+
+def _moments(model: Any, opt: Any, names: list[str]) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, opt)["state"]
+    out = {}
+    for n in names:
+        v = state[n]["exp_avg"]
+        out[n] = v.full_tensor() if hasattr(v, "full_tensor") else v
+    return out
+
+
+def optimizer_roundtrip(family: str, path: str, mode: str, save: bool, **config: Any) -> float:
+    """AdamW moments of the fused parameters: saved with DCP at this world's tp (``save``) or
+    loaded there from such a checkpoint; the worst difference from one device's moments."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    mesh = _mesh(dist.get_world_size())
+    ref, ref_opt = _stepped(family, mesh, None, **config)
+    names = [n for n, _ in ref.named_parameters() if "qkv_proj" in n or "gate_up_proj" in n]
+    want = {n: ref_opt.state[p]["exp_avg"] for n, p in ref.named_parameters() if n in names}
+    model, opt = _stepped(family, mesh, mode, **config)
+    if save:
+        dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    else:
+        with torch.no_grad():  # other moments until loaded
+            for p in model.parameters():
+                for v in opt.state[p].values():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        v.add_(1.0)
+        target = {"optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(target, checkpoint_id=path)
+        set_optimizer_state_dict(model, opt, target["optim"])
+    got = _moments(model, opt, names)
+    return max(float((got[n] - want[n]).abs().max()) for n in names)

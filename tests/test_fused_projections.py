@@ -261,3 +261,19 @@ def test_nothing_moves_for_one_part_and_zero_biases():
     assert one.restore(t) is t and one.rearrange(t) is t and not one.moves
     assert zero_bias(None, None, False) is None  # type: ignore[arg-type]
     assert torch.equal(zero_bias(torch.ones(3), None, False), torch.zeros(3))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_a_failed_apply_gives_back_the_shared_config(mode):
+    for r in get_world(2).run(tasks.config_rollback, mode):
+        assert r["raised"] is not None, r
+        assert r["same_config"] and r["heads"] == 4 and r["kv"] and not r["marker"], r
+
+
+@pytest.mark.parametrize("mode", ["production", "validate"])
+def test_optimizer_moments_save_at_tp2_and_load_at_tp4(tmp_path, mode):
+    path = str(tmp_path / "optim")
+    for worst in get_world(2).run(tasks.optimizer_roundtrip, "phi3", path, mode, True, **PHI3_GQA):
+        assert worst <= TOL, worst
+    for worst in get_world(4).run(tasks.optimizer_roundtrip, "phi3", path, mode, False, **PHI3_GQA):
+        assert worst <= TOL, worst

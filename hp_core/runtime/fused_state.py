@@ -20,8 +20,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hp_core.runtime.fused import FusedShards
 from hp_core.runtime.journal import Journal
+from hp_core.runtime.param_layout import ParamLayout
+from hp_core.runtime.state_views import StateDictLayoutError
 
-__all__ = ["FusedStateDict"]
+__all__ = ["FusedStateDict", "validate_fused_value", "validate_layouts"]
 
 
 class FusedStateDict:
@@ -65,3 +67,30 @@ class FusedStateDict:
                 param.placements,
                 src_data_rank=None,
             )
+
+
+def validate_layouts(model: nn.Module, fused: Mapping[str, FusedShards]) -> dict[str, ParamLayout]:
+    """``name -> layout`` of a validate model's re-arranged fused DTensor parameters (what the
+    optimizer's state views need to save their moments in the model's own layout)."""
+    out: dict[str, ParamLayout] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in fused and isinstance(p, DTensor):
+            out[name] = ParamLayout(
+                p.device_mesh, tuple(p.placements), p.shape, p.stride(), fused[name]
+            )
+    return out
+
+
+def validate_fused_value(key: str, value: torch.Tensor, layout: ParamLayout) -> DTensor:
+    """The re-arranged DTensor of ``layout`` from a value in the model's own layout."""
+    if tuple(value.shape) != tuple(layout.shape) or layout.fused is None:
+        raise StateDictLayoutError(
+            f"{key}: the state dict holds a tensor of shape {tuple(value.shape)}, but the "
+            f"parameter is {layout.describe()} on this mesh.\n"
+            "Fix: load a checkpoint of this model (saved with torch.distributed.checkpoint "
+            "or as full tensors)."
+        )
+    whole = value.full_tensor() if isinstance(value, DTensor) else value
+    return distribute_tensor(
+        layout.fused.rearrange(whole.detach()), layout.mesh, layout.placements, src_data_rank=None
+    )

@@ -200,6 +200,7 @@ def install(
         watch_optimizers(model, journal)  # and so do their optimizer states
     elif fused:  # validate's re-arranged fused DTensors: saved in the model's own layout
         FusedStateDict(fused).attach(model, journal)
+        watch_optimizers(model, journal)  # and their moments too
     journal.phase("boundaries")
     strict = mode == "validate"  # validate refuses communication the contract does not declare
     dense = dense_mesh(mesh)  # hp's DTensors and collectives live off the dp axes
