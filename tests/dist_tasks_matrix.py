@@ -31,6 +31,7 @@ from hp_core.testing.compare import (
     unmoved_params,
 )
 from hp_core.testing.families import build_family, family_batch
+from hp_core.testing.fused import restore_fused
 from hp_core.testing.probe import CollectiveCounter
 
 RTOL = 1e-5
@@ -82,7 +83,7 @@ def _train(models: dict[str, Any], family: str, mesh: Any, batch: Any = None) ->
             grads = (
                 {n: p.grad for n, p in m.named_parameters()}
                 if k == "ref"
-                else gather_full_grads(m, ref, mesh)
+                else restore_fused(gather_full_grads(m, ref, mesh), m._hp_applied.plan, mesh.size())
             )
             res[k] = (out.loss.detach(), out.logits.detach(), grads)
         for a, b in (("prod", "ref"), ("val", "ref"), ("prod", "val")):

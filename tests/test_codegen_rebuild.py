@@ -102,7 +102,7 @@ def test_rules():
     _refused(
         _edit(lambda m: m["injections"][0].update(zzz=1)),
         "injections[0] ('a'): unknown key 'zzz'. Valid keys: match, inner_wrapper, "
-        "inner_target, inner_out_src, local_compute_fn, ep_stack, ep_size.",
+        "inner_target, inner_out_src, local_compute_fn, ep_stack, ep_size, fused_layouts.",
     )
     _refused(
         _edit(lambda m: m["injections"].append({"match": "c", "ep_size": 2})),

@@ -53,6 +53,7 @@ SPEC_TABLE = [
     ),
     ("_ep_stack", "ep_stack", "injections", "dict_copy", "dict_copy", False),
     ("_ep_size", "ep_size", "injections", "int_truthy", "int_truthy", False),
+    ("_fused_layouts", "fused_layouts", "injections", "dict_copy", "dict_copy", False),
     ("_tp_local_attr_plan", None, "exempt", None, None, False),
     ("_is_terminal", None, "exempt", None, None, False),
     ("_needs_cp_attn", None, "exempt", None, None, False),
@@ -93,9 +94,9 @@ def test_every_kind_has_exactly_one_implementation():
 def test_derived_views():
     names = lambda rows: [r.name for r in rows]  # noqa: E731
     assert names(sf.PARAM_PLAN_FIELDS) == [r[0] for r in SPEC_TABLE[:11]]
-    assert names(sf.INJECTION_FIELDS) == [r[0] for r in SPEC_TABLE[11:17]]
-    assert names(sf.EXEMPT_FIELDS) == [r[0] for r in SPEC_TABLE[17:]]
-    assert names(sf.FROZEN_FIELDS) == [r[0] for r in SPEC_TABLE[:17]]
+    assert names(sf.INJECTION_FIELDS) == [r[0] for r in SPEC_TABLE[11:18]]
+    assert names(sf.EXEMPT_FIELDS) == [r[0] for r in SPEC_TABLE[18:]]
+    assert names(sf.FROZEN_FIELDS) == [r[0] for r in SPEC_TABLE[:18]]
     assert names(sf.POST_INIT_FIELDS) == ["_deferred_bias_params"]
     assert sf.FROZEN_META_KEYS == {r[1] for r in SPEC_TABLE if r[1]}
     assert "match" not in sf.FROZEN_META_KEYS

@@ -701,7 +701,7 @@ case(
     "planning",
     _plan("tp=2"),
     FusedProjectionError,
-    "model.layers.0.self_attn.params.qkv_proj.weight.tp",
+    "model.layers.0.self_attn.qkv_proj.weight",
     model="fused_qkv_lm",
 )
 case(

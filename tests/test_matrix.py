@@ -60,12 +60,12 @@ EXPECTED: dict[str, str | tuple[str, str]] = {
     "olmoe": UNAIDED,
     "deepseek_v2": UNAIDED,
     "deepseek_v3": UNAIDED,
-    "gpt2": (REFUSED, FIXED),  # fused c_attn (FusedProjectionError), Conv1D MLP
+    "gpt2": (REFUSED, UNAIDED),  # sp: GPT2Model views its output to the global shape
     "gpt_neox": REFUSED,
     "falcon": REFUSED,
     "phi": UNAIDED,
-    "phi3": REFUSED,
-    "glm4": FIXED,
+    "phi3": UNAIDED,
+    "glm4": UNAIDED,
     "starcoder2": UNAIDED,
     "cohere": UNAIDED,
     "granite": UNAIDED,
@@ -73,7 +73,7 @@ EXPECTED: dict[str, str | tuple[str, str]] = {
     "smollm3": UNAIDED,
     "olmo": UNAIDED,
     "olmo3": UNAIDED,
-    "glm": FIXED,
+    "glm": UNAIDED,
     "cohere2": UNAIDED,
     "granitemoe": UNAIDED,
     "helium": UNAIDED,
@@ -83,13 +83,13 @@ EXPECTED: dict[str, str | tuple[str, str]] = {
     "ministral": UNAIDED,
     "exaone4": UNAIDED,
     "nemotron": UNAIDED,
-    "persimmon": FIXED,  # fused query_key_value kept whole; its MLP from structure
+    "persimmon": UNAIDED,
     "gptj": UNAIDED,
     "codegen": FIXED,  # fused qkv_proj kept whole; its MLP from structure
     "bloom": REFUSED,
     "opt": (REFUSED, UNAIDED),  # under SP its layer flattens tokens to 2-D for the MLP
     "biogpt": UNAIDED,
-    "dbrx": FIXED,  # fused Wqkv kept whole; norm_1/norm_2 are norms by type
+    "dbrx": UNAIDED,
     "jetmoe": REFUSED,
     "gpt_oss": UNAIDED,
     "qwen3_next": UNAIDED,

@@ -294,11 +294,12 @@ def test_tied_weights_must_agree():
 # ---------------------------------------------------------------------- fused
 
 
-def test_fused_qkv_under_tp_and_the_suggested_fix():
+def test_fused_qkv_whose_heads_cannot_be_read_and_the_suggested_fix():
+    """A fused q/k/v projection with no head count anywhere (no config, no attributes): hp
+    cannot tell which rows are whole heads, so it refuses and proposes keeping it whole."""
     msg = raises(FusedProjectionError, fused_qkv_lm())
     assert msg.startswith(
-        "model.layers.0.self_attn.params.qkv_proj.weight.tp: qkv_proj.weight is a fused "
-        "q/k/v projection"
+        "model.layers.0.self_attn.qkv_proj.weight: FusedQKVAttention: cannot read the head count"
     )
     fix = (
         "  - match: 'model.layers.0.self_attn'\n"
@@ -312,6 +313,7 @@ def test_fused_qkv_under_tp_and_the_suggested_fix():
     )
     p = plan(fused_qkv_lm(2), "tp=2", overrides=pasted)
     assert p["model.layers.0.self_attn"].out_src == {"output": p["model.norm"].params["weight"]}
+    assert p["model.layers.0.self_attn"]._fused_layouts == {}  # replicated: nothing to split
     # without tp there is nothing to split
     assert (
         plan(fused_qkv_lm(), "cp=2")["model.layers.0.self_attn"].params["qkv_proj.weight"]["cp"]
@@ -320,13 +322,17 @@ def test_fused_qkv_under_tp_and_the_suggested_fix():
     plan(fused_qkv_lm(), "tp=1")
 
 
-def test_fused_gate_up_under_tp():
-    msg = raises(FusedProjectionError, fused_mlp_lm())
-    assert msg.startswith(
-        "model.layers.0.mlp.params.gate_up_proj.weight.tp: gate_up_proj.weight is a fused "
-        "gate/up projection"
-    )
-    assert "all of gate and another all of up" in msg
+def test_fused_gate_up_under_tp_is_rearranged():
+    p = plan(fused_mlp_lm(), "tp=2")
+    mlp = p["model.layers.0.mlp"]
+    assert mlp._fused_layouts["gate_up_proj.weight"] == {
+        "kind": "gate_up",
+        "dim": 0,
+        "parts": [128, 128],
+        "units": [128, 128],
+        "names": ["gate", "up"],
+    }
+    assert mlp.region_dispatch is False  # chunk(2) of the re-arranged output runs locally
 
 
 def test_a_real_phi3_model_under_tp():
@@ -341,8 +347,11 @@ def test_a_real_phi3_model_under_tp():
     )
     with torch.device("meta"):
         model = Phi3ForCausalLM(config)
-    msg = raises(FusedProjectionError, model)
-    assert msg.startswith("model.layers.0.self_attn.params.qkv_proj.weight.tp:")
+    attn = plan(model, "tp=2")["model.layers.0.self_attn"]
+    assert attn._fused_layouts["qkv_proj.weight"]["parts"] == [32, 16, 16]
+    assert attn._fused_layouts["qkv_proj.weight"]["units"] == [4, 2, 2]
+    msg = raises(FusedProjectionError, model, "tp=4")
+    assert msg.startswith("model.layers.0.self_attn.qkv_proj.weight: concatenated along dim 0")
 
 
 # ---------------------------------------------------------------------- flags, mesh

@@ -58,9 +58,16 @@ from hp_core.checkpoint.pretrained_errors import (
     NotOnMetaError,
 )
 from hp_core.checkpoint.safetensors_files import CheckpointFiles
-from hp_core.checkpoint.slices import Ranges, local_ranges, plain_placements, read_local
+from hp_core.checkpoint.slices import (
+    Ranges,
+    local_ranges,
+    plain_placements,
+    read_fused_local,
+    read_local,
+)
 from hp_core.runtime.applied import AppliedModel, applied, applied_module
 from hp_core.runtime.fsdp_views import fsdp_box
+from hp_core.runtime.fused import FusedShards
 from hp_core.runtime.param_layout import ParamLayout
 from hp_core.runtime.state_views import saved_view
 
@@ -130,7 +137,12 @@ def _refuse_model(model: nn.Module, state: AppliedModel) -> bool:
     return fsdp
 
 
-def _targets(model: nn.Module, layouts: Mapping[str, ParamLayout], fsdp: bool) -> list[_Target]:
+def _targets(
+    model: nn.Module,
+    layouts: Mapping[str, ParamLayout],
+    fsdp: bool,
+    fused_names: Mapping[str, FusedShards],
+) -> list[_Target]:
     by_id: dict[int, _Target] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in by_id:
@@ -143,7 +155,9 @@ def _targets(model: nn.Module, layouts: Mapping[str, ParamLayout], fsdp: bool) -
             by_id[id(p)] = _Target([name], p, layout, fsdp=True, ranges=ranges)
             continue
         if isinstance(p, DTensor):  # validate: the parameter is its own layout
-            layout = ParamLayout(p.device_mesh, tuple(p.placements), p.shape, p.stride())
+            layout = ParamLayout(
+                p.device_mesh, tuple(p.placements), p.shape, p.stride(), fused_names.get(name)
+            )
         by_id[id(p)] = _Target([name], p, layout)
     volatile = {n for n, *_ in non_persistent_buffers(model)}
     for prefix, module in model.named_modules():
@@ -270,7 +284,8 @@ def _meshes(state: AppliedModel, targets: list[_Target]) -> list[DeviceMesh]:
 def _value(t: _Target, local: torch.Tensor) -> torch.Tensor:
     """What the parameter holds: a validate DTensor's view over ``local``, or ``local``."""
     if isinstance(t.tensor, DTensor) and t.layout is not None:
-        return saved_view(local, t.layout)
+        # The shard of the re-arranged tensor (a fused projection) is viewed as it is.
+        return saved_view(local, dataclasses.replace(t.layout, fused=None))
     return local
 
 
@@ -330,7 +345,7 @@ def load_pretrained(
     root = applied_module(model)
     fsdp = _refuse_model(root, state)
     files = CheckpointFiles.open(Path(path))
-    targets = _targets(root, state.layouts, fsdp)
+    targets = _targets(root, state.layouts, fsdp, state.fused)
     sources = _check(root, files, targets, cast)
     device = _device(state.mesh)
     shapes = {id(t.tensor): torch.Size(t.shape) for t in targets}
@@ -346,7 +361,14 @@ def load_pretrained(
     error: Exception | None = None
     try:
         for t in targets:
-            local = read_local(sources[id(t.tensor)], t.local_ranges())
+            # A re-arranged fused projection: its ranges (FSDP2's piece too) are positions in
+            # the re-arranged tensor, each part's rows read on their own.
+            fused = t.layout.fused if t.layout is not None else None
+            local = (
+                read_fused_local(sources[id(t.tensor)], t.local_ranges(), fused)
+                if fused is not None
+                else read_local(sources[id(t.tensor)], t.local_ranges())
+            )
             values[id(t.tensor)] = local.to(device=device, dtype=t.tensor.dtype)
     except Exception as e:  # any failure here must reach the agreement, or the others hang
         error = e

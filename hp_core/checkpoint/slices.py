@@ -16,9 +16,10 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from hp_core.checkpoint import safetensors_files
 from hp_core.checkpoint.key_map import Piece, Source
+from hp_core.runtime.fused import FusedShards
 from hp_core.runtime.param_layout import ParamLayout
 
-__all__ = ["local_ranges", "plain_placements", "read_local"]
+__all__ = ["local_ranges", "plain_placements", "read_fused_local", "read_local"]
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -61,3 +62,25 @@ def read_local(source: Source, ranges: Ranges) -> torch.Tensor:
         part = _read(piece, ((lo - piece.offset, hi - piece.offset), *rest))
         out[piece.expert - e0, lo - r0 : hi - r0] = part
     return out
+
+
+def read_fused_local(source: Source, ranges: Ranges, fused: FusedShards) -> torch.Tensor:
+    """This rank's shard of a re-arranged fused parameter: its rows of every part.
+
+    ``ranges`` are the shard's ranges in the re-arranged tensor; along the fused dim they
+    map to one run of the checkpoint's rows per part, each read on its own.
+    """
+    dim = fused.layout.dim
+    index = fused.layout.index(fused.tp)
+    lo, hi = ranges[dim]
+    if index is None:
+        return read_local(source, ranges)
+    rows = index[lo:hi].tolist()
+    runs: list[tuple[int, int]] = []
+    for r in rows:
+        if runs and runs[-1][1] == r:
+            runs[-1] = (runs[-1][0], r + 1)
+        else:
+            runs.append((r, r + 1))
+    pieces = [read_local(source, (*ranges[:dim], run, *ranges[dim + 1 :])) for run in runs]
+    return torch.cat(pieces, dim=dim)

@@ -19,7 +19,7 @@ from hp_core.planner.templates.roles import Role
 from hp_core.plans.errors import ArgumentTypeError, PlanError
 from hp_core.spec.axes import CANONICAL_AXES
 from hp_core.spec.keywords import close_matches
-from hp_core.spec.module_spec import ModuleShardingSpec, layout_map
+from hp_core.spec.module_spec import ModuleShardingSpec
 from hp_core.spec.placements import format_placement
 
 __all__ = [
@@ -31,8 +31,10 @@ __all__ = [
     "MeshTypeError",
     "PlanningError",
     "TemplateBuildError",
+    "attr_value",
     "compute_deferred_biases",
     "compute_tp_local_attrs",
+    "is_conv1d",
     "lint_plan",
 ]
 
@@ -45,6 +47,15 @@ HEAD_COUNT_ATTRS = (
     "n_heads",
     "n_head",
     "n_kv_heads",
+)
+#: What the forward of a fused q/k/v projection reads besides the head counts: the width of
+#: the query part (GPT-2's ``split_size``, DBRX's ``hidden_size``), and (on a private copy of
+#: the module's config) the config's head counts.
+FUSED_QKV_ATTRS = (
+    "split_size",
+    "hidden_size",
+    "config.num_attention_heads",
+    "config.num_key_value_heads",
 )
 _Q_NAMES = ("q_proj", "query")
 _KV_NAMES = ("k_proj", "v_proj", "key", "value")
@@ -87,36 +98,6 @@ class TemplateBuildError(PlanningError):
 
 class MeshTypeError(ArgumentTypeError, MeshSpecError):
     """``plan(model, mesh)`` with a mesh of a type hp cannot read (None, a number, a list...)."""
-
-
-_FUSED_PARTS = {Role.FUSED_QKV: ("q/k/v", "q", "v"), Role.FUSED_GATE_UP: ("gate/up", "gate", "up")}
-
-
-def _check_fused(
-    fqn: str, spec: ModuleShardingSpec, roles: Mapping[str, Role], mesh: MeshSpec
-) -> None:
-    if mesh.size("tp") <= 1:
-        return
-    params = spec.params if isinstance(spec.params, dict) else {}
-    for rel, named in params.items():
-        role = roles.get(f"{fqn}.{rel}" if fqn else rel)
-        if role not in _FUSED_PARTS or not isinstance(named.get("tp"), Shard):
-            continue
-        parts, first, last = _FUSED_PARTS[role]
-        whole = ", ".join(f"{p}: {{tp: replicate}}" for p in params)
-        outputs = ", ".join(
-            f"{o}: {{tp: replicate}}" for o in layout_map(spec.out_src) or ["output"]
-        )
-        raise FusedProjectionError(
-            f"{fqn}.params.{rel}.tp: {rel} is a fused {parts} projection; its rows are the parts "
-            f"concatenated along dim 0, so {format_placement(named['tp'])} over "
-            f"tp={mesh.size('tp')} would give one rank all of {first} and another all of {last}. "
-            "hp does not re-interleave fused weights yet. Replicate the boundary with an override "
-            f"(its output is then whole, not partial), e.g.\n  - match: {fqn!r}\n    params: "
-            f"{{{whole}}}\n"
-            f"    out_src: {{{outputs}}}\n"
-            "or plan with tp=1."
-        )
 
 
 def _fmt(named: Mapping[str, Placement]) -> str:
@@ -263,6 +244,28 @@ def _check_heads(model: nn.Module, fqn: str, spec: ModuleShardingSpec, mesh: Mes
             )
 
 
+def attr_value(module: nn.Module, attr: str) -> int | None:
+    """``module.<attr>`` (a dotted path: ``config.num_attention_heads``) when an int, else None."""
+    value: Any = module
+    for part in attr.split("."):
+        value = getattr(value, part, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _conv1d_widths(module: nn.Module, spec: ModuleShardingSpec) -> list[str]:
+    """``<path>.nf`` of every column-sharded GPT-2 Conv1D: its forward views to that width."""
+    params = spec.params if isinstance(spec.params, dict) else {}
+    out = []
+    for rel, named in params.items():
+        path, _, leaf = rel.rpartition(".")
+        placement = named.get("tp")
+        if leaf != "weight" or not path or not isinstance(placement, Shard) or placement.dim != 1:
+            continue
+        if is_conv1d(_module(module, path)):
+            out.append(f"{path}.nf")
+    return out
+
+
 def compute_tp_local_attrs(
     model: nn.Module, fqn: str, spec: ModuleShardingSpec, mesh: MeshSpec
 ) -> dict[str, tuple[int, int]] | None:
@@ -270,13 +273,17 @@ def compute_tp_local_attrs(
     tp = mesh.size("tp")
     module = _module(model, fqn)
     names: list[str] = []
-    if _tp_sharded_heads(spec):
+    fused_qkv = any(f.get("kind") != "gate_up" for f in spec._fused_layouts.values())
+    if _tp_sharded_heads(spec) or fused_qkv:
         names += [
             a
             for a in HEAD_COUNT_ATTRS
             if isinstance(getattr(module, a, None), int)
             and not isinstance(getattr(module, a), bool)
         ]
+    if fused_qkv:
+        names += [a for a in FUSED_QKV_ATTRS if attr_value(module, a) is not None]
+    names += _conv1d_widths(module, spec)
     extra = spec.tp_divide_attrs if isinstance(spec.tp_divide_attrs, list) else []
     for attr in extra:
         if not hasattr(module, attr):
@@ -301,7 +308,9 @@ def compute_tp_local_attrs(
         return None
     plan: dict[str, tuple[int, int]] = {}
     for attr in names:
-        value = int(getattr(module, attr))
+        value = attr_value(module, attr)
+        if value is None:  # pragma: no cover - names holds integer attributes only
+            continue
         if value % tp:
             raise DivisibilityError(
                 f"{fqn}.{attr} = {value} is not divisible by tp={tp}; each rank must hold an equal "
@@ -309,6 +318,11 @@ def compute_tp_local_attrs(
             )
         plan[attr] = (value, value // tp)
     return plan
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's ``transformers.pytorch_utils.Conv1D``: a Linear whose weight is ``[in, out]``."""
+    return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
 
 
 def compute_deferred_biases(
@@ -331,11 +345,10 @@ def compute_deferred_biases(
         weight = params.get(rel[: -len("bias")] + "weight", {})
         w_tp, b_tp = weight.get("tp"), named.get("tp", Replicate())
         owner = _module(module, rel.rpartition(".")[0])
-        if (
-            isinstance(owner, nn.Linear)
-            and isinstance(w_tp, Shard)
-            and w_tp.dim == 1
-            and isinstance(b_tp, Replicate)
+        # A Linear's rowwise weight is Shard(1); GPT-2's Conv1D holds it transposed: Shard(0).
+        row_dim = 0 if is_conv1d(owner) else 1
+        if (isinstance(owner, nn.Linear) or is_conv1d(owner)) and (
+            isinstance(w_tp, Shard) and w_tp.dim == row_dim and isinstance(b_tp, Replicate)
         ):
             deferred.append(rel)
     return tuple(deferred)
@@ -349,11 +362,10 @@ def lint_plan(
 ) -> None:
     """Every check that needs the model: axes, parameter shapes, heads, coverage, injections.
 
-    ``roles`` (param FQN → role, from the structure analysis) enables the fused-projection check.
+    ``roles`` (param FQN → role) is accepted for plugins' callers; fused projections are
+    checked where their layouts are derived (``hp_core.planner.fused_layout``).
     """
     for fqn, spec in modules.items():
-        if roles:
-            _check_fused(fqn, spec, roles, mesh)
         if spec.region_dispatch is True and not spec.has_injection:
             raise PlanningError(
                 f"{fqn}: region_dispatch=True without an injection is redundant (dispatching is "

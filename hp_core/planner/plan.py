@@ -13,6 +13,7 @@ from torch import nn
 
 from hp_core.context import ParallelContext
 from hp_core.mesh import MeshLike, MeshSpec
+from hp_core.planner.fused_layout import fused_layouts
 from hp_core.planner.lints import (
     MeshTypeError,
     PlanningError,
@@ -231,6 +232,8 @@ def plan(
     for fqn, spec in modules.items():
         facts: dict[str, Any] = {"deferred_bias_params": compute_deferred_biases(model, fqn, spec)}
         if ms.size("tp") > 1:
+            facts["fused_layouts"] = fused_layouts(model, fqn, spec, ms, structure.roles)
+            spec.with_derived(fused_layouts=facts["fused_layouts"])
             facts["tp_local_attr_plan"] = compute_tp_local_attrs(model, fqn, spec, ms)
         spec.with_derived(**facts)
     return ShardingPlan(

@@ -152,6 +152,9 @@ def _boundary_lines(fqn: str, spec: ModuleShardingSpec, plan: ShardingPlan) -> l
     if spec._tp_local_attr_plan:
         attrs = ", ".join(f"{a} {g}→{loc}" for a, (g, loc) in spec._tp_local_attr_plan.items())
         lines.append(f"attrs (divided by tp): {attrs}")
+    for rel, data in spec._fused_layouts.items():
+        parts = ", ".join(f"{n} {p}" for n, p in zip(data["names"], data["parts"], strict=True))
+        lines.append(f"fused {rel}: {data['kind']} along dim {data['dim']} [{parts}]")
     if spec._deferred_bias_params:
         lines.append(
             "deferred biases (added once after the exit reduction): "

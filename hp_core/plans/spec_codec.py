@@ -180,6 +180,8 @@ def _internals_to_data(spec: ModuleShardingSpec) -> dict[str, Any]:
         out["ep_stack"] = {str(k): [str(s) for s in v] for k, v in spec._ep_stack.items()}
     if spec._ep_size:
         out["ep_size"] = int(spec._ep_size)
+    if spec._fused_layouts:
+        out["fused_layouts"] = {str(k): dict(v) for k, v in spec._fused_layouts.items()}
     return out
 
 
@@ -437,6 +439,14 @@ def apply_internals(spec: ModuleShardingSpec, raw: Any, path: str) -> None:
                         f"{sources!r}."
                     )
                 parsed[stacked] = _parse_names(sources, f"{where}.{stacked}", err)
+        elif key == "fused_layouts":
+            if not isinstance(value, Mapping) or not all(
+                isinstance(v, Mapping) for v in value.values()
+            ):
+                raise err(
+                    f"{where}: expected a mapping of parameter path to a layout, got {value!r}."
+                )
+            parsed = {str(k): dict(v) for k, v in value.items()}
         else:  # ep_size
             if not is_int(value) or value < 0:
                 raise err(f"{where}: expected a non-negative integer, got {value!r}.")

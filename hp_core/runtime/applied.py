@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from hp_core.context import ParallelContext
     from hp_core.plans.model import ShardingPlan
     from hp_core.runtime.boundary import BoundaryForward
+    from hp_core.runtime.fused import FusedShards
     from hp_core.runtime.grads import GradReducer
     from hp_core.runtime.guard import InputGuard
     from hp_core.runtime.param_layout import ParamLayout
@@ -68,6 +69,8 @@ class AppliedModel:
     #: Production: each sharded parameter's layout by name (the state-dict and optimizer
     #: views read it); empty in validate mode, where the parameters are DTensors.
     layouts: Mapping[str, ParamLayout] = dataclasses.field(default_factory=dict)
+    #: Validate: ``parameter name -> FusedShards`` of re-arranged fused DTensor parameters.
+    fused: Mapping[str, FusedShards] = dataclasses.field(default_factory=dict)
 
 
 def applied_module(model: nn.Module) -> nn.Module:

@@ -33,8 +33,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hp_core.collectives import grad_is_partial
 from hp_core.errors import HpError
 from hp_core.mesh import mesh_axes
+from hp_core.planner.lints import is_conv1d
 from hp_core.runtime.broadcast import BroadcastToShards
 from hp_core.runtime.fixes import keep_whole_yaml
+from hp_core.runtime.fused_views import zero_bias
 from hp_core.runtime.layouts import Redistribution, same_placement, to_placements
 from hp_core.runtime.partial import contract_partial_axes, is_expert_param
 from hp_core.spec.module_spec import ModuleShardingSpec, layout_map
@@ -331,8 +333,10 @@ class BoundaryForward:
     @contextlib.contextmanager
     def _detached_biases(self) -> Iterator[None]:
         saved = [(o, n, o._parameters[n]) for o, n in self.deferred]
-        for o, n, _ in saved:
-            o._parameters[n] = None
+        for o, n, p in saved:
+            # GPT-2's Conv1D always adds its bias (addmm): it gets zeros of the partial sum.
+            zeros = zero_bias(p, self.mesh, self.dispatch) if is_conv1d(o) else None
+            o._parameters[n] = zeros  # type: ignore[assignment]  # a stand-in for the call
         try:
             yield
         finally:

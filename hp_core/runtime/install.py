@@ -23,6 +23,8 @@ from hp_core.runtime.applied import AppliedModel, InnerWrap
 from hp_core.runtime.boundary import BoundaryForward, InnerOutputCheck
 from hp_core.runtime.experts import expert_grad_reductions
 from hp_core.runtime.fixes import fix_match
+from hp_core.runtime.fused import set_local_attr
+from hp_core.runtime.fused_state import FusedStateDict
 from hp_core.runtime.grads import GradReducer, GradReduction
 from hp_core.runtime.guard import InputGuard
 from hp_core.runtime.journal import Journal, set_forward
@@ -188,9 +190,17 @@ def install(
     journal.phase("parameters")
     sharded.install(model, journal)
     layouts = named_layouts(model, sharded.layouts) if mode == "production" else {}
+    fused = {
+        name: sharded.fused[id(p)]
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if id(p) in sharded.fused
+    }
     if mode == "production":  # validate's parameters are DTensors: their state dict has layouts
         ShardedStateDict(layouts).attach(model, journal)
         watch_optimizers(model, journal)  # and so do their optimizer states
+    elif fused:  # validate's re-arranged fused DTensors: saved in the model's own layout
+        FusedStateDict(fused).attach(model, journal)
+        watch_optimizers(model, journal)  # and their moments too
     journal.phase("boundaries")
     strict = mode == "validate"  # validate refuses communication the contract does not declare
     dense = dense_mesh(mesh)  # hp's DTensors and collectives live off the dp axes
@@ -233,12 +243,13 @@ def install(
         set_forward(journal, module, forward)
         forwards[fqn] = bf
     journal.phase("attributes")
-    if mode == "production":
-        for fqn, spec in plan.items():
+    for fqn, spec in plan.items():
+        # A region on local tensors in validate too (re-arranged fused projections) needs them.
+        if mode == "production" or (spec._fused_layouts and spec.region_dispatch is False):
             journal.at(fqn)
             module = model.get_submodule(fqn) if fqn else model
             for attr, (_glob, local) in (spec._tp_local_attr_plan or {}).items():
-                journal.set_attr(module, attr, local)
+                set_local_attr(journal, module, attr, local)
     journal.phase("gradient reductions")
     entries = [*reductions, *expert_grad_reductions(plan, pre.experts)]
     reducer = (
@@ -265,6 +276,7 @@ def install(
         inner_wraps=wraps,
         context=pre.context,
         layouts=layouts,
+        fused=fused,
     )
     journal.set_attr(model, "_hp_applied", state)
     journal.phase("commit")  # after the last mutation

@@ -41,6 +41,8 @@ from torch.utils.hooks import RemovableHandle
 from hp_core.errors import HpError
 from hp_core.runtime.applied import applied, applied_module
 from hp_core.runtime.clip import NotAppliedError
+from hp_core.runtime.fused_state import validate_fused_value, validate_layouts
+from hp_core.runtime.fused_views import fused_saved
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.param_layout import ParamLayout
 from hp_core.runtime.state_views import local_value, saved_view
@@ -98,7 +100,7 @@ def track_optimizer(model: nn.Module, optimizer: Optimizer) -> Optimizer:
             "The hooks lay out the state of the model's own parameters.\n"
             "Fix: build the optimizer from this model's parameters after hp_core.apply."
         )
-    if state.mode == "production":
+    if state.mode == "production" or state.fused:  # validate: re-arranged fused moments
         _attach(module, optimizer)
     return optimizer
 
@@ -146,9 +148,9 @@ class _OptimizerViews:
         """Position in ``params`` → (name, layout) for every sharded parameter there."""
         model = self._model()
         state = applied(model) if model is not None else None
-        if model is None or state is None or not state.layouts:
+        if model is None or state is None or not (state.layouts or state.fused):
             return {}
-        layouts: Mapping[str, ParamLayout] = state.layouts
+        layouts: Mapping[str, ParamLayout] = state.layouts or validate_layouts(model, state.fused)
         # Built per call, not cached: it costs one walk over the parameters next to a whole
         # state dict, and it stays right when a wrapper swaps the parameter objects.
         names: dict[int, str] = {}
@@ -174,7 +176,7 @@ class _OptimizerViews:
                         raise _unshaped(name, skey, value, param, layout)
             # A new dict: the entry is the optimizer's own per-parameter state.
             saved[key] = {
-                skey: saved_view(value, layout) if _is_shard_state(value, param) else value
+                skey: _saved(value, layout) if _is_shard_state(value, param) else value
                 for skey, value in entry.items()
             }
         return {**state_dict, "state": saved}
@@ -188,6 +190,9 @@ class _OptimizerViews:
             return None  # torch's own check names the mismatch
         params = _params(optimizer)
         sharded = self._layouts(params)
+        model = self._model()
+        record = applied(model) if model is not None else None
+        validate = record is not None and record.mode == "validate"  # fused DTensors only
         position = {
             saved: i
             for i, saved in enumerate(chain.from_iterable(s["params"] for s in saved_groups))
@@ -209,11 +214,26 @@ class _OptimizerViews:
                 shard_now = now is None or _is_shard_state(now, param)
                 if isinstance(value, DTensor) or (value.dim() > 0 and shard_now):
                     like = now if isinstance(now, torch.Tensor) else param
-                    converted[skey] = local_value(
-                        f"{name} (optimizer state {skey!r})", value, layout, like=like
+                    where = f"{name} (optimizer state {skey!r})"
+                    converted[skey] = (
+                        validate_fused_value(where, value, layout)
+                        if validate
+                        else local_value(where, value, layout, like=like)
                     )
             loaded[key] = converted
         return {**state_dict, "state": loaded}
+
+
+def _saved(value: torch.Tensor, layout: ParamLayout) -> Any:
+    """A production shard's view; validate's re-arranged fused DTensor in the model's layout."""
+    if (
+        isinstance(value, DTensor)
+        and layout.fused is not None
+        and tuple(value.placements) == layout.placements
+        and value.device_mesh == layout.mesh
+    ):
+        return fused_saved(value, layout.fused)
+    return saved_view(value, layout)
 
 
 def _unshaped(

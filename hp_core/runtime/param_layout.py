@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
+from hp_core.runtime.fused import FusedShards
 from hp_core.spec.placements import format_placement
 
 if TYPE_CHECKING:
@@ -32,6 +33,8 @@ class ParamLayout:
     placements: tuple[Placement, ...]
     shape: torch.Size
     stride: tuple[int, ...]
+    #: A fused projection's re-arrangement: the shard is of ``fused.rearrange(tensor)``.
+    fused: FusedShards | None = None
 
     def describe(self) -> str:
         names = self.mesh.mesh_dim_names or ()

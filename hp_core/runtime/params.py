@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from hp_core.errors import HpError
 from hp_core.plans.model import ShardingPlan
 from hp_core.runtime.experts import ExpertGroups, ShardedExperts, shard_expert_parameters
+from hp_core.runtime.fused import FusedShards, fused_shards
 from hp_core.runtime.journal import Journal
 from hp_core.runtime.layouts import dense_mesh, to_placements
 from hp_core.runtime.param_layout import ParamLayout, layout_of
@@ -76,18 +77,23 @@ def outside_boundaries(plan: ShardingPlan) -> set[str]:
 
 
 def _distribute(
-    t: torch.Tensor, mesh: DeviceMesh, named: dict, mode: str
+    t: torch.Tensor, mesh: DeviceMesh, named: dict, mode: str, fused: FusedShards | None = None
 ) -> tuple[torch.Tensor, ParamLayout | None]:
     # A copy first: replicating broadcasts into the source's storage, and the source is the
     # caller's parameter until the install commits (a rollback must find this rank's values).
     data = t.detach() if t.is_meta else t.detach().clone()
+    if fused is not None:  # contiguous shards of the re-arranged tensor: whole heads per part
+        data = fused.rearrange(data)
     # Rank 0's values are the truth, as in DTensor: every rank (dp replicas too) ends up
     # with the same model. Meta tensors carry no values, so they are only chunked.
     dt = distribute_tensor(
         data, mesh, to_placements(named, mesh), src_data_rank=None if data.is_meta else 0
     )
     if mode != "validate":
-        return dt.to_local(), layout_of(dt)
+        layout = layout_of(dt)
+        if layout is not None and fused is not None and fused.moves:
+            layout = dataclasses.replace(layout, fused=fused)
+        return dt.to_local(), layout
     dense = dense_mesh(mesh)
     if dense is mesh:
         return dt, None
@@ -109,6 +115,9 @@ class ShardedParameters:
     experts: ShardedExperts | None
     #: ``id(new) -> layout`` of every sharded production parameter (experts' included).
     layouts: dict[int, ParamLayout] = dataclasses.field(default_factory=dict)
+    #: ``id(new) -> FusedShards`` of every re-arranged validate parameter (production's are in
+    #: its layout).
+    fused: dict[int, FusedShards] = dataclasses.field(default_factory=dict)
 
     def install(self, model: nn.Module, journal: Journal) -> dict[int, nn.Parameter]:
         """Swap the copies in; returns ``id(old) → new``."""
@@ -137,7 +146,9 @@ def shard_parameters(
     expert-parallel boundaries. Every check runs before the first collective.
     """
     outside = outside_boundaries(plan)
-    work: list[tuple[nn.Module, str, nn.Parameter, dict, str]] = []
+    work: list[tuple[nn.Module, str, nn.Parameter, dict, str, FusedShards | None]] = []
+    dims = tuple(mesh.mesh_dim_names or ())
+    tp = mesh.size(dims.index("tp")) if "tp" in dims else 1
     for fqn, rel, owner, name, named in declared_params(model, plan):
         if is_expert_param(plan[fqn], named):
             continue  # on the expert mesh, below
@@ -151,20 +162,24 @@ def shard_parameters(
                 f"in the model's own code and cannot be sharded ({named}). Make {fqn!r} a boundary "
                 "(is_boundary: true, with in/out layouts), or keep the parameter replicated."
             )
+        fused = fused_shards(fqn, plan[fqn]._fused_layouts, rel, tuple(old.shape), tp)
         # Outside any boundary it stays a plain (replicated) tensor in both modes.
-        work.append((owner, name, old, named, "production" if fqn in outside else mode))
+        work.append((owner, name, old, named, "production" if fqn in outside else mode, fused))
     sharded_experts = shard_expert_parameters(model, plan, mode, experts) if experts else None
     made: dict[int, nn.Parameter] = {}
     layouts: dict[int, ParamLayout] = {}
+    fused_by_id: dict[int, FusedShards] = {}
     out: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
-    for owner, name, old, named, how in work:
+    for owner, name, old, named, how, fused in work:
         new = made.get(id(old))  # a tied parameter is sharded once and stays tied
         if new is None:
-            value, layout = _distribute(old, mesh, named, how)
+            value, layout = _distribute(old, mesh, named, how, fused)
             new = made[id(old)] = nn.Parameter(value, requires_grad=old.requires_grad)
             if layout is not None:
                 layouts[id(new)] = layout
+            if how == "validate" and fused is not None and fused.moves:
+                fused_by_id[id(new)] = fused
         out.append((owner, name, old, new))
     if sharded_experts is not None:
         layouts.update(sharded_experts.layouts)
-    return ShardedParameters(out, sharded_experts, layouts)
+    return ShardedParameters(out, sharded_experts, layouts, fused_by_id)

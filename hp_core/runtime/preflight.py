@@ -21,7 +21,7 @@ from torch import nn
 from hp_core.context import ParallelContext
 from hp_core.injection import InjectionBindingError, Target, check_forward_compatible
 from hp_core.mesh import MeshSpec
-from hp_core.planner.lints import PlanningError, lint_plan
+from hp_core.planner.lints import PlanningError, attr_value, lint_plan
 from hp_core.planner.structure import model_architectures
 from hp_core.plans.model import ShardingPlan
 from hp_core.plugins import INNER_WRAPPER_REGISTRY, suggest_compute_factory
@@ -278,7 +278,7 @@ def _check_attrs(model: nn.Module, plan: ShardingPlan) -> None:
     for fqn, spec in plan.items():
         for attr, (glob, _local) in (spec._tp_local_attr_plan or {}).items():
             module = model.get_submodule(fqn) if fqn else model
-            value = getattr(module, attr, None)
+            value = attr_value(module, attr)
             if value != glob:
                 raise PreflightError(
                     f"{fqn}.{attr} is {value!r} but the plan expects {glob} (it divides it by tp). "

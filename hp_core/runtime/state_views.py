@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hp_core.errors import HpError
 from hp_core.runtime.fsdp_views import combined_view, fsdp_local, is_fsdp_shard
+from hp_core.runtime.fused_views import fused_full, fused_saved
 from hp_core.runtime.param_layout import ParamLayout
 
 __all__ = ["StateDictLayoutError", "local_value", "saved_view"]
@@ -33,9 +34,9 @@ def saved_view(value: Any, layout: ParamLayout, key: str = "") -> Any:
     mesh dims (``hp_core.runtime.fsdp_views``); ``key`` names it in errors.
     """
     if isinstance(value, DTensor) and is_fsdp_shard(value, layout):
-        return combined_view(key or layout.describe(), value, layout)
-    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-        return DTensor.from_local(
+        view = combined_view(key or layout.describe(), value, layout)
+    elif isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        view = DTensor.from_local(
             value,
             layout.mesh,
             layout.placements,
@@ -43,7 +44,10 @@ def saved_view(value: Any, layout: ParamLayout, key: str = "") -> Any:
             shape=layout.shape,
             stride=layout.stride,
         )
-    return value
+    else:
+        return value
+    # A fused projection's shard is of the re-arranged tensor: saved as the model's (a copy).
+    return fused_saved(view, layout.fused) if layout.fused is not None else view
 
 
 def local_value(key: str, value: Any, layout: ParamLayout, like: torch.Tensor | None = None) -> Any:
@@ -64,9 +68,11 @@ def local_value(key: str, value: Any, layout: ParamLayout, like: torch.Tensor | 
             "Fix: load a checkpoint of this model (saved with torch.distributed.checkpoint "
             "or as full tensors), not a state dict of plain local shards."
         )
+    if layout.fused is not None:  # this rank's shard is of the re-arranged tensor
+        value = fused_full(value, layout.fused)
     if isinstance(like, DTensor) and is_fsdp_shard(like, layout):
         return fsdp_local(key, value, layout, like)
-    if isinstance(value, DTensor):
+    if isinstance(value, DTensor) and layout.fused is None:
         if value.device_mesh != layout.mesh or tuple(value.placements) != layout.placements:
             value = value.redistribute(layout.mesh, layout.placements)
         return value.to_local()

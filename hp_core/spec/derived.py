@@ -33,6 +33,9 @@ class Derived:
     ep_stack: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     #: Expert-parallel degree the stack was made for (0: none).
     ep_size: int = 0
+    #: ``param path -> fused layout`` (``hp_core.planner.fused_layout.FusedLayout`` as data)
+    #: of the fused projections tp re-arranges so each rank holds whole heads of every part.
+    fused_layouts: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def replace(self, **facts: Any) -> Derived:
         """This record with ``facts`` replaced (what ``dataclasses.replace`` does, without its
@@ -58,6 +61,7 @@ class Derived:
             needs_cp_attn=self.needs_cp_attn,
             ep_stack={k: list(v) for k, v in self.ep_stack.items()},
             ep_size=self.ep_size,
+            fused_layouts={k: dict(v) for k, v in self.fused_layouts.items()},
         )
 
 

@@ -304,6 +304,7 @@ SPEC_FIELDS: tuple[SpecField, ...] = (
     ),
     _derived("_ep_stack", "ep_stack", INJECTIONS, "dict_copy", "dict_copy"),
     _derived("_ep_size", "ep_size", INJECTIONS, "int_truthy", "int_truthy"),
+    _derived("_fused_layouts", "fused_layouts", INJECTIONS, "dict_copy", "dict_copy"),
     _derived("_tp_local_attr_plan", None, EXEMPT, None, None),
     _derived("_is_terminal", None, EXEMPT, None, None),
     _derived("_needs_cp_attn", None, EXEMPT, None, None),

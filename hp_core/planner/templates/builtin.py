@@ -13,6 +13,7 @@ from hp_core.planner.lints import FusedProjectionError
 from hp_core.planner.templates.context import TemplateContext
 from hp_core.planner.templates.head_params import head_params, mla_divide_attrs
 from hp_core.planner.templates.mixers import whole_block, whole_reason
+from hp_core.planner.templates.projections import projection_param, region_dispatch
 from hp_core.planner.templates.qk_norm import shard_full_width_norms
 from hp_core.planner.templates.roles import BoundaryTemplate, Role
 from hp_core.spec.module_spec import ModuleShardingSpec
@@ -23,15 +24,9 @@ __all__ = ["DEFAULT_BOUNDARY_TEMPLATES", "FusedProjectionError"]
 def _pair_params(ctx: TemplateContext) -> dict[str, dict]:
     params: dict[str, dict] = {}
     for rel, role in ctx.block.params.items():
-        is_bias = rel.endswith("bias")
-        # Fused projections derive Shard(0) like colwise ones; lint_plan rejects that after
-        # the overrides are merged (an override replicating them is the way out).
-        if role in (Role.COLWISE, Role.FUSED_QKV, Role.FUSED_GATE_UP):
-            params[rel] = ctx.tp_param(Shard(0))
-        elif role is Role.ROWWISE and not is_bias:
-            params[rel] = ctx.tp_param(Shard(1))
-        else:  # rowwise biases (added once after the reduction), per-head norms, ...
-            params[rel] = ctx.replicated()
+        placed = projection_param(ctx, rel, role)
+        # Rowwise biases (added once after the reduction), per-head norms, ...: whole.
+        params[rel] = placed if placed is not None else ctx.replicated()
     return {k: v for k, v in params.items() if v}
 
 
@@ -48,6 +43,7 @@ def attention(ctx: TemplateContext) -> ModuleShardingSpec:
         out_dst=ctx.io(out, ctx.hidden),
         out_names=[out, "attn_weights"] if ctx.returns_tuple() else None,
         tp_divide_attrs=mla_divide_attrs(ctx),
+        region_dispatch=region_dispatch(ctx),
     )
     spec.with_derived(needs_cp_attn=True)
     return shard_full_width_norms(ctx, spec)  # norms over the whole q/k width (OLMo-2)
@@ -63,6 +59,7 @@ def mlp(ctx: TemplateContext) -> ModuleShardingSpec:
         in_dst=ctx.io(x, ctx.gathered),
         out_src=ctx.io("output", ctx.partial if ctx.has_tp else ctx.gathered),
         out_dst=ctx.io("output", ctx.hidden),
+        region_dispatch=region_dispatch(ctx),
     )
 
 

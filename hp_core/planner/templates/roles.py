@@ -102,21 +102,25 @@ DEFAULT_ROLE_RULES: tuple[RoleRule, ...] = (
         Role.MOE_ROUTER,
     ),
     _r("shared_expert_gate", r"(^|\.)shared_expert_gate\.weight$", Role.SHARED_EXPERT_GATE),
-    _r("embed", r"(^|\.)(embed_tokens|wte|word_embeddings)\.weight$", Role.EMBED),
-    _r("lm_head", r"(^|\.)lm_head\.weight$", Role.LM_HEAD),
-    _r("norm", r"(norm|layernorm|ln_f|ln_[0-9])\.(weight|bias)$", Role.NORM),
+    _r("embed", r"(^|\.)(embed_tokens|wte|wpe|word_embeddings|embed_in)\.weight$", Role.EMBED),
+    _r("lm_head", r"(^|\.)(lm_head|embed_out)\.weight$", Role.LM_HEAD),
+    _r(
+        "norm",
+        r"(norm|layernorm|ln_f|ln_[0-9]|ln_attn|ln_mlp|norm_[0-9f])\.(weight|bias)$",
+        Role.NORM,
+    ),
     _r(
         "fused_qkv", r"(^|\.)(qkv_proj|query_key_value|c_attn|Wqkv)\.(weight|bias)$", Role.FUSED_QKV
     ),
     _r("fused_gate_up", r"(^|\.)gate_up_proj\.(weight|bias)$", Role.FUSED_GATE_UP),
     _r(
         "colwise",
-        r"(^|\.)(q_proj|k_proj|v_proj|gate_proj|up_proj|w1|w3|fc1|c_fc)\.(weight|bias)$",
+        r"(^|\.)(q_proj|k_proj|v_proj|gate_proj|up_proj|w1|w3|fc1|c_fc|dense_h_to_4h)\.(weight|bias)$",
         Role.COLWISE,
     ),
     _r(
         "rowwise",
-        r"(^|\.)(o_proj|down_proj|w2|fc2|dense|c_proj|out_proj)\.(weight|bias)$",
+        r"(^|\.)(o_proj|down_proj|w2|fc2|dense|c_proj|out_proj|dense_4h_to_h)\.(weight|bias)$",
         Role.ROWWISE,
     ),
 )

@@ -81,6 +81,37 @@ def test_rules_classify_a_real_phi3_model():
     assert not any(r.matches(seen["mlp.down_proj.weight"], ("LlamaForCausalLM",)) for r in rules)
 
 
+def test_the_hints_agree_with_the_core_and_the_parts_are_split_whole(monkeypatch):
+    """With or without the plugin a Phi-3 plans the same: the fused q/k/v rows re-arranged
+    so each tp rank holds whole heads of q, k and v (the core derives that from the config)."""
+    import hp_core
+
+    config = Phi3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
+    with torch.device("meta"):
+        model = Phi3ForCausalLM(config)
+    assert len(phi3_rules()) == 4  # loaded
+    with_plugin = hp_core.plan(model, "tp=2")
+    monkeypatch.setenv("HP_DISABLE_PLUGIN_AUTOLOAD", "1")
+    reset_plugins()
+    assert phi3_rules() == []
+    without = hp_core.plan(model, "tp=2")
+    assert with_plugin.fingerprint() == without.fingerprint()
+    layout = with_plugin["model.layers.0.self_attn"]._fused_layouts["qkv_proj.weight"]
+    assert (layout["kind"], layout["parts"], layout["units"]) == (
+        "concatenated",
+        [32, 16, 16],
+        [4, 2, 2],
+    )
+
+
 def test_uses_only_the_public_hp_core_surface():
     for path in (HERE / "src" / "hp_plugin_phi3").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -1,10 +1,14 @@
-"""Role rules for ``Phi3ForCausalLM``: fused ``qkv_proj`` / ``gate_up_proj``, rowwise exits.
+"""Role hints for ``Phi3ForCausalLM``: fused ``qkv_proj`` / ``gate_up_proj``, rowwise exits.
 
 Phi-3 packs q, k and v into one ``self_attn.qkv_proj`` Linear and gate and up into one
 ``mlp.gate_up_proj`` Linear. Both are column-parallel *fused* projections: each tp rank
 must hold its slice of every packed part, not a contiguous slice of the packed weight.
-``o_proj`` and ``down_proj`` are ordinary row-parallel exits. The rules are scoped to
-the architecture, so they take precedence over the core's defaults for Phi-3 only.
+``o_proj`` and ``down_proj`` are ordinary row-parallel exits.
+
+These are hints, not the mechanism: the core classifies the same names the same way and
+derives how the parts split from the model's config (``hp_core.planner.fused_layout``),
+so a Phi-3 plans the same with or without this plugin. The rules are scoped to the
+architecture, so they pin Phi-3's roles whatever the core's defaults become.
 """
 
 from __future__ import annotations
