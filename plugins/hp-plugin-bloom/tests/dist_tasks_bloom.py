@@ -14,10 +14,11 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import hp_plugin_bloom.plugin as bloom_plugin
 import torch
+from hp_plugin_bloom.alibi import HeadSlicedAttention
 from torch.distributed.device_mesh import init_device_mesh
 
-import hp_plugin_bloom.plugin as bloom_plugin
 from hp_core import HpError, apply, plan, verify
 from hp_core.plugins import plugin_report, register_plugin, reset_plugins
 from hp_core.testing.compare import (
@@ -30,7 +31,6 @@ from hp_core.testing.compare import (
 )
 from hp_core.testing.families import build_family, family_batch
 from hp_core.testing.probe import CollectiveCounter
-from hp_plugin_bloom.alibi import HeadSlicedAttention
 
 RTOL = 1e-5
 STEPS = 2
@@ -44,7 +44,9 @@ def plugins(with_bloom: bool) -> Iterator[None]:
         os.environ["HP_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     reset_plugins()
     try:
-        if with_bloom and not any(r.name == "bloom" and r.status == "loaded" for r in plugin_report()):
+        if with_bloom and not any(
+            r.name == "bloom" and r.status == "loaded" for r in plugin_report()
+        ):
             register_plugin(bloom_plugin, name="bloom")  # not pip-installed: load it by hand
         yield
     finally:
@@ -99,7 +101,11 @@ def _train(models: dict[str, Any], mesh: Any) -> dict[str, Any]:
             before = snapshot_params(m, only_with_grad=True)
             opts[k].step()
             unmoved[k].update(unmoved_params(before, m))
-    return {"excess": worst, "unmoved": {k: sorted(v) for k, v in unmoved.items()}, "n_grads": n_grads}
+    return {
+        "excess": worst,
+        "unmoved": {k: sorted(v) for k, v in unmoved.items()},
+        "n_grads": n_grads,
+    }
 
 
 def bloom_case(
@@ -123,7 +129,11 @@ def bloom_case(
                 "names_module": any(n in str(e) for n in names),
             }
         wrapped = sorted(f for f, s in p.items() if s.inner_wrapper is not None)
-        models = {"ref": copy.deepcopy(base), "prod": copy.deepcopy(base), "val": copy.deepcopy(base)}
+        models = {
+            "ref": copy.deepcopy(base),
+            "prod": copy.deepcopy(base),
+            "val": copy.deepcopy(base),
+        }
         apply(models["prod"], p, mesh, verify=report)
         apply(models["val"], p, mesh, mode="validate", verify=report)
         qkv = models["prod"].transformer.h[0].self_attention.query_key_value.weight

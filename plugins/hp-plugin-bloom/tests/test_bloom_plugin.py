@@ -12,18 +12,18 @@ import importlib.metadata
 import sys
 from pathlib import Path
 
+import dist_tasks_bloom as tasks
 import pytest
 import torch
-from transformers import BloomConfig
-from transformers.models.bloom.modeling_bloom import BloomAttention, build_alibi_tensor
-
-import dist_tasks_bloom as tasks
-from hp_core import ParallelContext, Role
-from hp_core.plugins import TEMPLATE_REGISTRY, plugin_report, reset_plugins
-from hp_core.testing import get_world
 from hp_plugin_bloom.alibi import HeadSlicedAttention, bloom_alibi_heads
 from hp_plugin_bloom.local_region import BloomTensorParallelError, tp_position
 from hp_plugin_bloom.plugin import ARCHITECTURE, BLOOM_ROLE_RULES
+from transformers import BloomConfig
+from transformers.models.bloom.modeling_bloom import BloomAttention, build_alibi_tensor
+
+from hp_core import ParallelContext, Role
+from hp_core.plugins import TEMPLATE_REGISTRY, plugin_report, reset_plugins
+from hp_core.testing import get_world
 
 HERE = Path(__file__).resolve().parent.parent
 TOL = 1e-5
@@ -154,7 +154,7 @@ def test_the_ranks_heads_with_their_alibi_rows_add_up_to_the_whole_attention(siz
 
 
 def test_negative_control_contiguous_alibi_rows_give_another_attention():
-    err, whole = _split_attention(2, rows="contiguous")
+    err, _ = _split_attention(2, rows="contiguous")
     assert err > 1e-3, err
 
 
@@ -189,7 +189,9 @@ def _matched(r: dict, tp: int) -> None:
     assert r["n_grads"] == 30 and not any(r["unmoved"].values()), r["unmoved"]
     assert r["collectives"] == 0, "the verifier issued a collective"
     assert r["qkv_rows"] == 3 * 64 // tp  # really sharded: this rank's heads only
-    assert r["wrapped"] == [f"transformer.h.{i}.{m}" for i in (0, 1) for m in ("mlp", "self_attention")]
+    assert r["wrapped"] == [
+        f"transformer.h.{i}.{m}" for i in (0, 1) for m in ("mlp", "self_attention")
+    ]
 
 
 @pytest.mark.distributed
