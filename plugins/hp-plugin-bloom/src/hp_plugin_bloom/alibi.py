@@ -30,9 +30,14 @@ __all__ = ["ALIBI_WRAPPER", "HeadSlicedAttention", "bloom_alibi_heads", "local_h
 ALIBI_WRAPPER = "bloom_alibi_heads"
 
 
+def _qkv_shape(module: nn.Module) -> tuple[int, ...]:
+    weight: Any = getattr(module.get_submodule("query_key_value"), "weight")  # noqa: B009
+    return tuple(int(n) for n in weight.shape)
+
+
 def local_heads(module: nn.Module) -> int:
     """This rank's head count: its ``query_key_value`` rows over ``3 * head_dim``."""
-    return int(module.query_key_value.weight.shape[0]) // (3 * int(module.head_dim))
+    return _qkv_shape(module)[0] // (3 * int(getattr(module, "head_dim")))  # noqa: B009
 
 
 class HeadSlicedAttention(LocalRegion):
@@ -53,7 +58,7 @@ class HeadSlicedAttention(LocalRegion):
             raise BloomTensorParallelError(
                 f"{self.fqn}: its ALiBi bias has shape {tuple(alibi.shape)} for a batch of "
                 f"{batch}, but this rank holds {heads} heads over tp={self.size} "
-                f"(query_key_value shard {tuple(self.module.query_key_value.weight.shape)}), so "
+                f"(query_key_value shard {_qkv_shape(self.module)}), so "
                 "the bias rows cannot be split into this rank's heads. Fix: shard "
                 "query_key_value Shard(0) with whole heads per rank (a tp size that divides "
                 "n_head), or keep the attention whole on tp."
@@ -67,7 +72,7 @@ class HeadSlicedAttention(LocalRegion):
         return mine.reshape(batch * heads, *alibi.shape[1:])
 
     def run(self, arguments: dict[str, Any]) -> Any:
-        module = self.module
+        module: Any = self.module
         before = module.num_heads
         module.num_heads = local_heads(module)  # production has it local already; validate not
         try:
