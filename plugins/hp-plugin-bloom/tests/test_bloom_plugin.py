@@ -21,7 +21,7 @@ from hp_plugin_bloom.plugin import ARCHITECTURE, BLOOM_ROLE_RULES
 from transformers import BloomConfig
 from transformers.models.bloom.modeling_bloom import BloomAttention, build_alibi_tensor
 
-from hp_core import ParallelContext, Role
+from hp_core import ParallelContext, Role, plan, verify
 from hp_core.plugins import TEMPLATE_REGISTRY, plugin_report, reset_plugins
 from hp_core.testing import get_world
 
@@ -100,6 +100,42 @@ def test_uses_only_the_public_hp_core_surface():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hp_core"):
                 assert node.module in ("hp_core", "hp_core.hookspecs"), (path, node.module)
                 assert not any(alias.name.startswith("_") for alias in node.names), path
+
+
+# ------------------------------------------------------------------ planning and verifying
+
+
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
+def test_plan_and_verifier_in_one_process(_fresh, sp):
+    """The plan the templates build, proven by the verifier on meta copies over a fake
+    process group (the validate copy runs the wrappers on DTensors, production on shards)."""
+    from transformers import BloomForCausalLM
+
+    with torch.device("meta"):
+        model = BloomForCausalLM(_tiny())
+    p = plan(model, "tp=2", sequence_parallel=sp)
+    hidden = "S(1)" if sp else "R"
+    attn, mlp = p["transformer.h.0.self_attention"], p["transformer.h.0.mlp"]
+    assert (attn.inner_wrapper, mlp.inner_wrapper) == ("bloom_alibi_heads", "bloom_residual_once")
+    assert {k: str(v["tp"]) for k, v in attn.in_src.items()} == {
+        "hidden_states": hidden,
+        "residual": hidden,
+    }
+    assert {k: str(v["tp"]) for k, v in mlp.in_dst.items()} == {
+        "hidden_states": "R",
+        "residual": "R",
+    }
+    assert str(attn.out_src["output"]["tp"]) == "P(sum)"
+    assert str(attn.params["query_key_value.weight"]["tp"]) == "S(0)"
+    assert str(mlp.params["dense_4h_to_h.weight"]["tp"]) == "S(1)"
+    # the embedding's LayerNorm sees the embedding's output, whole on tp
+    embed_norm = p["transformer.word_embeddings_layernorm"]
+    assert str(embed_norm.in_src["input"]["tp"]) == "R"
+    assert str(p["transformer.ln_f"].in_src["input"]["tp"]) == hidden
+    report = verify(model, p, "tp=2")
+    # the wrapped regions are checked by DTensor propagation, not left opaque
+    for fqn in ("transformer.h.0.self_attention", "transformer.h.0.mlp"):
+        assert fqn in report.checked and fqn not in report.opaque, (report.checked, report.opaque)
 
 
 # ------------------------------------------------------------------ the wrapper, one process

@@ -61,11 +61,7 @@ def tp_position(target_module: nn.Module, ctx: ParallelContext) -> tuple[int, in
 def _grad_placement(p: Placement, on_tp: bool) -> Placement:
     """The layout of a local tensor's gradient in the region: a whole tensor feeding only this
     rank's shard of the computation gets a partial gradient on tp; shards stay shards."""
-    if isinstance(p, Partial):
-        return Replicate()
-    if isinstance(p, Replicate) and on_tp:
-        return Partial()
-    return p
+    return Partial() if isinstance(p, Replicate) and on_tp else p
 
 
 def _grads(placements: tuple[Placement, ...], mesh: Any) -> tuple[Placement, ...]:
