@@ -128,7 +128,9 @@ class LocalRegion:
 
     def run(self, arguments: dict[str, Any]) -> Any:
         """Local tensors: the module's own forward on the adapted arguments."""
-        return self.original(**self.local_arguments(arguments))
+        bound = self.__signature__.bind_partial()
+        bound.arguments.update(self.local_arguments(arguments))  # extra keywords stay keywords
+        return self.original(*bound.args, **bound.kwargs)
 
     def _validate(self, arguments: dict[str, Any]) -> Any:
         """Validate: the same local computation on this rank's shards, declared both ways."""
