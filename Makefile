@@ -5,7 +5,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.hp-installed
-DISTS  := pyproject.toml hp_plugin_cp/pyproject.toml hp_plugin_moe/pyproject.toml plugins/hp-plugin-phi3/pyproject.toml
+DISTS  := pyproject.toml hp_plugin_cp/pyproject.toml hp_plugin_moe/pyproject.toml plugins/hp-plugin-phi3/pyproject.toml \
+	 plugins/hp-plugin-bloom/pyproject.toml
 
 .PHONY: demo test lint typecheck venv clean bench
 
@@ -17,7 +18,8 @@ $(STAMP): $(DISTS)
 	# that reads SPDX license metadata (PEP 639): the wheel test builds without isolation.
 	$(BIN)/python -m pip install --quiet "torch==2.13.0" "setuptools>=77"
 	$(BIN)/python -m pip install --quiet "torch==2.13.0" \
-		-e ".[test]" -e ./hp_plugin_cp -e ./hp_plugin_moe -e ./plugins/hp-plugin-phi3
+		-e ".[test]" -e ./hp_plugin_cp -e ./hp_plugin_moe -e ./plugins/hp-plugin-phi3 \
+		-e ./plugins/hp-plugin-bloom
 	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
@@ -31,12 +33,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
 
-# mypy over hp_core and the three plugin packages, as configured in pyproject.toml [tool.mypy].
+# mypy over hp_core and the four plugin packages, as configured in pyproject.toml [tool.mypy].
 typecheck: $(STAMP)
 	$(BIN)/mypy --config-file pyproject.toml
 
 test: $(STAMP) lint typecheck
-	$(BIN)/python -m pytest --cov=hp_core --cov=hp_plugin_cp --cov=hp_plugin_moe \
+	$(BIN)/python -m pytest --cov=hp_core --cov=hp_plugin_cp --cov=hp_plugin_moe --cov=hp_plugin_bloom \
 		--cov-report=term-missing:skip-covered --cov-report=json:.coverage.json
 	$(BIN)/python tools/check_coverage.py .coverage.json
 

@@ -40,9 +40,9 @@ def _layout_problems(dist: Path) -> list[str]:
     return problems
 
 
-def test_there_are_three_plugin_distributions() -> None:
+def test_there_are_four_plugin_distributions() -> None:
     names = [d.name for d in PLUGIN_DISTRIBUTIONS]
-    assert names == ["hp_plugin_cp", "hp_plugin_moe", "hp-plugin-phi3"]
+    assert names == ["hp_plugin_cp", "hp_plugin_moe", "hp-plugin-bloom", "hp-plugin-phi3"]
 
 
 @pytest.mark.parametrize("dist", PLUGIN_DISTRIBUTIONS, ids=lambda d: d.name)

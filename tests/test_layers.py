@@ -72,6 +72,7 @@ PACKAGES = {
     "hp_plugin_cp": ROOT / "hp_plugin_cp" / "src" / "hp_plugin_cp",
     "hp_plugin_moe": ROOT / "hp_plugin_moe" / "src" / "hp_plugin_moe",
     "hp_plugin_phi3": ROOT / "plugins" / "hp-plugin-phi3" / "src" / "hp_plugin_phi3",
+    "hp_plugin_bloom": ROOT / "plugins" / "hp-plugin-bloom" / "src" / "hp_plugin_bloom",
 }
 
 

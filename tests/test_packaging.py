@@ -47,7 +47,13 @@ def _requirements(pyproject: Path) -> list[str]:
 
 def test_every_distribution_is_found():
     names = {tomllib.loads(p.read_text())["project"]["name"] for p in PYPROJECTS}
-    assert {"hp-core", "hp-plugin-cp", "hp-plugin-moe", "hp-plugin-phi3"} <= names
+    assert {
+        "hp-core",
+        "hp-plugin-cp",
+        "hp-plugin-moe",
+        "hp-plugin-phi3",
+        "hp-plugin-bloom",
+    } <= names
 
 
 @pytest.mark.parametrize("pyproject", PYPROJECTS, ids=lambda p: str(p.relative_to(ROOT)))

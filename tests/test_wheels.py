@@ -33,6 +33,7 @@ DISTS = {
     "hp-plugin-cp": ("hp_plugin_cp", "hp_plugin_cp"),
     "hp-plugin-moe": ("hp_plugin_moe", "hp_plugin_moe"),
     "hp-plugin-phi3": ("plugins/hp-plugin-phi3", "hp_plugin_phi3"),
+    "hp-plugin-bloom": ("plugins/hp-plugin-bloom", "hp_plugin_bloom"),
 }
 SOURCE_JUNK = (
     ".git",
@@ -217,7 +218,8 @@ def venv(built, tmp_path_factory):
     # does
     probe = (
         "import importlib.util as u, importlib.metadata as md, torch, pluggy, yaml, rich;"
-        "print([m for m in ('hp_core', 'hp_plugin_cp', 'hp_plugin_moe', 'hp_plugin_phi3') if "
+        "print([m for m in ('hp_core', 'hp_plugin_cp', 'hp_plugin_moe', 'hp_plugin_phi3', "
+        "'hp_plugin_bloom') if "
         "u.find_spec(m)]"
         " + [d.metadata['Name'] for d in md.distributions() if "
         "d.metadata['Name'].startswith('hp-')])"
@@ -250,9 +252,9 @@ def test_fresh_venv_imports_hp_from_the_wheels(venv):
     code = textwrap.dedent(
         """
         import json, importlib.metadata as md, torch
-        import hp_core, hp_plugin_cp, hp_plugin_moe, hp_plugin_phi3
-        mods = (hp_core, hp_plugin_cp, hp_plugin_moe, hp_plugin_phi3)
-        dists = ("hp-core", "hp-plugin-cp", "hp-plugin-moe", "hp-plugin-phi3")
+        import hp_core, hp_plugin_cp, hp_plugin_moe, hp_plugin_phi3, hp_plugin_bloom
+        mods = (hp_core, hp_plugin_cp, hp_plugin_moe, hp_plugin_phi3, hp_plugin_bloom)
+        dists = ("hp-core", "hp-plugin-cp", "hp-plugin-moe", "hp-plugin-phi3", "hp-plugin-bloom")
         print(json.dumps({
             "files": [m.__file__ for m in mods],
             "dists": [str(md.distribution(d).locate_file("")) for d in dists],
@@ -290,6 +292,7 @@ def test_hp_plugins_in_fresh_venv_lists_cp_and_moe_loaded(venv):
         ("cp", "hp-plugin-cp"),
         ("moe", "hp-plugin-moe"),
         ("phi3", "hp-plugin-phi3"),
+        ("bloom", "hp-plugin-bloom"),
     ):
         assert name in rows, proc.stdout
         assert rows[name][1:4] == [dist, "0.1.0", "loaded"], rows[name]
