@@ -86,7 +86,7 @@ EXPECTED: dict[str, str | tuple[str, str]] = {
     "persimmon": UNAIDED,
     "gptj": UNAIDED,
     "codegen": FIXED,  # fused qkv_proj kept whole; its MLP from structure
-    "bloom": REFUSED,
+    "bloom": UNAIDED,  # taught by plugins/hp-plugin-bloom (ALiBi rows per rank, residual once)
     "opt": (REFUSED, UNAIDED),  # under SP its layer flattens tokens to 2-D for the MLP
     "biogpt": UNAIDED,
     "dbrx": UNAIDED,
