@@ -45,6 +45,7 @@ def assert_real_plugins_loaded(rows: dict[str, PluginInfo]) -> None:
         ("cp", "hp-plugin-cp"),
         ("moe", "hp-plugin-moe"),
         ("phi3", "hp-plugin-phi3"),
+        ("bloom", "hp-plugin-bloom"),
     ):
         assert name in rows, f"{dist} is not installed: run pip install -e for it (see Makefile)"
         assert (rows[name].distribution, rows[name].version, rows[name].status) == (
@@ -64,7 +65,9 @@ def test_real_first_party_plugins_are_discovered_through_their_entry_points():
     rows = report()
     assert next(iter(rows)) == "builtin"
     assert_real_plugins_loaded(rows)
-    assert {"hp_core", "hp_plugin_cp", "hp_plugin_moe", "hp_plugin_phi3"} <= plugin_packages()
+    assert {"hp_core", "hp_plugin_cp", "hp_plugin_moe", "hp_plugin_phi3", "hp_plugin_bloom"} <= (
+        plugin_packages()
+    )
 
 
 def test_installed_plugins_import_from_their_src_layout():
