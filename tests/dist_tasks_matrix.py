@@ -110,7 +110,11 @@ def _train(models: dict[str, Any], family: str, mesh: Any, batch: Any = None) ->
 
 
 def run_case(
-    family: str, sp: bool, overrides: list[dict[str, Any]] | None = None, control: str | None = None
+    family: str,
+    sp: bool,
+    overrides: list[dict[str, Any]] | None = None,
+    control: str | None = None,
+    ep: int = 1,
 ) -> dict[str, Any]:
     """One attempt: plan, verify, apply both modes, train; or the refusal and where it came from."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -132,7 +136,7 @@ def run_case(
         }
 
     try:
-        p = plan(base, mesh, sequence_parallel=sp, overrides=overrides)
+        p = plan(base, mesh, sequence_parallel=sp, overrides=overrides, ep_size=ep)
     except HpError as e:
         return refusal("plan", e)
     with CollectiveCounter() as comm:  # what verifying costs in real collectives: none
@@ -156,13 +160,13 @@ def run_case(
     return {**result, "collectives": comm.total(), "partial": len(report.reductions)}
 
 
-def family_case(family: str, sp: bool, control: str | None = None) -> dict[str, Any]:
+def family_case(family: str, sp: bool, control: str | None = None, ep: int = 1) -> dict[str, Any]:
     """A case and the chain of fixes its refusals propose, each tried (at most 4 rounds)."""
     t0 = time.perf_counter()
     overrides: list[dict[str, Any]] = []
     rounds = []
     for _ in range(4):
-        r = run_case(family, sp, overrides or None, control)
+        r = run_case(family, sp, overrides or None, control, ep=ep)
         rounds.append(
             {
                 k: v

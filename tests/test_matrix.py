@@ -169,3 +169,17 @@ def test_negative_controls_are_caught_in_both_modes(control):
             assert r.get("caught"), r
         else:
             assert r.get("caught") or r.get("refused") == "verify", r
+
+
+#: MoE families of the matrix whose architecture an installed plugin (hp-plugin-moe) has an
+#: expert-parallel compute for: planned with ep=2 and nothing else, they must match.
+EP_FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("family", EP_FAMILIES)
+def test_moe_families_plan_expert_parallel_from_their_architecture(family):
+    """ep=2 with zero config: the planner picks the compute registered for the architecture."""
+    results = get_world(2).run(tasks.family_case, family, True, None, 2)
+    for r in results:
+        assert len(r["rounds"]) == 1, r["rounds"]
+        assert check(r) == "matched"

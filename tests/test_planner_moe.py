@@ -148,3 +148,27 @@ def test_ep_placements_outside_a_moe_block_need_the_axis():
     assert str(exc.value).startswith(
         "model.norm.params.weight: axis 'ep' is not a dimension of the mesh tp=2."
     )
+
+
+@pytest.mark.parametrize(
+    ("family", "factory"),
+    [("qwen2moe", "qwen2moe"), ("mixtral", "mixtral")],
+)
+def test_expert_parallel_compute_comes_from_the_architecture(family, factory, monkeypatch):
+    """ep > 1 with no override: the compute the installed hp-plugin-moe registers for the
+    architecture is planned; without a plugin registering one, none is (preflight refuses)."""
+    from hp_core.plugins import reset_plugins
+
+    monkeypatch.delenv("HP_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.delenv("HP_PLUGINS", raising=False)
+    reset_plugins()
+    try:
+        moe = {f: s for f, s in plan(meta(family), "tp=2", ep_size=2).items() if s._ep_size > 1}
+        assert moe and all(s.local_compute_fn == factory for s in moe.values())
+        assert plan(meta(family), "tp=2")["model.layers.0.mlp"].local_compute_fn is None
+        monkeypatch.setenv("HP_PLUGINS", "cp")
+        reset_plugins()
+        unplugged = plan(meta(family), "tp=2", ep_size=2)
+        assert all(s.local_compute_fn is None for _, s in unplugged.items() if s._ep_size > 1)
+    finally:
+        reset_plugins()

@@ -198,7 +198,13 @@ def plan(
                 "Run 'hp plugins'."
             )
         ctx = TemplateContext(
-            block, ms, sequence_parallel, loss_parallel, ep_size, is_first_layer=first_layer
+            block,
+            ms,
+            sequence_parallel,
+            loss_parallel,
+            ep_size,
+            is_first_layer=first_layer,
+            architectures=structure.architectures,
         )
         spec = _build(template, ctx)
         if block.kind == "layer":

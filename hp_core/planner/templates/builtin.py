@@ -16,6 +16,7 @@ from hp_core.planner.templates.mixers import whole_block, whole_reason
 from hp_core.planner.templates.projections import projection_param, region_dispatch
 from hp_core.planner.templates.qk_norm import shard_full_width_norms
 from hp_core.planner.templates.roles import BoundaryTemplate, Role
+from hp_core.plugins import suggest_compute_factory
 from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = ["DEFAULT_BOUNDARY_TEMPLATES", "FusedProjectionError"]
@@ -145,6 +146,13 @@ def moe(ctx: TemplateContext) -> ModuleShardingSpec:
             ep_size=ctx.ep_size,
             ep_stack={k: sorted(v, key=_expert_index) for k, v in stack.items()},
         )
+        # The expert-parallel compute an installed plugin registers for this architecture
+        # (or this block's class); with none, preflight refuses and says what to install.
+        for name in (*ctx.architectures, type(ctx.block.module).__name__):
+            factory = suggest_compute_factory(name)
+            if factory is not None:
+                spec.local_compute_fn = factory  # a registry name, as an override writes it
+                break
     return spec
 
 

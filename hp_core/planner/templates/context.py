@@ -33,6 +33,8 @@ class TemplateContext:
     loss_parallel: bool
     ep_size: int
     is_first_layer: bool = False
+    #: The model's HF architectures (or its class name): what plugin items are scoped to.
+    architectures: tuple[str, ...] = ()
 
     @property
     def fqn(self) -> str:
