@@ -85,7 +85,7 @@ EXPECTED: dict[str, str | tuple[str, str]] = {
     "nemotron": UNAIDED,
     "persimmon": UNAIDED,
     "gptj": UNAIDED,
-    "codegen": FIXED,  # fused qkv_proj kept whole; its MLP from structure
+    "codegen": UNAIDED,  # qkv_proj proven per mp_num group of its forward; MLP from structure
     "bloom": REFUSED,
     "opt": (REFUSED, UNAIDED),  # under SP its layer flattens tokens to 2-D for the MLP
     "biogpt": UNAIDED,
