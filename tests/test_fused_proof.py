@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import hp_core
-from hp_core.mesh import MeshSpec
 from hp_core.planner import fused_proof
-from hp_core.planner.fused_layout import fused_layouts
+from hp_core.planner.fused_layout import derive
+from hp_core.planner.templates.roles import Role
 from hp_core.planner.lints import FusedProjectionError
 from hp_core.testing import get_world
 from hp_core.testing.families import build_family
@@ -30,8 +30,10 @@ def test_codegen_groups_are_read_off_its_forward():
     plan = hp_core.plan(model, {"tp": 2}, sequence_parallel=False)
     spec = plan["transformer.h.0.attn"]
     # The config alone says [Q; K; V] (re-arranged, run locally); the forward shows 4 groups.
-    hint = fused_layouts(model, "transformer.h.0.attn", spec, MeshSpec.from_any({"tp": 2}), {})
-    assert hint == {} or hint["qkv_proj.weight"]["parts"] != [192]
+    attn = model.get_submodule("transformer.h.0.attn")
+    weight = attn.qkv_proj.weight
+    hint = derive(attn, "qkv_proj.weight", Role.FUSED_QKV, weight, model.config)
+    assert (hint.kind, hint.parts) == ("concatenated", (64, 64, 64))
     layout = spec._fused_layouts["qkv_proj.weight"]
     assert (layout["parts"], layout["units"]) == ([192], [4])
     assert spec.region_dispatch is None  # nothing moves: it runs dispatched, validate checks it
