@@ -16,8 +16,8 @@ import torch
 import hp_core
 from hp_core.planner import fused_proof
 from hp_core.planner.fused_layout import derive
-from hp_core.planner.templates.roles import Role
 from hp_core.planner.lints import FusedProjectionError
+from hp_core.planner.templates.roles import Role
 from hp_core.testing import get_world
 from hp_core.testing.families import build_family
 from tests import dist_tasks_fused_proof as tasks

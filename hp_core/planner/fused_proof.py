@@ -32,9 +32,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 import torch
-import torch.fx.experimental._config
 from torch import nn
 from torch.distributed.tensor import Shard
+from torch.fx.experimental import _config as fx_config
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
@@ -161,7 +161,7 @@ def _starts(
     return tuple(starts) if at == src.shape[-1] else ()
 
 
-def _meta_param(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+def _meta_param(t: torch.Tensor, shape: tuple[int, ...] | None = None) -> Any:
     meta = torch.empty(shape if shape is not None else t.shape, dtype=t.dtype, device="meta")
     return (
         nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
@@ -242,8 +242,8 @@ def _layout_of(ops: list[_Op], hint: FusedLayout, n: int) -> FusedLayout | str:
 def _compare(g_ops: list[_Op], l_ops: list[_Op], tp: int) -> str | None:
     """Why the local program is not the global one scaled by tp units (None: it is)."""
     if [o.name for o in g_ops] != [o.name for o in l_ops]:
-        g = [o.name for o in g_ops]
-        return f"the local program applies the ops {[o.name for o in l_ops]}, the global one {g}"
+        names = [o.name for o in g_ops]
+        return f"the local program applies the ops {[o.name for o in l_ops]}, the global {names}"
     for g, loc in zip(g_ops, l_ops, strict=True):
         if len(g.outs) != len(loc.outs):
             return f"{g.show()} gives {len(loc.outs)} outputs locally ({loc.show()})"
@@ -311,7 +311,7 @@ def _capture(model: nn.Module, fqns: set[str]) -> dict[str, tuple[tuple[Any, ...
     ids = torch.zeros(1, 4, dtype=torch.long, device="meta")
     kwargs = {"use_cache": False} if "use_cache" in _names(model) else {}
     # An MoE router's nonzero on meta: assume every expert is chosen (the ordinary batch).
-    nonzero = torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True)
+    nonzero = fx_config.patch(meta_nonzero_assume_all_nonzero=True)  # type: ignore[attr-defined]
     try:
         with torch.no_grad(), _Recorder(), nonzero:
             torch.func.functional_call(model, meta, (ids,), kwargs, tie_weights=False, strict=False)
