@@ -97,7 +97,7 @@ EXPECTED: dict[str, str | tuple[str, str]] = {
     # sp: the whole-attention fix plans, but GPTBigCodeModel reshapes ln_f's sequence-sharded
     # output to the full sequence outside every boundary (the verifier names 'transformer').
     "gpt_bigcode": (REFUSED, FIXED),
-    "mpt": REFUSED,
+    "mpt": (REFUSED, FIXED),  # ALiBi bias per global head: the fused-layout proof keeps attn whole
     "hunyuan_v1_dense": UNAIDED,
 }
 
