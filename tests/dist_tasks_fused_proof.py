@@ -3,7 +3,8 @@
 ``ToyLM`` is embedding → layers of (norm, attention with one fused ``qkv_proj``, norm,
 MLP) → norm → head. Its attention views the fused output as ``(groups, 3 * width)``:
 ``groups`` is the module's head-count attribute (tp makes it local), or a constant
-(CodeGen's way), which a tp shard cannot follow. ``match`` trains one device, production
+(CodeGen's way), which a tp shard cannot follow; or (``"kv"``) it cuts ``[Q; K; V]`` in two
+steps, ``q | kv`` then ``k | v``. ``match`` trains one device, production
 and validate side by side and reports the worst differences.
 """
 
@@ -39,8 +40,13 @@ class ToyAttention(nn.Module):
         groups = self.groups or self.num_heads
         if groups == "data":  # a value-dependent group count: meta tensors have no values
             groups = int(torch.tensor(self.head_dim).to(x.device).tolist())
-        qkv = self.qkv_proj(x).reshape(b, s, groups, -1)
-        q, k, v = (t.reshape(b, s, -1, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, -1))
+        if groups == "kv":  # [Q; K; V] cut in two steps: q | kv, then kv into k | v
+            width = self.num_heads * self.head_dim
+            q, kv = self.qkv_proj(x).split([width, 2 * width], -1)
+            parts = (q, *kv.chunk(2, -1))
+        else:
+            parts = self.qkv_proj(x).reshape(b, s, groups, -1).chunk(3, -1)
+        q, k, v = (t.reshape(b, s, -1, self.head_dim).transpose(1, 2) for t in parts)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -79,7 +85,7 @@ def toy(groups: int | str | None = None) -> ToyLM:
     return ToyLM(groups)
 
 
-def match(groups: int | None) -> dict[str, Any]:
+def match(groups: int | str | None) -> dict[str, Any]:
     """Logits and every gradient of both modes against one device (tp=2)."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     base = toy(groups)

@@ -53,11 +53,31 @@ def test_a_hard_coded_group_count_is_refused_at_plan_time():
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 
-def test_the_head_count_toy_is_accepted_and_matches_one_device():
-    r = get_world(2).run(tasks.match, None)[0]
-    assert r["fused"]["layers.0.self_attn"]["qkv_proj.weight"]["units"] == [4]
+@pytest.mark.parametrize(
+    ("groups", "parts"), [(None, [96]), ("kv", [32, 32, 32])], ids=["heads", "cut-twice"]
+)
+def test_the_toys_tp_can_follow_are_accepted_and_match_one_device(groups, parts):
+    r = get_world(2).run(tasks.match, groups)[0]
+    # Cut twice (q | kv, then k | v): every boundary is a part, so each rank gets k and v.
+    assert r["fused"]["layers.0.self_attn"]["qkv_proj.weight"]["parts"] == parts
     bad = {k: v for k, v in r.items() if k != "fused" and not v <= TOL}
     assert not bad, bad
+
+
+@pytest.mark.parametrize(
+    ("family", "fqn", "parts"),
+    [
+        ("phi3", "model.layers.0.self_attn", [64, 32, 32]),  # slices at query_pos
+        ("gpt2", "transformer.h.0.attn", [64, 64, 64]),  # split(split_size) of a Conv1D
+        ("dbrx", "transformer.blocks.0.norm_attn_norm.attn", [64, 32, 32]),  # clamp, split
+        ("glm4", "model.layers.0.mlp", [128, 128]),  # gate_up chunk(2)
+    ],
+)
+def test_concatenated_layouts_are_read_off_the_cuts(family, fqn, parts):
+    plan = hp_core.plan(build_family(family, seed=0), {"tp": 2}, sequence_parallel=False)
+    layouts = plan[fqn]._fused_layouts
+    assert {tuple(d["parts"]) for d in layouts.values()} == {tuple(parts)}
+    assert plan[fqn].region_dispatch is False  # re-arranged: the region runs on local rows
 
 
 def test_a_forward_that_does_not_run_on_meta_is_refused():

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import itertools
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
@@ -96,6 +97,7 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.roots: dict[int, str] = {}  # id(tensor) -> fused param it derives from
         self.direct: set[int] = set()
+        self.offset: dict[int, int] = {}  # id(direct tensor) -> where it starts in the fused dim
         self.keep: list[torch.Tensor] = []
         self.ops: dict[str, list[_Op]] = {}
 
@@ -104,11 +106,12 @@ class _Recorder(TorchFunctionMode):
             self._track(out, rel, direct=True)
             self.ops[rel] = []
 
-    def _track(self, t: torch.Tensor, rel: str, direct: bool) -> None:
+    def _track(self, t: torch.Tensor, rel: str, direct: bool, offset: int = 0) -> None:
         self.roots[id(t)] = rel
         self.keep.append(t)  # keeps ids unique while the trace runs
         if direct:
             self.direct.add(id(t))
+            self.offset[id(t)] = offset
 
     def __torch_function__(
         self,
@@ -129,14 +132,17 @@ class _Recorder(TorchFunctionMode):
         direct = id(src) in self.direct
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         name = getattr(func, "__name__", str(func))
+        at = self.offset.get(id(src), 0)
+        starts = _starts(name, src, args, outs) if direct and name in _STRUCTURAL else ()
+        starts = tuple(at + s for s in starts)
         if name in _STRUCTURAL:
-            starts = _starts(name, src, args, outs) if direct else ()
             shapes = tuple(tuple(t.shape) for t in outs)
             self.ops[rel].append(_Op(name, direct, tuple(src.shape), shapes, starts))
-        for t in outs:
-            # A same-shape op (clamp, dropout, a cast) of the fused output is still it.
+        for i, t in enumerate(outs):
+            # A same-shape op (clamp, dropout, a cast) of the fused output is still it, and a
+            # cut of it is a contiguous piece of the fused dim (which may be cut again).
             same = direct and tuple(t.shape) == tuple(src.shape) and name not in _STRUCTURAL
-            self._track(t, rel, same)
+            self._track(t, rel, same or bool(starts), starts[i] if starts else at)
         return out
 
 
@@ -195,7 +201,7 @@ def _run(
 
 
 def _cuts(ops: list[_Op]) -> list[tuple[int, int]]:
-    """``(start, width)`` of each cut of the fused output's last dim."""
+    """``(start, width)`` of each cut of the fused output's last dim (cuts of cuts included)."""
     out: set[tuple[int, int]] = set()
     for op in ops:
         if op.direct and op.starts:
@@ -203,21 +209,32 @@ def _cuts(ops: list[_Op]) -> list[tuple[int, int]]:
     return sorted(out)
 
 
+def _tiling(cuts: list[tuple[int, int]], n: int) -> tuple[int, ...] | None:
+    """The finest parts every cut is made of, when the cuts cover ``[0, n)`` (else None)."""
+    bounds = sorted({0, n, *(s for s, _ in cuts), *(s + w for s, w in cuts)})
+    if bounds[0] < 0 or bounds[-1] > n:
+        return None
+    pieces = list(itertools.pairwise(bounds))
+    if any(not any(s <= a and b <= s + w for s, w in cuts) for a, b in pieces):
+        return None
+    return tuple(b - a for a, b in pieces)
+
+
 def _layout_of(ops: list[_Op], hint: FusedLayout, n: int) -> FusedLayout | str:
-    """The layout the global program's ops show, or why none can be read."""
+    """The layout the global program's ops show, or why none can be read.
+
+    Every boundary of every cut (a cut of a cut too: ``q, kv = split(...)`` then
+    ``kv.chunk(2)``) is a part boundary: each rank must hold its rows of each piece.
+    """
     direct = [op for op in ops if op.direct]
     if not direct:
         return "its forward applies no split, slice or view to the fused output"
     cuts = _cuts(ops)
     if cuts and direct[0].starts:
-        at = 0
-        for s, w in cuts:
-            if s != at:
-                return f"the forward's cuts {cuts} do not tile the fused dim of {n}"
-            at += w
-        if at != n:
+        tiled = _tiling(cuts, n)
+        if tiled is None:
             return f"the forward's cuts {cuts} do not tile the fused dim of {n}"
-        parts = tuple(w for _, w in cuts)
+        parts = tiled
         if parts == hint.parts:
             return hint
         per = sum(hint.units) if len(hint.parts) > 1 else hint.units[0] * len(parts)
@@ -232,9 +249,8 @@ def _layout_of(ops: list[_Op], hint: FusedLayout, n: int) -> FusedLayout | str:
         shape, lead = op.outs[0], op.in_shape[:-1]
         if len(shape) > len(op.in_shape) and shape[: len(lead)] == lead:
             groups = shape[len(lead)]
-            kind = "grouped" if hint.kind == "grouped" or groups != hint.units[0] else "interleaved"
-            if len(hint.parts) > 1:
-                kind = "grouped" if groups != hint.units[0] else "interleaved"
+            per_head = groups == hint.units[0] and hint.kind != "grouped"
+            kind = "interleaved" if per_head else "grouped"
             return FusedLayout(kind, hint.dim, (n,), (groups,), ("qkv",))
     return f"the first op on the fused output, {op.show()}, neither cuts nor groups its last dim"
 
