@@ -40,7 +40,11 @@ class ToyAttention(nn.Module):
         groups = self.groups or self.num_heads
         if groups == "data":  # a value-dependent group count: meta tensors have no values
             groups = int(torch.tensor(self.head_dim).to(x.device).tolist())
-        if groups == "kv":  # [Q; K; V] cut in two steps: q | kv, then kv into k | v
+        if groups == "width":  # a constant width: the global 32, not the local 16
+            parts = self.qkv_proj(x).split(HIDDEN, -1)
+        elif groups == "transpose":  # moved before it is cut: hp reads no layout off that
+            parts = self.qkv_proj(x).transpose(1, 2).transpose(1, 2).chunk(3, -1)
+        elif groups == "kv":  # [Q; K; V] cut in two steps: q | kv, then kv into k | v
             width = self.num_heads * self.head_dim
             q, kv = self.qkv_proj(x).split([width, 2 * width], -1)
             parts = (q, *kv.chunk(2, -1))

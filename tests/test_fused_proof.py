@@ -80,6 +80,21 @@ def test_concatenated_layouts_are_read_off_the_cuts(family, fqn, parts):
     assert plan[fqn].region_dispatch is False  # re-arranged: the region runs on local rows
 
 
+@pytest.mark.parametrize(
+    ("groups", "tp", "why"),
+    [
+        ("width", 2, r"its local program fails on meta \(ValueError"),
+        ("transpose", 2, r"the first op on the fused output, transpose .* neither cuts nor"),
+        (2, 4, r"part 'qkv' has 2 whole unit\(s\), which tp=4 cannot split"),
+    ],
+    ids=["constant-width", "moved-first", "two-groups-on-tp4"],
+)
+def test_what_the_gate_cannot_prove_is_refused(groups, tp, why):
+    with pytest.raises(FusedProjectionError, match=why) as e:
+        hp_core.plan(tasks.toy(groups=groups), {"tp": tp}, sequence_parallel=False)
+    assert "Fix:" in str(e.value) and "match: 'layers.0.self_attn'" in str(e.value)
+
+
 def test_a_forward_that_does_not_run_on_meta_is_refused():
     with pytest.raises(FusedProjectionError, match=r"does not run on meta \(NotImplementedError"):
         hp_core.plan(tasks.toy(groups="data"), {"tp": 2}, sequence_parallel=False)
