@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import fnmatch
 import inspect
 import itertools
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn
 
 import torch
@@ -363,13 +365,15 @@ def _key(block: nn.Module, spec: ModuleShardingSpec, tp: int) -> tuple[Any, ...]
     return (type(block), shapes, scalars, conf, repr(spec.params), repr(spec._fused_layouts), tp)
 
 
-def _refuse(fqn: str, spec: ModuleShardingSpec, block: nn.Module, tp: int, why: str) -> NoReturn:
+def _refuse(
+    fqn: str, spec: ModuleShardingSpec, block: nn.Module, tp: int, why: str, match: str = ""
+) -> NoReturn:
     raise FusedProjectionError(
         f"{fqn}: hp cannot prove how {type(block).__name__}'s forward splits its fused "
         f"projection {sorted(spec._fused_layouts)} on tp={tp}: {why}. Its local shards would "
         "compute a different program, so the plan is refused before any collective.\nFix: keep "
         "the block whole on tp (an override replicating its parameters, output replicated), or "
-        f"install a plugin template that declares the layout.{keep_whole(fqn, spec)}"
+        f"install a plugin template that declares the layout.{keep_whole(match or fqn, spec)}"
     )
 
 
@@ -379,8 +383,10 @@ def _prove(
     spec: ModuleShardingSpec,
     mesh: MeshSpec,
     call: tuple[tuple[Any, ...], dict[str, Any]] | None,
+    match: str = "",
 ) -> dict[str, dict[str, Any]]:
-    """The proven layouts of boundary ``fqn`` (see the module docstring), or a refusal."""
+    """The proven layouts of boundary ``fqn`` (see the module docstring), or a refusal
+    (whose override matches ``match``: every block like it)."""
     tp = mesh.size("tp")
     block = model.get_submodule(fqn) if fqn else model
     hints = {r: FusedLayout.from_data(d) for r, d in spec._fused_layouts.items()}
@@ -388,25 +394,34 @@ def _prove(
     for rel in hints:
         owners.setdefault(rel.rpartition(".")[0], rel)
     if call is None:
-        _refuse(fqn, spec, block, tp, "the model's forward does not reach it on the meta device")
+        _refuse(
+            fqn, spec, block, tp, "the model's forward does not reach it on the meta device", match
+        )
     try:
         global_ops = _run(_clone(block), {p: p for p in owners}, call)
     except Exception as e:  # any failure of user code on meta is refused
-        _refuse(fqn, spec, block, tp, f"its forward does not run on meta ({type(e).__name__}: {e})")
+        _refuse(
+            fqn,
+            spec,
+            block,
+            tp,
+            f"its forward does not run on meta ({type(e).__name__}: {e})",
+            match,
+        )
     proven: dict[str, dict[str, Any]] = {}
     for rel, hint in hints.items():
         path = rel.rpartition(".")[0]
         n = hint.size()
         layout = _layout_of(global_ops.get(path, []), hints[owners[path]], n)
         if isinstance(layout, str):
-            _refuse(fqn, spec, block, tp, f"{path}: {layout}")
+            _refuse(fqn, spec, block, tp, f"{path}: {layout}", match)
         layout = dataclasses.replace(layout, dim=hint.dim)
         shape = tuple(block.get_parameter(rel).shape)
         try:
             layout.check("", shape, tp)
         except FusedProjectionError as e:
             raise FusedProjectionError(
-                f"{fqn}.{rel}: {str(e).lstrip(': ')}{keep_whole(fqn, spec)}"
+                f"{fqn}.{rel}: {str(e).lstrip(': ')}{keep_whole(match or fqn, spec)}"
             ) from None
         proven[rel] = layout.to_data()
     spec.with_derived(fused_layouts=proven)
@@ -414,12 +429,31 @@ def _prove(
     try:
         local_ops = _run(_local_clone(block, spec, tp, attrs), {p: p for p in owners}, call)
     except Exception as e:  # a local program that cannot run is refused
-        _refuse(fqn, spec, block, tp, f"its local program fails on meta ({type(e).__name__}: {e})")
+        _refuse(
+            fqn,
+            spec,
+            block,
+            tp,
+            f"its local program fails on meta ({type(e).__name__}: {e})",
+            match,
+        )
     for path in owners:
         why = _compare(global_ops.get(path, []), local_ops.get(path, []), tp)
         if why is not None:
-            _refuse(fqn, spec, block, tp, f"{path}: {why}")
+            _refuse(fqn, spec, block, tp, f"{path}: {why}", match)
     return proven
+
+
+def _glob(
+    fqn: str, keys: Mapping[str, tuple[Any, ...]], key: tuple[Any, ...], names: Iterable[str]
+) -> str:
+    """A glob matching exactly the boundaries proven with ``fqn`` (layer indices as ``*``),
+    so one refusal proposes the override for all of them; ``fqn`` when there is none."""
+    same = [f for f, k in keys.items() if k == key]
+    glob = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", fqn)
+    if len(same) < 2 or {f for f in names if fnmatch.fnmatchcase(f, glob)} != set(same):
+        return fqn
+    return glob
 
 
 def prove_fused_layouts(
@@ -442,7 +476,10 @@ def prove_fused_layouts(
         f: any(len(d["parts"]) > 1 for d in s._fused_layouts.values()) for f, s in todo.items()
     }
     calls = _capture(model, set(reps.values()))
-    proven = {key: _prove(model, fqn, todo[fqn], mesh, calls.get(fqn)) for key, fqn in reps.items()}
+    proven = {
+        key: _prove(model, fqn, todo[fqn], mesh, calls.get(fqn), _glob(fqn, keys, key, modules))
+        for key, fqn in reps.items()
+    }
     for fqn, spec in todo.items():
         layouts = {r: dict(d) for r, d in proven[keys[fqn]].items()}
         spec.with_derived(fused_layouts=layouts)
