@@ -44,6 +44,7 @@ def _matched(r: dict) -> None:
         ("gpt2", {"concatenated"}),
         ("persimmon", {"interleaved"}),
         ("dbrx", {"concatenated"}),
+        ("codegen", {"interleaved"}),  # its forward's mp_num groups (as many as heads here)
     ],
 )
 def test_family_matches_one_device_in_both_modes_at_tp2(family, kinds):

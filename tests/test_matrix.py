@@ -85,7 +85,7 @@ EXPECTED: dict[str, str | tuple[str, str]] = {
     "nemotron": UNAIDED,
     "persimmon": UNAIDED,
     "gptj": UNAIDED,
-    "codegen": FIXED,  # fused qkv_proj kept whole; its MLP from structure
+    "codegen": UNAIDED,  # qkv_proj proven per mp_num group of its forward; MLP from structure
     "bloom": UNAIDED,  # taught by plugins/hp-plugin-bloom (ALiBi rows per rank, residual once)
     "opt": (REFUSED, UNAIDED),  # under SP its layer flattens tokens to 2-D for the MLP
     "biogpt": UNAIDED,
@@ -97,7 +97,7 @@ EXPECTED: dict[str, str | tuple[str, str]] = {
     # sp: the whole-attention fix plans, but GPTBigCodeModel reshapes ln_f's sequence-sharded
     # output to the full sequence outside every boundary (the verifier names 'transformer').
     "gpt_bigcode": (REFUSED, FIXED),
-    "mpt": REFUSED,
+    "mpt": (REFUSED, FIXED),  # ALiBi bias per global head: the fused-layout proof keeps attn whole
     "hunyuan_v1_dense": UNAIDED,
 }
 

@@ -32,9 +32,10 @@ from hp_core.planner.lints import FusedProjectionError, is_conv1d
 from hp_core.planner.templates.roles import Role
 from hp_core.spec.module_spec import ModuleShardingSpec
 
-__all__ = ["FusedLayout", "derive", "fused_layouts", "is_conv1d", "local_region"]
+__all__ = ["FusedLayout", "derive", "fused_layouts", "is_conv1d", "keep_whole", "local_region"]
 
-#: Families whose fused qkv the forward views as ``(..., heads, 3 * head_dim)``.
+#: Families whose fused qkv the forward views as ``(..., heads, 3 * head_dim)``: a hint of
+#: the kind to try first; ``hp_core.planner.fused_proof`` reads the layout off the forward.
 _INTERLEAVED = frozenset({"gpt_neox", "bloom", "persimmon", "stablelm_epoch"})
 KINDS = ("concatenated", "interleaved", "grouped", "gate_up")
 
@@ -247,13 +248,13 @@ def fused_layouts(
             layout.check("", tuple(param.shape), tp)
         except FusedProjectionError as e:
             raise FusedProjectionError(
-                f"{where}: {str(e).lstrip(': ')}{_keep_whole(fqn, spec)}"
+                f"{where}: {str(e).lstrip(': ')}{keep_whole(fqn, spec)}"
             ) from None
         out[rel] = layout.to_data()
     return out
 
 
-def _keep_whole(fqn: str, spec: ModuleShardingSpec) -> str:
+def keep_whole(fqn: str, spec: ModuleShardingSpec) -> str:
     """The override that keeps boundary ``fqn`` whole on tp, as YAML to paste."""
     params = spec.params if isinstance(spec.params, dict) else {}
     whole = ", ".join(f"{p}: {{tp: replicate}}" for p in params)

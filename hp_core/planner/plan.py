@@ -14,6 +14,7 @@ from torch import nn
 from hp_core.context import ParallelContext
 from hp_core.mesh import MeshLike, MeshSpec
 from hp_core.planner.fused_layout import fused_layouts
+from hp_core.planner.fused_proof import prove_fused_layouts
 from hp_core.planner.lints import (
     MeshTypeError,
     PlanningError,
@@ -239,9 +240,11 @@ def plan(
         facts: dict[str, Any] = {"deferred_bias_params": compute_deferred_biases(model, fqn, spec)}
         if ms.size("tp") > 1:
             facts["fused_layouts"] = fused_layouts(model, fqn, spec, ms, structure.roles)
-            spec.with_derived(fused_layouts=facts["fused_layouts"])
-            facts["tp_local_attr_plan"] = compute_tp_local_attrs(model, fqn, spec, ms)
         spec.with_derived(**facts)
+    if ms.size("tp") > 1:
+        prove_fused_layouts(model, modules, ms)  # what the forward shows, or a refusal
+        for fqn, spec in modules.items():
+            spec.with_derived(tp_local_attr_plan=compute_tp_local_attrs(model, fqn, spec, ms))
     return ShardingPlan(
         modules=modules,
         mesh_axis_names=ms.axis_names,
