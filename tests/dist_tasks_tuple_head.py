@@ -9,6 +9,7 @@ view ``DTensor.to_local`` makes, and must be refused.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,6 +23,7 @@ from hp_core import HpError, plan, verify
 from hp_core.planner import structure
 from hp_core.runtime import layouts
 from hp_core.testing.families import build_family
+from tests import dist_tasks_matrix
 from tests.dist_tasks_matrix import run_case
 
 CONTROLS = ("no_trace_outputs", "to_local_views")
@@ -62,6 +64,13 @@ def cases(items: list[tuple[str, bool]], control: str | None = None) -> dict[str
         for family, sp in items:
             out[f"{family}/{'sp' if sp else 'nosp'}"] = _summary(run_case(family, sp))
     return out
+
+
+def variant_case(family: str, sp: bool, config: dict[str, Any]) -> dict[str, Any]:
+    """A zero-config case of ``family`` built with ``config`` overrides."""
+    build = functools.partial(build_family, **config)
+    with mock.patch.object(dist_tasks_matrix, "build_family", build):
+        return _summary(run_case(family, sp))
 
 
 def whole_attention_case(family: str, sp: bool) -> dict[str, Any]:

@@ -99,9 +99,7 @@ def test_what_the_forward_returns_overrules_its_annotation():
         assert plan(model, "tp=2")["attn"].out_names == ["attn_output", "attn_weights"]
 
 
-@pytest.mark.parametrize(
-    "family, config", [("gpt2", {}), ("gpt_bigcode", {"multi_query": False})]
-)
+@pytest.mark.parametrize("family, config", [("gpt2", {}), ("gpt_bigcode", {"multi_query": False})])
 def test_a_final_norm_reshaped_by_model_code_hands_its_output_over_whole(family, config):
     model = build_family(family, seed=0, **config)
     assert trace(model).reshaped_norms == {"transformer.ln_f"}
@@ -171,8 +169,18 @@ def test_boundary_outputs_as_views_break_falcons_in_place_add():
     assert "modified inplace" in r["message"]
 
 
+OLD_FALCON = {"new_decoder_architecture": False, "multi_query": False, "num_kv_heads": 4}
+
+
 @pytest.mark.distributed
-def test_falcon_variants():
+@pytest.mark.parametrize("sp", [True, False])
+def test_falcons_first_architecture_matches_too(sp):
+    """q/k/v interleaved per head (``[heads, 3, head_dim]``), one norm, parallel attention."""
+    _matched(get_world(2).run(tasks.variant_case, "falcon", sp, OLD_FALCON)[0])
+
+
+@pytest.mark.distributed
+def test_multi_query_falcon_is_refused_by_design():
     world = get_world(2)
     # the table's falcon: new decoder architecture, 2 kv heads (grouped, not multi-query)
     cfg = build_family("falcon", seed=0).config

@@ -35,15 +35,13 @@ class _Unwrap(torch.autograd.Function):
     change to something saved for backward is still caught."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, dt: DTensor, grad: tuple[Placement, ...] | None
-    ) -> torch.Tensor:
+    def forward(ctx: Any, dt: DTensor, grad: tuple[Placement, ...] | None) -> torch.Tensor:
         ctx.mesh, ctx.placements = dt.device_mesh, tuple(grad or dt.placements)
         ctx.shape, ctx.stride = dt.shape, dt.stride()
         return dt._local_tensor.detach()
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[DTensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[DTensor, None]:
         dt = DTensor.from_local(
             g, ctx.mesh, ctx.placements, run_check=False, shape=ctx.shape, stride=ctx.stride
         )
