@@ -99,6 +99,25 @@ def test_what_the_forward_returns_overrules_its_annotation():
         assert plan(model, "tp=2")["attn"].out_names == ["attn_output", "attn_weights"]
 
 
+class _AdHoc(_Net):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = nn.Identity()(self.tok(ids))  # a module that is not the model's
+        return self.head(self.norm(self.attn(x)))
+
+
+def test_modules_of_no_model_are_not_recorded():
+    seen = trace(_AdHoc()).tuple_outputs
+    projections = {f"attn.{n}": False for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    assert seen == {
+        "": False,
+        "tok": False,
+        "attn": False,
+        "norm": False,
+        "head": False,
+        **projections,
+    }
+
+
 @pytest.mark.parametrize("family, config", [("gpt2", {}), ("gpt_bigcode", {"multi_query": False})])
 def test_a_final_norm_reshaped_by_model_code_hands_its_output_over_whole(family, config):
     model = build_family(family, seed=0, **config)
