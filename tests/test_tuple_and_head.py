@@ -20,6 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from hp_core.planner import infer_roles, structure
 from hp_core.planner.plan import plan
+from hp_core.planner.templates.roles import DEFAULT_ROLE_RULES
 from hp_core.planner.trace import TraceFailedError, trace
 from hp_core.plans.prediction import step_collectives
 from hp_core.testing import get_world
@@ -150,6 +151,26 @@ def test_a_final_norm_no_model_code_reshapes_stays_sequence_sharded():
     p = plan(model, "tp=2")
     assert p["model.norm"].out_dst["output"]["tp"] == Shard(1)
     assert p["lm_head"].in_src["input"]["tp"] == Shard(1)
+
+
+def test_the_light_trace_runs_only_where_the_code_leaves_outputs_unclear():
+    llama = build_family("llama", seed=0)
+    rules = [*DEFAULT_ROLE_RULES]
+    calls = []
+
+    def counted(model: nn.Module) -> object:
+        calls.append(type(model).__name__)
+        return trace(model)
+
+    with mock.patch.object(structure, "run_trace", counted):
+        # annotated attention, no reshape in LlamaModel.forward / the decoder layer: no run
+        blocks = structure.analyse(llama, rules).blocks
+        assert calls == [] and {b.tuple_out for b in blocks} == {None}
+        structure.analyse(build_family("gpt_neox", seed=0), rules)  # no return annotation
+        assert calls == ["GPTNeoXForCausalLM"]
+        with mock.patch.object(structure.inspect, "getsource", side_effect=OSError):
+            structure.analyse(llama, rules)  # no source to read: the trace decides
+        assert calls == ["GPTNeoXForCausalLM", "LlamaForCausalLM"]
 
 
 # ------------------------------------------------------------------------- on tp=2

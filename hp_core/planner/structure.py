@@ -367,8 +367,38 @@ def analyse(
         blocks.append(
             Block(mfqn, kinds[mfqn], modules[mfqn], params, shapes, ndim, mfqn in split_attention)
         )
-    _mark_outputs(blocks, inferred.flows or _light_trace(model))
+    flows = inferred.flows
+    if flows is None and _outputs_unclear(blocks, modules):
+        flows = _light_trace(model)
+    _mark_outputs(blocks, flows)
     return ModelStructure(blocks, roles, tied, archs, list(modules), unclaimed, inferred.notes)
+
+
+def _forward_source(module: nn.Module) -> str | None:
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):  # no source (built in, generated): the trace decides
+        return None
+
+
+def _outputs_unclear(blocks: list[Block], modules: Mapping[str, nn.Module]) -> bool:
+    """Whether only the trace can tell what the blocks hand over: an attention forward with
+    no return annotation, or a norm whose caller's code may reshape its output (a hint from
+    the source text: ``.view(``/``.reshape(`` in that forward; the trace decides)."""
+    seen: set[tuple[str, type]] = set()  # one look per class: same code, same answer
+    for b in blocks:
+        owner = modules.get(_parent(b.fqn)) if b.kind == "norm" else b.module
+        if owner is None or b.kind not in ("attention", "norm") or (b.kind, type(owner)) in seen:
+            continue
+        seen.add((b.kind, type(owner)))
+        if b.kind == "attention":
+            if inspect.signature(owner.forward).return_annotation is inspect.Signature.empty:
+                return True
+            continue
+        src = _forward_source(owner)
+        if src is None or ".view(" in src or ".reshape(" in src:
+            return True
+    return False
 
 
 def _light_trace(model: nn.Module) -> FlowTrace | None:
