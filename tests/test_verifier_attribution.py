@@ -85,7 +85,14 @@ def test_verify_names_the_module_whose_code_failed_on_meta():
             for i in range(2)
         ),
     ]
-    planned = plan(model, "tp=2", overrides=overrides)  # sequence parallel on
+    # Sequence parallel on, and the final norm made to hand its output over sequence-sharded
+    # (the planner would gather it: GPTBigCodeModel views it to the whole-sequence shape).
+    sharded = {"tp": "shard(1)"}
+    keep_sharded = [
+        {"match": "transformer.ln_f", "out_dst": {"output": sharded}},
+        {"match": "lm_head", "in_src": {"input": sharded}},
+    ]
+    planned = plan(model, "tp=2", overrides=[*overrides, *keep_sharded])
     with pytest.raises(UnverifiableError) as info:
         verify(model, planned, "tp=2")
     message = str(info.value)

@@ -51,6 +51,8 @@ class Inference:
     #: Projection module FQN → rank of the activation it reads.
     ndims: dict[str, int] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: The dataflow trace, when it ran (``None``: every role was decided without it).
+    flows: FlowTrace | None = None
 
 
 def is_linear_like(module: nn.Module) -> bool:
@@ -153,6 +155,7 @@ def infer_roles(
     hidden = _config_int(model, _HIDDEN_KEYS)
     if hidden is None and embeds:
         hidden = max(embeds, key=lambda m: m.num_embeddings).embedding_dim
+    inf.flows = flows
     linear = _linear_roles(flows, hidden, vocab) if flows is not None else {}
     if flows is None:  # no flow: only the head is evident from shapes (the last Linear to vocab)
         last = [f for f, m in modules.items() if is_linear_like(m) and _out(m) == vocab]

@@ -17,6 +17,8 @@ from hp_core.planner.lints import CoverageError
 from hp_core.planner.templates.mla import latent_projections
 from hp_core.planner.templates.module_rules import ModuleRule, kind_role
 from hp_core.planner.templates.roles import Role, RoleRule, classify_param
+from hp_core.planner.trace import FlowTrace, TraceFailedError
+from hp_core.planner.trace import trace as run_trace
 from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = [
@@ -64,6 +66,13 @@ class Block:
     #: A single-Linear block split out of an attention block: the attention product runs
     #: in the enclosing layer's own code.
     in_attention: bool = False
+    #: Whether the forward returned a tuple when the trace ran it (``None``: not traced;
+    #: the return annotation decides).
+    tuple_out: bool | None = None
+    #: A norm whose caller reshapes its output with whole-sequence shapes: it hands its
+    #: output over whole on tp (and the head reading it takes it whole).
+    whole_out: bool = False
+    whole_in: bool = False
 
 
 @dataclasses.dataclass
@@ -107,7 +116,8 @@ def first_input_name(module: nn.Module) -> str:
 
 
 def returns_tuple(module: nn.Module) -> bool:
-    """Whether ``module.forward`` is annotated to return a tuple."""
+    """Whether ``module.forward`` is annotated to return a tuple (the fallback where the
+    trace did not run it: :attr:`Block.tuple_out`)."""
     try:
         ann = inspect.signature(module.forward).return_annotation
     except (TypeError, ValueError):  # pragma: no cover
@@ -357,7 +367,65 @@ def analyse(
         blocks.append(
             Block(mfqn, kinds[mfqn], modules[mfqn], params, shapes, ndim, mfqn in split_attention)
         )
+    flows = inferred.flows
+    if flows is None and _outputs_unclear(blocks, modules):
+        flows = _light_trace(model)
+    _mark_outputs(blocks, flows)
     return ModelStructure(blocks, roles, tied, archs, list(modules), unclaimed, inferred.notes)
+
+
+def _forward_source(module: nn.Module) -> str | None:
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):  # no source (built in, generated): the trace decides
+        return None
+
+
+def _outputs_unclear(blocks: list[Block], modules: Mapping[str, nn.Module]) -> bool:
+    """Whether only the trace can tell what the blocks hand over: an attention forward with
+    no return annotation, or a norm whose caller's code may reshape its output (a hint from
+    the source text: ``.view(``/``.reshape(`` in that forward; the trace decides)."""
+    seen: set[tuple[str, type]] = set()  # one look per class: same code, same answer
+    for b in blocks:
+        owner = modules.get(_parent(b.fqn)) if b.kind == "norm" else b.module
+        if owner is None or b.kind not in ("attention", "norm") or (b.kind, type(owner)) in seen:
+            continue
+        seen.add((b.kind, type(owner)))
+        if b.kind == "attention":
+            if inspect.signature(owner.forward).return_annotation is inspect.Signature.empty:
+                return True
+            continue
+        src = _forward_source(owner)
+        if src is None or ".view(" in src or ".reshape(" in src:
+            return True
+    return False
+
+
+def _light_trace(model: nn.Module) -> FlowTrace | None:
+    """The trace for output structure alone, where roles needed none; ``None`` if the forward
+    cannot run on meta (the annotations decide, and the final norm stays sequence-sharded)."""
+    try:
+        return run_trace(model)
+    except TraceFailedError:
+        return None
+
+
+def _mark_outputs(blocks: list[Block], flows: FlowTrace | None) -> None:
+    """What the blocks' forwards return, and which final norm must hand its output over whole
+    (docs/plans.md: a head fed by model code that reshapes the norm's output)."""
+    if flows is None:
+        return
+    for b in blocks:
+        b.tuple_out = flows.tuple_outputs.get(b.fqn)
+    norms = {b.fqn: b for b in blocks if b.kind == "norm"}
+    for b in blocks:
+        flow = flows.projections.get(b.fqn)
+        if b.kind != "lm_head" or flow is None or not flow.norms:
+            continue
+        if all(n in norms and n in flows.reshaped_norms for n in flow.norms):
+            b.whole_in = True
+            for n in flow.norms:
+                norms[n].whole_out = True
 
 
 def check_unclaimed(structure: ModelStructure, modules: Mapping[str, ModuleShardingSpec]) -> None:

@@ -6,7 +6,10 @@ copied, allocated or kept. A ``TorchFunctionMode`` tags every tensor with the
 projections whose outputs it derives from (reset at each projection and each norm) and
 records, per projection module: what its input derives from, whether its output meets
 another projection's in an activation-by-activation product (the attention product), and
-its widths. Embedding lookups are recorded with whether they read the input ids.
+its widths. Embedding lookups are recorded with whether they read the input ids. Module outputs are
+recorded too: whether each module's forward returned a tuple, and which norms' outputs the
+code that called them reshapes (``view``/``reshape`` in model code, with whole-sequence
+shapes) and which norm each projection reads.
 
 Tag sets are capped (a tensor derived from many projections is the residual stream), so
 each op costs O(1) and the trace is linear in the model's depth.
@@ -57,7 +60,11 @@ _DATA_FUNCS: dict[Callable[..., Any], Any] = {
     torch.Tensor.__bool__: True,
     torch.Tensor.__int__: 0,
     torch.Tensor.__index__: 0,
+    torch.Tensor.__contains__: False,  # "a pad token in the ids?": the unpadded batch
 }
+_RESHAPE_FUNCS: frozenset[Callable[..., Any]] = frozenset(
+    {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten}
+)
 _NORM_FUNCS: frozenset[Callable[..., Any]] = frozenset(
     {F.layer_norm, F.rms_norm, F.group_norm, torch.layer_norm, torch.rms_norm}
 )
@@ -81,6 +88,8 @@ class ProjectionFlow:
     feeds_attention: bool = False
     #: Its output meets itself in an attention product (q and k from one matrix).
     fused_attention: bool = False
+    #: Norm modules whose output this projection reads (through any non-projection op).
+    norms: set[str] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass
@@ -88,6 +97,10 @@ class FlowTrace:
     projections: dict[str, ProjectionFlow]
     #: Embedding module FQN → whether it looked up the model's input ids.
     embeddings: dict[str, bool]
+    #: Module FQN → whether its forward returned a tuple (every module that ran).
+    tuple_outputs: dict[str, bool] = dataclasses.field(default_factory=dict)
+    #: Norm modules whose output the module that called them reshapes in its own code.
+    reshaped_norms: set[str] = dataclasses.field(default_factory=set)
 
 
 def is_norm_module(module: nn.Module) -> bool:
@@ -108,6 +121,10 @@ class _Tagger(TorchFunctionMode):
         self.keep: list[torch.Tensor] = [ids]  # ids stay unique while the trace runs
         self.flows: dict[str, ProjectionFlow] = {}
         self.embeddings: dict[str, bool] = {}
+        self.stack: list[str] = []  # FQNs of the modules whose forward is running
+        self.norm_src: dict[int, str] = {}  # id(activation) -> the norm it derives from
+        self.norm_caller: dict[str, str] = {}  # norm FQN -> the module that called it
+        self.reshaped: set[str] = set()
 
     def _tag(self, out: Any, tags: frozenset[str]) -> None:
         if len(tags) > _CAP:
@@ -146,6 +163,10 @@ class _Tagger(TorchFunctionMode):
             self._tag(out, frozenset({f"<embed {owners[0]}>"}))
         elif owners and func in _LINEAR_FUNCS and acts:
             self._projection(owners[0], acts[0], out, union)
+            self.flows[owners[0]].norms |= {
+                self.norm_src[id(t)] for t in acts if id(t) in self.norm_src
+            }
+            return out
         elif owners and func in _NORM_FUNCS:
             self._tag(out, frozenset({NORM}))
         elif func in _PRODUCT_FUNCS and not owners and self._is_product(act_tags):
@@ -159,7 +180,19 @@ class _Tagger(TorchFunctionMode):
             self._tag(out, frozenset({ATTN}))
         else:
             self._tag(out, union)
+        self._follow_norm(func, acts, out)
         return out
+
+    def _follow_norm(self, func: Callable[..., Any], acts: list[torch.Tensor], out: Any) -> None:
+        """Carry a norm's output through non-projection ops; note a reshape by its caller."""
+        src = next((self.norm_src[id(t)] for t in acts if id(t) in self.norm_src), None)
+        if src is None:
+            return
+        if func in _RESHAPE_FUNCS and self.stack and self.stack[-1] == self.norm_caller.get(src):
+            self.reshaped.add(src)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.norm_src[id(t)] = src
 
     @staticmethod
     def _is_product(act_tags: list[frozenset[str]]) -> bool:
@@ -210,14 +243,34 @@ def trace(model: nn.Module, *, seq: int = 4) -> FlowTrace:
         for bname, b in mod._buffers.items():
             if b is not None:
                 meta[f"{mfqn}.{bname}" if mfqn else bname] = _meta_copy(b)
+    names = {id(m): f for f, m in model.named_modules(remove_duplicate=False)}
     norms = {id(m) for m in model.modules() if is_norm_module(m)}
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     tagger = _Tagger(owners, ids)
+    outputs: dict[str, bool] = {}
+
+    def enter_hook(module: nn.Module, args: Any) -> None:
+        name = names.get(id(module))
+        if name is None:
+            return
+        if id(module) in norms and tagger.stack:
+            tagger.norm_caller.setdefault(name, tagger.stack[-1])
+        tagger.stack.append(name)
 
     def norm_hook(module: nn.Module, args: Any, output: Any) -> None:
+        name = names.get(id(module))
+        if name is None:
+            return
+        if tagger.stack and tagger.stack[-1] == name:
+            tagger.stack.pop()
+        outputs.setdefault(name, isinstance(output, tuple))
         if id(module) in norms:
             tagger._tag(output, frozenset({NORM}))
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor):
+                    tagger.norm_src[id(t)] = name
 
+    enter = nn.modules.module.register_module_forward_pre_hook(enter_hook)
     handle = nn.modules.module.register_module_forward_hook(norm_hook)
     try:
         with torch.no_grad(), tagger:
@@ -228,7 +281,8 @@ def trace(model: nn.Module, *, seq: int = 4) -> FlowTrace:
         raise TraceFailedError(f"{type(e).__name__}: {e}") from e
     finally:
         handle.remove()
-    return FlowTrace(tagger.flows, tagger.embeddings)
+        enter.remove()
+    return FlowTrace(tagger.flows, tagger.embeddings, outputs, tagger.reshaped)
 
 
 def producers(flow: ProjectionFlow) -> set[str]:

@@ -27,6 +27,32 @@ if TYPE_CHECKING:
 __all__ = ["InputLayoutError", "Redistribution", "dense_mesh", "same_placement", "to_placements"]
 
 
+class _Unwrap(torch.autograd.Function):
+    """``DTensor.to_local`` whose result is no view: a boundary's output is the model's own
+    tensor again, and model code may update it in place (Falcon's ``mlp_output +=
+    attention_output``), which autograd forbids on a view a custom Function made. It shares
+    the local tensor's storage and version counter, so nothing is copied and an in-place
+    change to something saved for backward is still caught."""
+
+    @staticmethod
+    def forward(ctx: Any, dt: DTensor, grad: tuple[Placement, ...] | None) -> torch.Tensor:
+        ctx.mesh, ctx.placements = dt.device_mesh, tuple(grad or dt.placements)
+        ctx.shape, ctx.stride = dt.shape, dt.stride()
+        return dt._local_tensor.detach()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[DTensor, None]:
+        dt = DTensor.from_local(
+            g, ctx.mesh, ctx.placements, run_check=False, shape=ctx.shape, stride=ctx.stride
+        )
+        return dt, None
+
+
+def unwrap(dt: DTensor, grad: Sequence[Placement] | None = None) -> torch.Tensor:
+    """The local tensor of ``dt`` (gradient in ``grad``, default ``dt``'s own placements)."""
+    return _Unwrap.apply(dt, tuple(grad) if grad is not None else None)
+
+
 class InputLayoutError(HpError, ValueError):
     """An input the plan's layouts cannot split (an uneven shard), refused before any collective."""
 
@@ -150,7 +176,7 @@ class Redistribution:
         if self._local is not None:
             return self._local(x)
         dt = DTensor.from_local(x, self.mesh, self.src, run_check=False)
-        return dt.redistribute(self.mesh, self.dst).to_local(grad_placements=self.grad)
+        return unwrap(dt.redistribute(self.mesh, self.dst), self.grad)
 
     def to_dtensor(self, x: torch.Tensor) -> DTensor:
         """Validate, dispatching region: local ``src`` → DTensor in ``dst``."""
@@ -163,10 +189,10 @@ class Redistribution:
         """Validate, local region: local ``src`` → local ``dst`` through DTensor."""
         if not isinstance(x, torch.Tensor):
             return x
-        return self.to_dtensor(x).to_local(grad_placements=self.grad)
+        return unwrap(self.to_dtensor(x), self.grad)
 
     def exit_dtensor(self, dt: DTensor) -> torch.Tensor:
         """Validate: a DTensor the region made (already checked against ``src``) → local ``dst``."""
         if tuple(dt.placements) == self.dst:
-            return dt.to_local()
-        return dt.redistribute(self.mesh, self.dst).to_local()
+            return unwrap(dt)
+        return unwrap(dt.redistribute(self.mesh, self.dst))

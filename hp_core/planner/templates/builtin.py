@@ -87,7 +87,8 @@ def lm_head(ctx: TemplateContext) -> ModuleShardingSpec:
     vocab = ctx.layout(tp=Shard(2))
     spec = ModuleShardingSpec(
         params={k: v for k, v in params.items() if v},
-        in_src=ctx.io(x, ctx.hidden),
+        # A final norm whose output model code reshapes hands it over whole (see norm).
+        in_src=ctx.io(x, ctx.gathered if ctx.block.whole_in else ctx.hidden),
         in_dst=ctx.io(x, ctx.gathered),
         out_src=ctx.io("output", vocab),
         out_dst=ctx.io("output", vocab if ctx.loss_parallel else ctx.gathered),
@@ -97,6 +98,9 @@ def lm_head(ctx: TemplateContext) -> ModuleShardingSpec:
 
 
 def norm(ctx: TemplateContext) -> ModuleShardingSpec:
+    """A norm runs on the tokens this rank holds. A final norm whose output the model's own
+    code reshapes with whole-sequence shapes before the head (GPT-2's ``view(output_shape)``)
+    gathers it on exit: the head then reads it whole, so it is still one all-gather."""
     x = ctx.first_input()
     params = {rel: ctx.replicated() for rel in ctx.block.params}
     return ModuleShardingSpec(
@@ -104,7 +108,7 @@ def norm(ctx: TemplateContext) -> ModuleShardingSpec:
         in_src=ctx.io(x, ctx.hidden),
         in_dst=ctx.io(x, ctx.hidden),
         out_src=ctx.io("output", ctx.hidden),
-        out_dst=ctx.io("output", ctx.hidden),
+        out_dst=ctx.io("output", ctx.gathered if ctx.block.whole_out else ctx.hidden),
     )
 
 

@@ -104,6 +104,9 @@ class TemplateContext:
         return first_input_name(self.block.module)
 
     def returns_tuple(self) -> bool:
+        """What the trace saw the forward return; the annotation where it did not run."""
+        if self.block.tuple_out is not None:
+            return self.block.tuple_out
         return returns_tuple(self.block.module)
 
     @staticmethod
