@@ -45,7 +45,8 @@ def test_external_models_match_one_device_or_are_refused_clearly():
             where = f"{name} (sp={sp})"
             if name in FUSED:
                 assert r.get("refused") == "FusedProjectionError", (where, r)
-                assert ".params." in r["message"].split("\n")[0], where
+                first = r["message"].split("\n")[0]  # names the fused parameter and its module
+                assert any(f"{leaf}.weight: " in first for leaf in ("c_attn", "linear_qkv")), where
                 continue
             if sp and name in REFUSED_UNDER_SP:
                 assert r.get("refused") == REFUSED_UNDER_SP[name], (where, r)
@@ -69,8 +70,9 @@ def test_a_runtime_that_forgets_the_gradient_sums_is_caught():
 
 
 def test_fused_projections_found_by_the_trace_are_refused_by_name():
-    """Megatron's ``linear_qkv`` matches no name rule: the trace sees q and k from one matrix."""
-    with pytest.raises(FusedProjectionError, match=r"linear_qkv\.weight is a fused q/k/v"):
+    """Megatron's ``linear_qkv`` matches no name rule: the trace sees q and k from one matrix,
+    and the fused-layout derivation refuses it (no head count to split it by) by name."""
+    with pytest.raises(FusedProjectionError, match=r"linear_qkv\.weight: MegatronAttention: "):
         plan(build_external("megatron_fused"), "tp=2")
 
 

@@ -16,7 +16,7 @@ from transformers.pytorch_utils import Conv1D
 
 from hp_core import ModuleRule, Role, RoleRule, plan
 from hp_core.planner.infer_roles import infer_roles, is_linear_like
-from hp_core.planner.lints import FusedProjectionError, PlanningError
+from hp_core.planner.lints import PlanningError
 from hp_core.planner.structure import UncoveredParameterError, analyse
 from hp_core.planner.templates import DEFAULT_ROLE_RULES, TemplateDefinitionError
 from hp_core.planner.trace import TraceFailedError, is_norm_module, trace
@@ -117,8 +117,12 @@ def test_eager_attention_is_seen_too():
 
 
 def test_a_fused_gate_up_is_found_by_its_width():
-    with pytest.raises(FusedProjectionError, match=r"up2\.weight is a fused gate/up"):
-        plan(Net(mlp=FusedUp()), "tp=2")
+    """No name says so: the up projection twice as wide as its consumer's input is gate/up,
+    planned re-arranged so each rank holds its rows of both halves."""
+    ff = plan(Net(mlp=FusedUp()), "tp=2")["ff"]
+    assert ff.params["up2.weight"]["tp"] == Shard(0) and ff.params["back.weight"]["tp"] == Shard(1)
+    layout = ff._fused_layouts["up2.weight"]
+    assert (layout["kind"], layout["parts"]) == ("gate_up", [F_, F_])
 
 
 def test_name_rules_scoped_to_the_architecture_win():
@@ -241,3 +245,12 @@ def test_projections_beside_a_layer_code_attention_refuse_context_parallelism():
         plan(model, "tp=2,cp=2")
     assert "Fix:" in str(e.value)
     plan(build_external("tiny_gpt"), "tp=2,cp=2")  # its attention is a module of its own
+
+
+def test_an_mlp_taking_a_second_activation_is_refused_at_plan_time():
+    """MPT's MLP adds ``residual`` to its row-parallel output itself: undeclarable, refused."""
+    from hp_core.testing.families import build_family
+
+    with pytest.raises(PlanningError, match=r"ffn: MptMLP\.forward takes a second activation "):
+        plan(build_family("mpt", seed=0), "tp=2")
+    assert plan(build_family("mpt", seed=0), "tp=1")  # nothing sharded: nothing to declare

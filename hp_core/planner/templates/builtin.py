@@ -7,9 +7,11 @@ and MoE blocks marked for expert parallelism.
 
 from __future__ import annotations
 
+import inspect
+
 from torch.distributed.tensor import Shard
 
-from hp_core.planner.lints import FusedProjectionError
+from hp_core.planner.lints import FusedProjectionError, PlanningError
 from hp_core.planner.templates.context import TemplateContext
 from hp_core.planner.templates.head_params import head_params, mla_divide_attrs
 from hp_core.planner.templates.mixers import whole_block, whole_reason
@@ -50,7 +52,29 @@ def attention(ctx: TemplateContext) -> ModuleShardingSpec:
     return shard_full_width_norms(ctx, spec)  # norms over the whole q/k width (OLMo-2)
 
 
+def _second_activation(ctx: TemplateContext) -> str | None:
+    """A required positional input of the block's forward after the first (MPT's MLP takes
+    ``residual`` and adds it to its row-parallel output itself), or None."""
+    params = list(inspect.signature(ctx.block.module.forward).parameters.values())
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    rest = [p for p in params if p.kind in kinds][1:]
+    return next((p.name for p in rest if p.default is inspect.Parameter.empty), None)
+
+
 def mlp(ctx: TemplateContext) -> ModuleShardingSpec:
+    extra = _second_activation(ctx) if ctx.tp > 1 else None
+    if extra is not None:
+        # What the block does with it is unknown (an add after the row-parallel exit would
+        # count it tp times); a contract that leaves it undeclared would be wrong.
+        raise PlanningError(
+            f"{ctx.fqn}: {type(ctx.block.module).__name__}.forward takes a second activation "
+            f"{extra!r} besides {ctx.first_input()!r}, which the built-in MLP contract cannot "
+            "declare (if the block adds it to its row-parallel output, each rank would add it "
+            "once and the exit reduction would count it tp times).\nFix: register a "
+            "BoundaryTemplate for this architecture through a plugin that declares it (see "
+            "docs/plugin-authoring.md: hp-plugin-bloom adds BLOOM's residual once), or plan "
+            "with tp=1."
+        )
     if ctx.has_tp and whole_reason(ctx.block) is not None:
         return whole_block(ctx, "output", None)
     x = ctx.first_input()
