@@ -308,9 +308,9 @@ def test_injections_must_name_installed_items(llama, tmp_path):
     assert message.startswith(
         "a.json: the plan injects items that no installed plugin provides:\n"
         "  modules['model.layers.0.self_attn'].inner_wrapper: 'sdpa_hf' is not a registered "
-        "inner wrapper (registered: none)\n"
+        "inner wrapper (registered: sharded_qk_norm)\n"
         "  modules['model.layers.1.self_attn'].inner_wrapper: 'sdpa_hf' is not a registered "
-        "inner wrapper (registered: none)\n"
+        "inner wrapper (registered: sharded_qk_norm)\n"
         "Install the plugin that provides them (hp plugins lists what is installed"
     )
     assert (
@@ -344,7 +344,7 @@ def test_registry_check_on_targets_and_dotted_paths():
     )
     assert missing_registry_items(p) == [
         "modules['m'].inner_wrapper: 'missing_wrapper' is not a registered inner wrapper "
-        "(registered: none)",
+        "(registered: sharded_qk_norm)",
         "modules['m'].local_compute_fn: 'nonexistent_pkg_xyz.compute.factory': package "
         "'nonexistent_pkg_xyz' is not installed",
     ]

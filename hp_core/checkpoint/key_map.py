@@ -67,7 +67,12 @@ def _conversions(model: Any) -> tuple[list[tuple[str, str]], list[_Stacking]]:
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     config = getattr(model, "config", None)
-    table = get_checkpoint_conversion_mapping(type(model).__name__)
+    # The class's own name first, then its bases': FSDP2's fully_shard swaps the model's
+    # class for a subclass named FSDP<Class>, which the table does not know.
+    table = next(
+        (t for c in type(model).__mro__ if (t := get_checkpoint_conversion_mapping(c.__name__))),
+        None,
+    )
     if table is None and config is not None:
         table = get_checkpoint_conversion_mapping(getattr(config, "model_type", None))
     renames: list[tuple[str, str]] = []

@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_leaves
 from hp_core.mesh import MeshSpec
 from hp_core.planner.fused_layout import FusedLayout, keep_whole
 from hp_core.planner.lints import FusedProjectionError, compute_tp_local_attrs
+from hp_core.planner.trace import META_ANSWERS
 from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = ["prove_fused_layouts"]
@@ -66,15 +67,6 @@ _STRUCTURAL = frozenset(
     }
 )
 
-#: Meta tensors hold no values: a data-dependent check (a mask's "all ones?", a packed-
-#: sequence test) gets the answer of the ordinary batch, as in ``hp_core.planner.trace``.
-_DATA: dict[Callable[..., Any], Any] = {
-    torch.Tensor.item: 0,
-    torch.Tensor.__bool__: True,
-    torch.Tensor.__int__: 0,
-    torch.Tensor.__index__: 0,
-    torch.Tensor.__contains__: False,
-}
 #: Per-layer indices (the cache slot a layer writes) that do not change the program.
 _INDEX_NAMES = ("layer_idx", "layer_id", "layer_number", "block_idx", "layer_index")
 
@@ -123,8 +115,8 @@ class _Recorder(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _DATA:
-            return _DATA[func]
+        if func in META_ANSWERS:
+            return META_ANSWERS[func]
         out = func(*args, **kwargs)
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         src = next((t for t in ins if id(t) in self.roots), None)

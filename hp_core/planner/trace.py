@@ -30,7 +30,16 @@ from torch.utils._pytree import tree_leaves
 
 from hp_core.errors import HpError
 
-__all__ = ["ATTN", "NORM", "STREAM", "FlowTrace", "ProjectionFlow", "TraceFailedError", "trace"]
+__all__ = [
+    "ATTN",
+    "META_ANSWERS",
+    "NORM",
+    "STREAM",
+    "FlowTrace",
+    "ProjectionFlow",
+    "TraceFailedError",
+    "trace",
+]
 
 #: Markers carried in tag sets next to projection module names.
 ATTN = "<attention product>"
@@ -55,7 +64,8 @@ _PRODUCT_FUNCS: frozenset[Callable[..., Any]] = frozenset(
         torch.einsum,
     }
 )
-_DATA_FUNCS: dict[Callable[..., Any], Any] = {
+#: What a data-dependent call on a meta tensor answers: that of an ordinary, unpadded batch.
+META_ANSWERS: dict[Callable[..., Any], Any] = {
     torch.Tensor.item: 0,
     torch.Tensor.__bool__: True,
     torch.Tensor.__int__: 0,
@@ -142,10 +152,10 @@ class _Tagger(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _DATA_FUNCS:
+        if func in META_ANSWERS:
             # Meta tensors hold no values: a data-dependent check (a mask's "all ones?", a
             # packed-sequence test) gets the answer of the ordinary, unpacked batch.
-            return _DATA_FUNCS[func]
+            return META_ANSWERS[func]
         out = func(*args, **kwargs)
         leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         owners = [self.owners[id(t)] for t in leaves if id(t) in self.owners]

@@ -19,25 +19,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hp_core.runtime.fused import FusedShards
-from hp_core.runtime.journal import Journal
 from hp_core.runtime.param_layout import ParamLayout
+from hp_core.runtime.state_dict import StateDictHooks
 from hp_core.runtime.state_views import StateDictLayoutError
 
 __all__ = ["FusedStateDict", "validate_fused_value", "validate_layouts"]
 
 
-class FusedStateDict:
+class FusedStateDict(StateDictHooks):
     """The state-dict hooks for a validate model's re-arranged fused parameters."""
 
     def __init__(self, fused: Mapping[str, FusedShards]) -> None:
         self.fused = dict(fused)  # parameter name in the applied module -> its re-arrangement
-
-    def attach(self, model: nn.Module, journal: Journal) -> None:
-        """Hook ``model.state_dict`` and ``model.load_state_dict`` (undone on rollback)."""
-        saving = model._register_state_dict_hook(self._on_save)
-        loading = model._register_load_state_dict_pre_hook(self._on_load, with_module=True)
-        journal.record(saving.remove)
-        journal.record(loading.remove)
 
     def _on_save(
         self, _module: nn.Module, state: dict[str, Any], prefix: str, _meta: Any

@@ -29,14 +29,24 @@ from hp_core.runtime.journal import Journal
 from hp_core.runtime.param_layout import ParamLayout
 from hp_core.runtime.state_views import StateDictLayoutError, local_value, saved_view
 
-__all__ = ["ParamLayout", "ShardedStateDict", "StateDictLayoutError"]
+__all__ = [
+    "ParamLayout",
+    "ShardedStateDict",
+    "StateDictHooks",
+    "StateDictLayoutError",
+]
 
 
-class ShardedStateDict:
-    """The state-dict hooks of one production model (installed by ``apply``, journaled)."""
+class StateDictHooks:
+    """A pair of state-dict hooks (``_on_save``, ``_on_load``) a model carries while applied."""
 
-    def __init__(self, layouts: Mapping[str, ParamLayout]) -> None:
-        self.layouts = dict(layouts)  # parameter name in the applied module -> layout
+    def _on_save(
+        self, module: nn.Module, state: dict[str, Any], prefix: str, meta: Any
+    ) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _on_load(self, module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+        raise NotImplementedError
 
     def attach(self, model: nn.Module, journal: Journal) -> None:
         """Hook ``model.state_dict`` and ``model.load_state_dict`` (undone on rollback)."""
@@ -44,6 +54,13 @@ class ShardedStateDict:
         loading = model._register_load_state_dict_pre_hook(self._on_load, with_module=True)
         journal.record(saving.remove)
         journal.record(loading.remove)
+
+
+class ShardedStateDict(StateDictHooks):
+    """The state-dict hooks of one production model (installed by ``apply``, journaled)."""
+
+    def __init__(self, layouts: Mapping[str, ParamLayout]) -> None:
+        self.layouts = dict(layouts)  # parameter name in the applied module -> layout
 
     def _on_save(
         self, _module: nn.Module, state: dict[str, Any], prefix: str, _meta: Any

@@ -269,7 +269,7 @@ EXTRA_FAMILIES: tuple[Family, ...] = (
             num_experts_per_tok=TOP_K,
             intermediate_size=EXPERT_FFN,
             # shorter than family_batch's 16 tokens: the sliding layer's mask matters
-            sliding_window=6,
+            sliding_window=WINDOW,
             layer_types=["sliding_attention", "full_attention"],
             rope_parameters={
                 "rope_type": "yarn",
