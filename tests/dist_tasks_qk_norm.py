@@ -19,10 +19,9 @@ from hp_core import apply, plan, verify
 from hp_core.planner.sharded_norm import SHARDED_QK_NORM, _ShardedNorm, _WithShardedNorms
 from hp_core.plans.prediction import input_check_axes, plugin_collectives, step_collectives
 from hp_core.testing.compare import (
-    allclose_excess,
     gather_full_grads,
-    grads_excess,
     nan_safe_max,
+    run_excess,
     snapshot_params,
     unmoved_params,
 )
@@ -115,15 +114,9 @@ def qk_norm_case(
             )
             res[k] = (out.loss.detach(), out.logits.detach(), grads)
         for a, b in (("prod", "ref"), ("val", "ref"), ("prod", "val")):
-            for what, i in (("loss", 0), ("logits", 1)):
+            for what, value in run_excess(res[a], res[b], rtol=RTOL).items():
                 key = f"{a}-{b}:{what}"
-                worst[key] = nan_safe_max(
-                    [worst.get(key, 0.0), allclose_excess(res[a][i], res[b][i], rtol=RTOL)]
-                )
-            key = f"{a}-{b}:grad"
-            worst[key] = nan_safe_max(
-                [worst.get(key, 0.0), grads_excess(res[a][2], res[b][2], rtol=RTOL)]
-            )
+                worst[key] = nan_safe_max([worst.get(key, 0.0), value])
         for k, m in models.items():
             before = snapshot_params(m, only_with_grad=True)
             opts[k].step()

@@ -22,10 +22,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from hp_core import HpError, apply, plan, verify
 from hp_core.plugins import plugin_report, register_plugin, reset_plugins
 from hp_core.testing.compare import (
-    allclose_excess,
     gather_full_grads,
-    grads_excess,
     nan_safe_max,
+    run_excess,
     snapshot_params,
     unmoved_params,
 )
@@ -88,15 +87,9 @@ def _train(models: dict[str, Any], mesh: Any) -> dict[str, Any]:
             res[k] = (out.loss.detach(), out.logits.detach(), grads)
         n_grads = len(res["ref"][2])
         for a, b in (("prod", "ref"), ("val", "ref"), ("prod", "val")):
-            for what, i in (("loss", 0), ("logits", 1)):
+            for what, value in run_excess(res[a], res[b], rtol=RTOL).items():
                 key = f"{a}-{b}:{what}"
-                worst[key] = nan_safe_max(
-                    [worst.get(key, 0.0), allclose_excess(res[a][i], res[b][i], rtol=RTOL)]
-                )
-            key = f"{a}-{b}:grad"
-            worst[key] = nan_safe_max(
-                [worst.get(key, 0.0), grads_excess(res[a][2], res[b][2], rtol=RTOL)]
-            )
+                worst[key] = nan_safe_max([worst.get(key, 0.0), value])
         for k, m in models.items():
             before = snapshot_params(m, only_with_grad=True)
             opts[k].step()

@@ -42,7 +42,8 @@ def test_discovered_with_provenance():
     assert item.meta["architectures"] == (ARCH,)
 
 
-def test_rules_classify_a_real_phi3_model():
+def tiny_phi3() -> Phi3ForCausalLM:
+    """A one-layer Phi-3 on the meta device (4 query heads, 2 kv heads)."""
     config = Phi3Config(
         vocab_size=64,
         hidden_size=32,
@@ -53,7 +54,11 @@ def test_rules_classify_a_real_phi3_model():
         pad_token_id=0,
     )
     with torch.device("meta"):
-        model = Phi3ForCausalLM(config)
+        return Phi3ForCausalLM(config)
+
+
+def test_rules_classify_a_real_phi3_model():
+    model = tiny_phi3()
     rules = phi3_rules()
     expected = {
         "self_attn.qkv_proj.weight": Role.FUSED_QKV,
@@ -88,17 +93,7 @@ def test_the_hints_agree_with_the_core_and_the_parts_are_split_whole(monkeypatch
     so each tp rank holds whole heads of q, k and v (the core derives that from the config)."""
     import hp_core
 
-    config = Phi3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-    )
-    with torch.device("meta"):
-        model = Phi3ForCausalLM(config)
+    model = tiny_phi3()
     assert len(phi3_rules()) == 4  # loaded
     with_plugin = hp_core.plan(model, "tp=2")
     monkeypatch.setenv("HP_DISABLE_PLUGIN_AUTOLOAD", "1")
