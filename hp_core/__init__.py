@@ -45,6 +45,7 @@ from hp_core.injection import (
     trust_packages,
 )
 from hp_core.mesh import MeshSpec
+from hp_core.planner.builtin_templates import builtin_template
 from hp_core.planner.lints import MeshTypeError, TemplateBuildError
 from hp_core.planner.plan import plan
 from hp_core.planner.templates.module_rules import ModuleRule
@@ -152,6 +153,7 @@ __all__ = [
     "__version__",
     "applied",
     "apply",
+    "builtin_template",
     "clip_grad_norm_",
     "dump_overrides",
     "dump_plan",
