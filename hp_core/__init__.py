@@ -48,6 +48,7 @@ from hp_core.mesh import MeshSpec
 from hp_core.planner.builtin_templates import builtin_template
 from hp_core.planner.lints import MeshTypeError, TemplateBuildError
 from hp_core.planner.plan import plan
+from hp_core.planner.templates.context import TemplateContext
 from hp_core.planner.templates.module_rules import ModuleRule
 from hp_core.planner.templates.roles import (
     BoundaryTemplate,
@@ -145,6 +146,7 @@ __all__ = [
     "StateDictLayoutError",
     "Target",
     "TemplateBuildError",
+    "TemplateContext",
     "TemplateDefinitionError",
     "UnknownFieldError",
     "UnsupportedPartialError",
