@@ -2,7 +2,8 @@
 
 The one-call equivalence check is :func:`check_equivalence` (docs/testing.md), with the
 comparison helpers it is built from. The tiny models are :mod:`hp_core.presets`'
-(re-exported here); the differential-test families are in :mod:`hp_core.testing.families` and :mod:`hp_core.testing.family_matrix`.
+(re-exported here); the differential-test families are in :mod:`hp_core.testing.families`
+and :mod:`hp_core.testing.family_matrix`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hp_core.testing.compare import (
 from hp_core.testing.equivalence import check_equivalence
 from hp_core.testing.equivalence_rank import equivalence_on_rank
 from hp_core.testing.equivalence_report import (
+    EquivalenceArgumentError,
     EquivalenceBatchError,
     EquivalenceError,
     EquivalenceFactoryError,
@@ -38,6 +40,7 @@ from hp_core.testing.world import (
 
 __all__ = [
     "FAMILIES",
+    "EquivalenceArgumentError",
     "EquivalenceBatchError",
     "EquivalenceError",
     "EquivalenceFactoryError",

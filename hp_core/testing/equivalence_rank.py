@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from hp_core import HpError, MeshSpec, ShardingPlan, apply, plan, verify
+from hp_core import MeshSpec, ShardingPlan, apply, plan, verify
 from hp_core.spec.module_spec import layout_map
 from hp_core.testing.compare import (
     GradientCheckError,
@@ -33,6 +33,7 @@ from hp_core.testing.compare import (
     unmoved_params,
 )
 from hp_core.testing.equivalence_report import (
+    EquivalenceArgumentError,
     EquivalenceBatchError,
     EquivalenceError,
     EquivalenceFactoryError,
@@ -75,7 +76,7 @@ def resolve_factory(factory: Factory, what: str) -> Callable[..., Any]:
             f"{what} {factory!r} is a {type(obj).__name__}, not a callable. "
             "Fix: name a function that builds the model (or the batch of a step)."
         )
-    return obj  # type: ignore[no-any-return]
+    return obj
 
 
 def mesh_spec(mesh: MeshSpec | Mapping[str, int] | str, world_size: int | None) -> MeshSpec:
@@ -93,14 +94,14 @@ def mesh_spec(mesh: MeshSpec | Mapping[str, int] | str, world_size: int | None) 
 def check_run_args(steps: object, modes: Sequence[str]) -> tuple[str, ...]:
     """``modes`` as a tuple, refusing an unknown mode or ``steps`` below 1."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise EquivalenceMeshError(
+        raise EquivalenceArgumentError(
             f"steps={steps!r}: the check trains at least one optimizer step. "
             "Fix: pass steps=1 or more (the default 2 also checks a step on moved weights)."
         )
     out = tuple(modes)
     bad = [m for m in out if m not in MODES]
     if bad or not out:
-        raise EquivalenceMeshError(
+        raise EquivalenceArgumentError(
             f"modes={list(modes)!r}: unknown or none ({bad}). "
             f"Fix: pass a non-empty subset of {list(MODES)}."
         )
@@ -209,13 +210,16 @@ class _Run:
         self.logit_text = _layout_text(self.logit_layout) if self.logit_layout else "whole"
 
     def gather(self, m: nn.Module, ref: nn.Module, key: str, step: int) -> dict[str, torch.Tensor]:
-        state = m._hp_applied  # type: ignore[union-attr]
+        state: Any = getattr(m, "_hp_applied", None)
+        meshes = getattr(state, "expert_meshes", None) or None
         try:
-            full = gather_full_grads(m, ref, self.mesh, expert_groups=state.expert_meshes or None)
+            full = gather_full_grads(m, ref, self.mesh, expert_groups=meshes)
         except GradientCheckError as e:
             lines = str(e).splitlines()[1:]
             names = [n for n, _ in ref.named_parameters()]
-            self.report.problem(key, step, lines, _problem_name(lines[0] if lines else "", names))
+            self.report.problem(
+                key, step, lines, _problem_name(lines[0] if lines else "", names), self.layouts
+            )
             return {}
         return restore_fused(full, self.plan, self.tp)
 
@@ -337,10 +341,12 @@ def _train(
         for k, m in models.items():
             opts[k].zero_grad(set_to_none=True)
             loss, logits = _loss_and_logits(m(**seen[k]), seen[k], loss_fn)
-            loss.backward()
-            outs = {"loss": _whole(loss.detach(), {}, run.mesh).reshape(())}
+            # Read before backward: a loss may reuse the logits' storage for its gradient.
+            outs = {"loss": _whole(loss.detach().clone(), {}, run.mesh).reshape(())}
             if logits is not None:
-                outs["logits"] = _whole(logits.detach(), run.logit_layout, run.mesh)
+                layout = run.logit_layout if k != "ref" else {}
+                outs["logits"] = _whole(logits.detach().clone(), layout, run.mesh)
+            loss.backward()
             grads = (
                 {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
                 if k == "ref"
@@ -350,7 +356,7 @@ def _train(
         for a, b, name in pairs:
             for what in ("loss", "logits"):
                 if what in res[b]["out"]:
-                    got = {what: res[a]["out"].get(what)}
+                    got: dict[str, Any] = {what: res[a]["out"].get(what)}
                     run.compare(f"{name}:{what}", got, {what: res[b]["out"][what]}, step)
             if res[a]["grad"] and (b == "ref" or res[b]["grad"]):
                 run.compare(f"{name}:grad", res[a]["grad"], res[b]["grad"], step)
@@ -361,7 +367,9 @@ def _train(
                 continue
             still = _unmoved_everywhere(unmoved_params(before, m))
             if still:
-                report.problem(f"{k}:moved", step, [f"{n}: did not move" for n in still], still[0])
+                report.problem(
+                    f"{k}:moved", step, [f"{n}: did not move" for n in still], still[0], run.layouts
+                )
             else:
                 report.record(f"{k}:moved", dict.fromkeys(before, 0.0), step, run.layouts)
     whole = {n: q.detach() for n, q in ref.named_parameters()}

@@ -15,6 +15,7 @@ import math
 from hp_core.errors import HpError
 
 __all__ = [
+    "EquivalenceArgumentError",
     "EquivalenceBatchError",
     "EquivalenceError",
     "EquivalenceFactoryError",
@@ -46,7 +47,11 @@ class EquivalenceOutputError(EquivalenceInputError, TypeError):
 
 
 class EquivalenceMeshError(EquivalenceInputError):
-    """A mesh whose size is not the world's, or a ``steps``/``modes`` value out of range."""
+    """A mesh whose number of ranks is not the world's size."""
+
+
+class EquivalenceArgumentError(EquivalenceInputError):
+    """A ``steps`` below 1, or ``modes`` empty or naming an unknown mode."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +102,12 @@ class EquivalenceReport:
         self.compared[key] = len(ranked)
         self.worst[key] = ranked[0].excess if ranked else 0.0
 
-    def problem(self, key: str, step: int, lines: list[str], first: str) -> None:
+    def problem(
+        self, key: str, step: int, lines: list[str], first: str, layouts: dict[str, str]
+    ) -> None:
         """Something of ``key`` could not be compared: an infinite excess naming ``first``."""
-        self.problems.setdefault(key, []).extend(f"step {step}: {line}" for line in lines)
-        self.record(key, {first: math.inf}, step, {})
+        self.problems.setdefault(key, []).extend(f"step {step}: {line.strip()}" for line in lines)
+        self.record(key, {first: math.inf}, step, layouts)
 
     # ------------------------------------------------------------- reading
 
@@ -130,34 +137,44 @@ class EquivalenceReport:
         return "\n".join(lines)
 
     def failure_message(self) -> str:
-        """What :class:`EquivalenceError` says: the worst failing quantity first."""
-        bad = self.failed()
+        """What :class:`EquivalenceError` says: the first failure (by step, mode, quantity)
+        on the first line, then each failing quantity's worst tensors and what could not be
+        compared."""
+        bad = sorted(self.failed(), key=self._first_step)
         if not bad:
             return "hp equivalence check passed"
         key = bad[0]
         mode, _, quantity = key.partition(":")
-        found = self.findings.get(key) or []
-        head = found[0] if found else Finding("?", -1, self.worst[key], "?")
+        head = self._head(key)
         lines = [
             f"{mode} mode, step {head.step}, {quantity}: {head.name} [{head.placements}] is off "
             f"the single-device reference by excess {head.excess:.3g} > tolerance "
-            f"atol={self.atol:g} ({self.tolerance()}).",
-            f"Where: hp equivalence check on mesh {self.mesh}, modes {list(self.modes)}.",
+            f"{self.tolerance()}.",
+            f"Where: hp equivalence check on mesh {self.mesh}, modes {list(self.modes)}, "
+            f"{self.steps} step(s).",
         ]
-        rest = [f for f in found[1 : 1 + RUNNERS_UP] if not f.excess <= self.atol]
-        if rest:
-            lines.append("Next worst: " + "; ".join(f.text() for f in rest) + ".")
-        lines.extend(f"  {p}" for p in self.problems.get(key, [])[:8])
-        if len(bad) > 1:
-            others = ", ".join(f"{k} {self.worst[k]:.3g}" for k in bad[1:6])
-            lines.append(f"Also failing: {others}.")
+        for k in bad:
+            found = [f for f in self.findings.get(k, []) if not f.excess <= self.atol]
+            rest = "; ".join(f.text() for f in found[1 : 1 + RUNNERS_UP])
+            lines.append(
+                f"{k}: worst {self._head(k).text()}" + (f"; next worst: {rest}" if rest else "")
+            )
+            lines.extend(f"  {p}" for p in self.problems.get(k, [])[:6])
         lines.append(
-            "Fix: inspect the named tensor's layout in the plan (hp plan --explain, or "
-            "hp_core.plan(...).explain()); a failure in production only points at the "
-            "local-shard runtime (e.g. a fused projection split as plain rows), one in both "
-            "modes at the plan's placements or the model's forward."
+            "Fix: inspect the named tensor's layout in the plan (hp_core.plan(...).explain()); "
+            "a failure in production only points at the local-shard runtime (e.g. a fused "
+            "projection split as plain rows), one in both modes at the plan's placements or "
+            "the model's forward."
         )
         return "\n".join(lines)
+
+    def _head(self, key: str) -> Finding:
+        found = self.findings.get(key) or []
+        return found[0] if found else Finding("?", -1, self.worst[key], "?")
+
+    def _first_step(self, key: str) -> tuple[int, int, int]:
+        mode, _, quantity = key.partition(":")
+        return (self._head(key).step, _MODE_ORDER.get(mode, 9), _QUANTITY_ORDER.get(quantity, 9))
 
 
 class EquivalenceError(AssertionError):
