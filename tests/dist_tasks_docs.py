@@ -98,4 +98,8 @@ def factory_sees(mode: str) -> dict[str, Any]:
     ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     loss = model(ids, labels=ids).loss
     want = ref(ids, labels=ids).loss
-    return {"before_apply": before, "seen": list(SEEN), "loss_diff": float((loss - want).abs().detach())}
+    return {
+        "before_apply": before,
+        "seen": list(SEEN),
+        "loss_diff": float((loss - want).abs().detach()),
+    }

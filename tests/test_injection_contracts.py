@@ -44,7 +44,9 @@ def test_what_an_inner_wrapper_receives(
     )
 
 
-@pytest.mark.parametrize(("mode", "call_kind"), [("production", "Parameter"), ("validate", "Tensor")])
+@pytest.mark.parametrize(
+    ("mode", "call_kind"), [("production", "Parameter"), ("validate", "Tensor")]
+)
 def test_what_a_compute_factory_receives(mode: str, call_kind: str) -> None:
     out = get_world(2).run(tasks.factory_sees, mode)[0]
     assert out["before_apply"] == 0  # plan() never calls it

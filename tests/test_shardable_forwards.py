@@ -43,7 +43,10 @@ def test_the_doc_shows_every_example_verbatim_and_its_outcome() -> None:
 def test_each_example_is_refused_or_matches(name: str) -> None:
     try:
         check_equivalence(
-            fe.factory(name), "tests.forward_examples:batch", "tp=2", loss_fn=fe.loss,
+            fe.factory(name),
+            "tests.forward_examples:batch",
+            "tp=2",
+            loss_fn=fe.loss,
             world=get_world(2),
         )
         outcome = None

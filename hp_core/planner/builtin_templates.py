@@ -16,7 +16,11 @@ from __future__ import annotations
 
 from hp_core.planner.templates.builtin import DEFAULT_BOUNDARY_TEMPLATES
 from hp_core.planner.templates.linear import SINGLE_MODULE_TEMPLATES
-from hp_core.planner.templates.roles import BOUNDARY_KINDS, BoundaryTemplate, TemplateDefinitionError
+from hp_core.planner.templates.roles import (
+    BOUNDARY_KINDS,
+    BoundaryTemplate,
+    TemplateDefinitionError,
+)
 
 __all__ = ["builtin_template"]
 
