@@ -177,7 +177,7 @@ def infer_roles(
             role = Role.REPLICATED
         elif role is None and kind is None:
             role = _by_type(owner, mod, linear, token_embeds, flows is not None, vocab)
-            source = RoleSource("structure", _why(mod, flows is not None))
+            source = RoleSource("structure", _why(mod, role, flows is not None))
             if role is Role.REPLICATED:
                 inf.kinds[owner] = "keep"
         if role is not None:
@@ -210,10 +210,14 @@ def _by_type(
     return None
 
 
-def _why(mod: nn.Module, traced: bool) -> str:
+def _why(mod: nn.Module, role: Role | None, traced: bool) -> str:
     """What in the structure decided a role ``_by_type`` returned, in words."""
     if isinstance(mod, nn.Embedding):
-        return "structure (trace: embedding lookup)" if traced else "structure (embedding size)"
+        how = "trace: " if traced else "size: "
+        what = (
+            "not the token embedding, kept whole" if role is Role.REPLICATED else "token embedding"
+        )
+        return f"structure ({how}{what})"
     if is_norm_module(mod):
         return "structure (norm module)"
     return "structure (trace)" if traced else "structure (shape: projection to the vocabulary)"
