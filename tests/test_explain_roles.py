@@ -269,3 +269,48 @@ def test_cli_explain_roles_is_not_combined_with_yaml(capsys):
 def test_bad_arguments_raise_as_plan_does():
     with pytest.raises(HpError, match=r"model must be a torch\.nn\.Module"):
         explain_roles("llama", "tp=2")  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("builtin_only")
+def test_a_user_module_rule_declares_replicated_and_an_exact_override_decides():
+    from hp_core import ModuleRule, register_template
+    from hp_core.plugins import unregister
+
+    rule = ModuleRule("user.titan.0", r"\.feed_forward$", "keep", ("TitanTransformer",))
+    register_template(rule)
+    try:
+        report = explain_roles(
+            _meta(TitanTransformer),
+            "tp=2",
+            overrides=[
+                {
+                    "match": "layers.1.attention",
+                    "params": {f"w{x}.weight": {"tp": "replicate"} for x in "qkvo"},
+                    "out_src": {"output": {"tp": "replicate"}},
+                },
+                {
+                    "match": "layers.0.attention",
+                    "when": "cp",
+                    "params": {"wq.weight": {"tp": "replicate"}},
+                },
+            ],
+        )
+    finally:
+        unregister("template", "user.titan.0")
+    w1 = report.row("layers.0.feed_forward.w1.weight")
+    assert (w1.role, w1.via, w1.rule, w1.provider) == (
+        Role.REPLICATED,
+        "module_rule",
+        "user.titan.0",
+        "user",
+    )
+    assert w1.placements == {"tp": "replicate"} and report.unclaimed == []  # declared, not free
+    wq = report.row("layers.1.attention.wq.weight")
+    assert (wq.rule, wq.role_rule, wq.placements) == (
+        "override 'layers.1.attention'",
+        "structure (trace)",
+        {"tp": "replicate"},
+    )
+    assert report.row("layers.0.attention.wq.weight").via == "structure"  # when: cp is inactive
+    with pytest.raises(KeyError):
+        report.row("no.such.weight")
