@@ -83,7 +83,12 @@ def test_llama_every_parameter_once_with_core_rules():
         assert row.via == "name_hint", row
         assert row.rule.removeprefix("name hint ") in CORE_RULES, row
     assert report.row("model.layers.0.self_attn.q_proj.weight").rule == "name hint role.colwise"
-    assert report.row("model.layers.0.self_attn.o_proj.weight").placements == {"tp": "shard(1)"}
+    o_proj = report.row("model.layers.0.self_attn.o_proj.weight")
+    assert o_proj.placements == {"tp": "shard(1)"}
+    assert (o_proj.boundary, o_proj.template) == (
+        "attention model.layers.0.self_attn",
+        "boundary.attention",
+    )
     assert report.unclaimed == [] and report.refusal is None
     assert placement_mismatches(report, plan(model, "tp=2")) == []
     text = report.text()
@@ -314,3 +319,23 @@ def test_a_user_module_rule_declares_replicated_and_an_exact_override_decides():
     assert report.row("layers.0.attention.wq.weight").via == "structure"  # when: cp is inactive
     with pytest.raises(KeyError):
         report.row("no.such.weight")
+
+
+@pytest.mark.usefixtures("builtin_only")
+def test_cli_explain_roles_with_a_malformed_overrides_file_exits_1(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- match: model.layers.0.mlp\n  params: {down_proj.weight: {tp: sideways}}\n")
+    argv = [
+        "plan",
+        "--model",
+        "llama",
+        "--mesh",
+        "tp=2",
+        "--explain-roles",
+        "--overrides",
+        str(bad),
+    ]
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert (code, out) == (1, "")
+    assert err.startswith("hp plan: error: OverrideError: ") and "sideways" in err
