@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from hp_core import HpError, RoleReport, cli, explain_roles, plan
+from hp_core import HpError, ModuleRule, RoleReport, cli, explain_roles, plan, register_template
 from hp_core.cli.model_args import load_model
 from hp_core.planner.templates.roles import DEFAULT_ROLE_RULES, Role
-from hp_core.plugins import TEMPLATE_REGISTRY, reset_plugins
+from hp_core.plugins import TEMPLATE_REGISTRY, reset_plugins, unregister
 from hp_core.plugins._config import ENV_DISABLE_AUTOLOAD, ENV_PLUGINS, ENV_STRICT
 from hp_core.spec.placements import parse_placement
 from hp_core.testing.external_models import NanoGPT, TitanTransformer
@@ -278,9 +278,6 @@ def test_bad_arguments_raise_as_plan_does():
 
 @pytest.mark.usefixtures("builtin_only")
 def test_a_user_module_rule_declares_replicated_and_an_exact_override_decides():
-    from hp_core import ModuleRule, register_template
-    from hp_core.plugins import unregister
-
     rule = ModuleRule("user.titan.0", r"\.feed_forward$", "keep", ("TitanTransformer",))
     register_template(rule)
     try:
