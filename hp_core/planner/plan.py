@@ -37,7 +37,7 @@ from hp_core.spec.module_spec import ModuleShardingSpec
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["plan"]
+__all__ = ["check_plan_args", "pick_template", "plan", "registered_rules"]
 
 
 def _registered() -> tuple[list[RoleRule], list[BoundaryTemplate]]:
@@ -50,7 +50,13 @@ def _module_rules() -> list[ModuleRule]:
     return [i.value for i in TEMPLATE_REGISTRY.values() if isinstance(i.value, ModuleRule)]
 
 
-def _pick(
+def registered_rules() -> tuple[list[RoleRule], list[ModuleRule], list[BoundaryTemplate]]:
+    """The role rules, module rules and boundary templates the planner uses now."""
+    rules, templates = _registered()
+    return rules, _module_rules(), templates
+
+
+def pick_template(
     templates: Sequence[BoundaryTemplate], kind: str, archs: Sequence[str]
 ) -> BoundaryTemplate | None:
     """Architecture-scoped templates win over general ones; among equals, the last registered
@@ -165,6 +171,24 @@ def _check_loss(model: nn.Module) -> None:
         )
 
 
+def check_plan_args(
+    model: nn.Module,
+    mesh: DeviceMesh | MeshLike,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    ep_size: int,
+) -> MeshSpec:
+    """Refuse arguments :func:`plan` cannot take (the model, the mesh, the flags, a loss
+    parallelism the model's loss does not allow); returns the mesh as a MeshSpec."""
+    _check_model(model)
+    _check_mesh(mesh)
+    ms = MeshSpec.from_any(mesh)
+    _check_flags(sequence_parallel, loss_parallel, ep_size)
+    if loss_parallel:
+        _check_loss(model)
+    return ms
+
+
 def plan(
     model: nn.Module,
     mesh: DeviceMesh | MeshLike,
@@ -180,18 +204,13 @@ def plan(
     ``"tp=8,cp=2"``; ``overrides`` a ``{fqn_or_glob: ModuleShardingSpec}`` dict, a list of
     YAML-style entries, or a path to a YAML file. Nothing is mutated.
     """
-    _check_model(model)
-    _check_mesh(mesh)
-    ms = MeshSpec.from_any(mesh)
-    _check_flags(sequence_parallel, loss_parallel, ep_size)
-    if loss_parallel:
-        _check_loss(model)
+    ms = check_plan_args(model, mesh, sequence_parallel, loss_parallel, ep_size)
     rules, templates = _registered()
     structure = analyse(model, rules, _module_rules())
     derived: dict[str, ModuleShardingSpec] = {}
     first_layer = True
     for block in structure.blocks:
-        template = _pick(templates, block.kind, structure.architectures)
+        template = pick_template(templates, block.kind, structure.architectures)
         if template is None:
             raise PlanningError(
                 f"{block.fqn}: no boundary template for kind {block.kind!r} is registered. The "
