@@ -31,7 +31,8 @@ def blocks(text: str) -> list[tuple[str, str, str]]:
 
 def _env(work: Path) -> dict[str, str]:
     env = dict(os.environ)
-    paths = [str(work / "site"), str(work), *sys.path]
+    tests = work / "hp-plugin-tinygpt" / "tests"  # where the page's factories live
+    paths = [str(work / "site"), str(work), str(tests), *sys.path]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
