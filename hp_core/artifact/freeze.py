@@ -4,9 +4,9 @@ A meta holds the plan-level fields (mesh axis names and shape, sequence_parallel
 loss_parallel, ep_size; ``providers``, the distribution of each registry item it names,
 when there are any: :mod:`hp_core.plans.providers`) and, per frozen group of the table,
 a list of ``{match: FQN, ...}`` rules in model order: ``param_plan`` has one rule per
-module, ``injections`` one per module that has any injection field to write. Inside a rule, keys follow the table
-and values come from the freeze kind of their row (:data:`FREEZERS`); nothing here
-knows a particular field.
+module, ``injections`` one per module that has any injection field to write. Inside a
+rule, keys follow the table and values come from the freeze kind of their row
+(:data:`FREEZERS`); nothing here knows a particular field.
 
 Value forms: placements are DSL strings (``"shard(1)"``, ``"replicate"``, ``"partial"``)
 under their axis; a registry name stays a name (``"sdpa_hf"``); a ``Target`` becomes
