@@ -351,9 +351,7 @@ def rebuild(meta: Mapping[str, Any], *, model: nn.Module | None = None) -> Shard
             loss_parallel=meta["loss_parallel"],
             ep_size=meta["ep_size"],
             providers=(
-                providers_from_data(meta[PROVIDERS_KEY], MetaError)
-                if PROVIDERS_KEY in meta
-                else {}
+                providers_from_data(meta[PROVIDERS_KEY], MetaError) if PROVIDERS_KEY in meta else {}
             ),
         )
     except PlanError as e:

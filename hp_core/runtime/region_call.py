@@ -65,8 +65,9 @@ class RegionWrapperCall:
             f"plan[{self.fqn!r}].inner_wrapper: the forward of inner wrapper {self.name!r} (from "
             f"{self.provider}) failed for module {self.target!r} in validate mode: "
             f"{type(e).__name__}: {e}\n{received}\n"
-            "Fix: make the wrapper DTensor-aware (only ops DTensor supports; no plain tensors "
-            "mixed with its DTensor inputs), or set region_dispatch: false in the override for "
+            "Fix: make the wrapper DTensor-aware (only ops DTensor has sharding rules for, or "
+            "to_local() / DTensor.from_local around the rest), or set region_dispatch: false in "
+            "the override for "
             f"{self.fqn!r} so it runs on local tensors in both modes. The original exception is "
             "chained below.",
             name=self.name,
