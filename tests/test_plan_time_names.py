@@ -19,6 +19,7 @@ from hp_core.injection import InjectionBindingError, UntrustedTargetError, local
 from hp_core.plan_items import check_plan_items
 from hp_core.planner.lints import PlanningError
 from hp_core.plans import PlanYAMLError, dump_plan, load_plan
+from hp_core.plans.providers import record_providers
 from hp_core.plugins import (
     ITEMS_GROUP,
     RecordedProvider,
@@ -436,3 +437,18 @@ def test_installed_metadata_is_read_without_importing(env):
     seen.clear()
     declared_providers("inner_wrapper", "anything")
     assert seen == []
+
+
+def test_providers_record_each_registry_name_once_and_no_import_paths(fakes, env):
+    env.setenv("HP_PLUGINS", "ring")
+    _ring(fakes)
+    overrides = [
+        {"match": "*.self_attn", "inner_target": "self", "inner_wrapper": "fake_ring"},
+        {"match": "*.mlp", "local_compute_fn": "hp_plugin_x.factories.mlp"},
+    ]
+    for entry in overrides:
+        entry["region_dispatch"] = False
+    planned = hp_core.plan(_model(), "tp=2", overrides=overrides, check_items=False)
+    assert record_providers(planned) == {
+        "inner_wrapper.fake_ring": RecordedProvider("fake-ring", "0.3")
+    }
