@@ -452,3 +452,20 @@ def test_providers_record_each_registry_name_once_and_no_import_paths(fakes, env
     assert record_providers(planned) == {
         "inner_wrapper.fake_ring": RecordedProvider("fake-ring", "0.3")
     }
+
+
+def test_hp_plan_refuses_a_config_key_typo_with_apply_s_error(env, tmp_path, capsys):
+    path = tmp_path / "moe.yaml"
+    path.write_text(
+        "- match: model.layers.*.mlp\n"
+        "  local_compute_fn: {_target_: qwen2moe, capacity_factr: 2.0}\n"
+        "  region_dispatch: false\n"
+    )
+    argv = ["plan", "--model", "qwen2moe", "--mesh", "tp=2", "--ep", "2", "--overrides", str(path)]
+    assert cli.main(argv) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith(
+        "hp plan: error: InjectionBindingError: plan['model.layers.0.mlp'].local_compute_fn: "
+        "unknown config key 'capacity_factr'"
+    )
+    assert "Did you mean 'capacity_factor'?" in err
