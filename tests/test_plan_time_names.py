@@ -5,6 +5,7 @@ hp_core.runtime.region_call)."""
 from __future__ import annotations
 
 import copy
+import importlib
 import importlib.metadata
 import tomllib
 from pathlib import Path
@@ -469,3 +470,22 @@ def test_hp_plan_refuses_a_config_key_typo_with_apply_s_error(env, tmp_path, cap
         "unknown config key 'capacity_factr'"
     )
     assert "Did you mean 'capacity_factor'?" in err
+
+
+def test_declared_by_a_distribution_installed_after_discovery(fakes, env):
+    env.setenv("HP_PLUGINS", "ring")
+    _ring(fakes)
+    hp_core.plugins.current_state()  # discovered before the next distribution appears
+    info = fakes.root / "fake_late-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-late\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[hp_core]\nring = fake_late\n\n[hp_core.items]\ninner_wrapper.fake_late = fake_late\n"
+    )
+    importlib.invalidate_caches()
+    (d,) = declared_providers("inner_wrapper", "fake_late")
+    assert (d.distribution, d.status) == ("fake-late", "not found")
+    assert d.reason == (
+        "no plugin named 'ring' from fake-late was loaded, which plugin 'ring' (fake-ring 0.3) uses"
+    )
+    assert "but no plugin named 'ring' from fake-late was loaded" in _unknown("fake_late")
