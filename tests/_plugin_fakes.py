@@ -68,12 +68,16 @@ class FakePlugins:
         version: str = "0.1",
         modules: dict[str, str] | None = None,
         record: list[str] | None = None,
+        items: dict[str, str] | None = None,
     ) -> Path:
+        """``items``: the ``hp_core.items`` entries (``"<kind>.<name>": module``)."""
         info = self.root / f"{dist.replace('-', '_')}-{version}.dist-info"
         info.mkdir(parents=True)
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
         lines = "".join(f"{name} = {value}\n" for name, value in entry_points.items())
-        (info / "entry_points.txt").write_text(f"[hp_core]\n{lines}")
+        declared = "".join(f"{name} = {value}\n" for name, value in (items or {}).items())
+        extra = f"\n[hp_core.items]\n{declared}" if items is not None else ""
+        (info / "entry_points.txt").write_text(f"[hp_core]\n{lines}{extra}")
         if record is not None:
             (info / "RECORD").write_text("".join(f"{path},,\n" for path in record))
         for module, source in (modules or {}).items():
