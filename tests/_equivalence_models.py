@@ -91,3 +91,10 @@ def cp_loss(model: nn.Module, mode: str) -> None:
 
 def not_a_model() -> object:
     return {"weight": torch.zeros(2)}
+
+
+def llama_per_rank() -> nn.Module:
+    """A factory that forgot to fix its seed: other weights on every rank."""
+    import torch.distributed as dist
+
+    return build_family("llama", seed=dist.get_rank())

@@ -232,6 +232,12 @@ def test_model_factory_that_returns_no_module():
     _fix(info.value)
 
 
+def test_model_factory_that_builds_other_weights_on_other_ranks():
+    with pytest.raises(EquivalenceFactoryError, match=r"other weights on rank\(s\) \[1\]") as info:
+        check_equivalence(M + "llama_per_rank", M + "llama_batch", "tp=2")
+    _fix(info.value)
+
+
 def test_batch_factory_without_tensors():
     with pytest.raises(EquivalenceBatchError) as info:
         check_equivalence(M + "llama", M + "no_tensors", "tp=2", modes=("production",))
