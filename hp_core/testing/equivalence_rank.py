@@ -199,7 +199,7 @@ def _problem_name(line: str, names: Sequence[str]) -> str:
 
 
 class _Run:
-    """One check's models, optimizers and the report they fill."""
+    """One check's mesh, plan facts (placements, output layout) and the report it fills."""
 
     def __init__(self, report: EquivalenceReport, mesh: DeviceMesh, p: ShardingPlan) -> None:
         self.report, self.mesh, self.plan = report, mesh, p
