@@ -1,12 +1,34 @@
 """Testing helpers for hp and for plugin authors: a reusable gloo world and tiny models.
 
-The tiny models are :mod:`hp_core.presets`' (re-exported here); the differential-test
-families are in :mod:`hp_core.testing.families` and :mod:`hp_core.testing.family_matrix`.
+The one-call equivalence check is :func:`check_equivalence` (docs/testing.md), with the
+comparison helpers it is built from. The tiny models are :mod:`hp_core.presets`'
+(re-exported here); the differential-test families are in :mod:`hp_core.testing.families`
+and :mod:`hp_core.testing.family_matrix`.
 """
 
 from __future__ import annotations
 
 from hp_core.presets import FAMILIES, build_model, tiny_config
+from hp_core.testing.compare import (
+    allclose_excess,
+    gather_full_grads,
+    grads_excess,
+    run_excess,
+    snapshot_params,
+    unmoved_params,
+)
+from hp_core.testing.equivalence import check_equivalence
+from hp_core.testing.equivalence_rank import equivalence_on_rank
+from hp_core.testing.equivalence_report import (
+    EquivalenceArgumentError,
+    EquivalenceBatchError,
+    EquivalenceError,
+    EquivalenceFactoryError,
+    EquivalenceInputError,
+    EquivalenceMeshError,
+    EquivalenceOutputError,
+    EquivalenceReport,
+)
 from hp_core.testing.world import (
     World,
     WorldError,
@@ -18,12 +40,28 @@ from hp_core.testing.world import (
 
 __all__ = [
     "FAMILIES",
+    "EquivalenceArgumentError",
+    "EquivalenceBatchError",
+    "EquivalenceError",
+    "EquivalenceFactoryError",
+    "EquivalenceInputError",
+    "EquivalenceMeshError",
+    "EquivalenceOutputError",
+    "EquivalenceReport",
     "World",
     "WorldError",
     "WorldTaskError",
     "WorldTimeoutError",
+    "allclose_excess",
     "build_model",
+    "check_equivalence",
+    "equivalence_on_rank",
+    "gather_full_grads",
     "get_world",
+    "grads_excess",
+    "run_excess",
     "shutdown_worlds",
+    "snapshot_params",
     "tiny_config",
+    "unmoved_params",
 ]

@@ -1,0 +1,64 @@
+"""Model and batch factories of the equivalence-check tests (importable by the spawned ranks).
+
+Each factory builds the same seeded tiny model on every call; each batch factory gives the
+model's keyword arguments for one step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hp_core.testing.external_models import TitanTransformer, build_external, external_batch
+from hp_core.testing.families import build_family, family_batch
+
+
+def llama() -> nn.Module:
+    return build_family("llama", seed=0)
+
+
+def llama_batch(step: int) -> dict[str, Any]:
+    ids = family_batch("llama", seed=step)
+    return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+def gpt2() -> nn.Module:
+    return build_family("gpt2", seed=0)
+
+
+def gpt2_batch(step: int) -> dict[str, Any]:
+    ids = family_batch("gpt2", seed=step)
+    return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+class TitanLogits(TitanTransformer):
+    """torchtitan's Llama layout returning the logits tensor itself (no output object)."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(input_ids).logits
+
+
+def titan_logits() -> nn.Module:
+    model = build_external("torchtitan_llama", seed=0)
+    out = TitanLogits()
+    out.load_state_dict(model.state_dict())
+    return out
+
+
+def titan_batch(step: int) -> dict[str, Any]:
+    return {"input_ids": external_batch(seed=step)}
+
+
+def next_token_loss(logits: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+    ids = batch["input_ids"]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
+
+
+def no_tensors(step: int) -> dict[str, Any]:
+    return {"input_ids": [1, 2, 3]}
+
+
+NOT_A_FACTORY = 3
