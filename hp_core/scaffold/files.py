@@ -15,7 +15,7 @@ __all__ = ["FILES", "ITEM_NAMES"]
 #: each as ``"<kind>.<name>.<suffix>"`` in ``hp_core.items``.
 ITEM_NAMES: tuple[tuple[str, str], ...] = (("template", "mlp_in"), ("template", "mlp_out"))
 
-PYPROJECT = '''\
+PYPROJECT = """\
 [build-system]
 # setuptools>=77: PEP 639 (`license` as an SPDX expression); it builds wheels itself.
 requires = ["setuptools>=77"]
@@ -47,7 +47,7 @@ where = ["src"]
 
 [tool.setuptools.package-data]
 {{package}} = ["py.typed"]
-'''
+"""
 
 INIT = '''\
 """{{dist}}: an hp plugin teaching hp how to shard {{architecture}} (see plugin.py)."""
@@ -254,7 +254,7 @@ def test_every_rule_claims_parameters_of_the_model_and_only_there():
         assert not any(rule.matches(name, ("SomeOtherForCausalLM",)) for name in names)
 '''
 
-README = '''\
+README = """\
 # {{dist}}
 
 An [hp](https://pypi.org/project/hp-core/) plugin: tensor-parallel role rules for
@@ -281,7 +281,7 @@ Every item the plugin registers must be listed in `[project.entry-points."hp_cor
 (`"<kind>.<name>" = "{{package}}.plugin"`); the conformance suite fails otherwise. The
 `hp-core` requirement covers one minor release, because a minor release may change the
 plugin API; widen it after testing against the next one.
-'''
+"""
 
 #: Path inside ``hp-plugin-NAME/`` -> template text.
 FILES: dict[str, str] = {

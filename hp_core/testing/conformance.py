@@ -51,8 +51,9 @@ from hp_core.plugins import (
     reset_plugins,
 )
 from hp_core.scaffold import ITEMS_GROUP, hp_core_requirement
-from hp_core.testing.equivalence import EquivalenceError, check_equivalence
+from hp_core.testing.equivalence import check_equivalence
 from hp_core.testing.equivalence_case import EquivalenceCase
+from hp_core.testing.equivalence_report import EquivalenceError, EquivalenceReport
 from hp_core.testing.surface import private_hp_imports
 
 __all__ = ["EquivalenceCase", "PluginConformance", "declared_items"]
@@ -72,6 +73,24 @@ def declared_items(dist: importlib_metadata.Distribution) -> dict[tuple[str, str
 
 def _key(item: RegisteredItem) -> tuple[str, str]:
     return (item.kind.value, item.name)
+
+
+def _load_problem(ep: importlib_metadata.EntryPoint) -> str | None:
+    """``Type: message`` of what importing the entry point raised, or None."""
+    try:
+        ep.load()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _run_case(case: EquivalenceCase) -> EquivalenceReport | Exception:
+    """The case's report, or the exception the check raised (reported by the caller outside
+    the ``except`` block, so pytest shows the message and not two tracebacks)."""
+    try:
+        return check_equivalence(case.model_factory, case.batch_factory, **case.kwargs())
+    except Exception as e:
+        return e
 
 
 class PluginConformance:
@@ -146,7 +165,7 @@ class PluginConformance:
         self._fail(
             f"the distribution declares no entry point {self.entry_point!r} in the "
             f"{ENTRY_POINT_GROUP!r} group (it declares: {names}).",
-            f'add [project.entry-points.{ENTRY_POINT_GROUP}] {self.entry_point} = '
+            f"add [project.entry-points.{ENTRY_POINT_GROUP}] {self.entry_point} = "
             f'"{self.package}.plugin" to its pyproject.toml and reinstall it.',
         )
 
@@ -173,7 +192,8 @@ class PluginConformance:
             for other in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
             if other.name == ep.name
             and other.dist is not None
-            and canonicalize_name(other.dist.metadata["Name"]) != canonicalize_name(self.distribution)
+            and canonicalize_name(other.dist.metadata["Name"])
+            != canonicalize_name(self.distribution)
         )
         if clashes:
             self._fail(
@@ -181,14 +201,12 @@ class PluginConformance:
                 f"{', '.join(clashes)}; only one of them can load.",
                 "give the plugin an entry-point name no other installed plugin uses.",
             )
-        try:
-            ep.load()
-        except Exception as e:
+        problem = _load_problem(ep)
+        if problem is not None:
             self._fail(
-                f"importing its entry point {ep.name} = {ep.value} raised "
-                f"{type(e).__name__}: {e}",
-                "make the module import without errors (python -c 'import "
-                f"{ep.module}' shows the traceback).",
+                f"importing its entry point {ep.name} = {ep.value} raised {problem}",
+                f"make the module import without errors (python -c 'import {ep.module}' "
+                "shows the traceback).",
             )
 
     def test_requires_a_compatible_hp_core(self) -> None:
@@ -301,9 +319,7 @@ class PluginConformance:
         before = {_key(item): item.provider for item in registered_items()}
         mine = {_key(item) for item in self._mine()}
         others = sorted(
-            r.name
-            for r in plugin_report()
-            if r.status == "loaded" and r.name != self.entry_point
+            r.name for r in plugin_report() if r.status == "loaded" and r.name != self.entry_point
         )
         monkeypatch.setenv(ENV_PLUGINS, ",".join(others))
         reset_plugins()
@@ -369,20 +385,19 @@ class PluginConformance:
         if case is None:
             self._require_opt_out()
             return
-        try:
-            report = check_equivalence(case.model_factory, case.batch_factory, **case.kwargs())
-        except EquivalenceError as e:
+        outcome = _run_case(case)
+        if isinstance(outcome, EquivalenceError):
             self._fail(
-                f"equivalence case {case.id!r} does not match one device:\n{e}",
+                f"equivalence case {case.id!r} does not match one device:\n{outcome}",
                 "correct the role, template or injection the worst tensor's placements point "
                 "at (hp plan --explain-roles shows which rule assigned each role).",
             )
-        except Exception as e:
+        if isinstance(outcome, Exception):
             self._fail(
-                f"equivalence case {case.id!r} could not run: {type(e).__name__}: {e}",
+                f"equivalence case {case.id!r} could not run: {type(outcome).__name__}: {outcome}",
                 "make the plan apply (the error above names the culprit), or correct the case.",
             )
-        if not report.worst:
+        if not outcome.worst:
             self._fail(
                 f"equivalence case {case.id!r} compared nothing.",
                 "give the case a model with parameters and a batch that produces a loss.",

@@ -3,7 +3,9 @@
 An :class:`EquivalenceCase` holds the arguments of
 :func:`hp_core.testing.check_equivalence` for one model and mesh, so a plugin's
 conformance class (:class:`hp_core.testing.conformance.PluginConformance`) can list them
-as data and the suite runs each one as its own test.
+as data and the suite runs each one as its own test. :meth:`EquivalenceCase.family` makes
+one for a tiny Hugging Face family of :mod:`hp_core.testing.families`, with the picklable
+factories :class:`FamilyModel` and :class:`FamilyBatch`.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from hp_core.errors import HpError
+from torch import nn
 
-__all__ = ["EquivalenceCase", "EquivalenceCaseError"]
+from hp_core.errors import HpError
+from hp_core.testing.families import build_family, family_batch
+
+__all__ = ["EquivalenceCase", "EquivalenceCaseError", "FamilyBatch", "FamilyModel"]
 
 
 class EquivalenceCaseError(HpError, ValueError):
@@ -25,6 +30,34 @@ def _mesh_text(mesh: str | Mapping[str, int]) -> str:
     if isinstance(mesh, str):
         return mesh.replace(" ", "")
     return ",".join(f"{axis}={size}" for axis, size in mesh.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyModel:
+    """A model factory: ``build_family(family, seed=seed, **config)`` (picklable by value)."""
+
+    family: str
+    seed: int = 0
+    config: tuple[tuple[str, Any], ...] = ()
+
+    def __call__(self) -> nn.Module:
+        # No padding id (as family_model): its embedding row would get no gradient.
+        return build_family(
+            self.family, seed=self.seed, **{"pad_token_id": None, **dict(self.config)}
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyBatch:
+    """A batch factory: step ``s`` gets ``family_batch(family, seed=s)`` as ids and labels."""
+
+    family: str
+    batch: int = 2
+    seq: int = 16
+
+    def __call__(self, step: int) -> dict[str, Any]:
+        ids = family_batch(self.family, batch=self.batch, seq=self.seq, seed=step)
+        return {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +104,16 @@ class EquivalenceCase:
                 f"EquivalenceCase(modes={tuple(self.modes)!r}): each mode is 'production' or "
                 "'validate'. Fix: pass modes=('production', 'validate')."
             )
+
+    @classmethod
+    def family(
+        cls, family: str, mesh: str | Mapping[str, int] = "tp=2", **fields: Any
+    ) -> EquivalenceCase:
+        """The case of a tiny family of :mod:`hp_core.testing.families` (e.g. ``"phi3"``);
+        ``fields`` are the other fields (``plan_kwargs``, ``overrides``, ``steps``, ...);
+        ``name`` defaults to ``"<family>-<mesh>"``."""
+        fields.setdefault("name", f"{family}-{_mesh_text(mesh)}")
+        return cls(FamilyModel(family), FamilyBatch(family), mesh, **fields)
 
     @property
     def id(self) -> str:
