@@ -54,6 +54,8 @@ def check_name(name: str) -> str:
     suggestion = suggestion.removeprefix("hp_plugin_") or "my_model"
     if not suggestion[0].isalpha():
         suggestion = f"p{suggestion}"
+    if keyword.iskeyword(suggestion) or suggestion in (BUILTIN_PLUGIN_NAME, USER_PROVIDER):
+        suggestion = f"my_{suggestion}"
     if name.startswith(("hp_plugin", "hp-plugin")):
         why = "it already starts with hp_plugin (the generator adds that prefix)"
     elif not _NAME.fullmatch(name):
