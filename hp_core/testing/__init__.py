@@ -7,6 +7,7 @@ families are in :mod:`hp_core.testing.families` and :mod:`hp_core.testing.family
 from __future__ import annotations
 
 from hp_core.presets import FAMILIES, build_model, tiny_config
+from hp_core.testing.sandbox import PluginSandbox
 from hp_core.testing.world import (
     World,
     WorldError,
@@ -18,6 +19,7 @@ from hp_core.testing.world import (
 
 __all__ = [
     "FAMILIES",
+    "PluginSandbox",
     "World",
     "WorldError",
     "WorldTaskError",
