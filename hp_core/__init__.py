@@ -47,6 +47,7 @@ from hp_core.injection import (
 from hp_core.mesh import MeshSpec
 from hp_core.planner.lints import MeshTypeError, TemplateBuildError
 from hp_core.planner.plan import plan
+from hp_core.planner.role_report import RoleReport, explain_roles
 from hp_core.planner.templates.module_rules import ModuleRule
 from hp_core.planner.templates.roles import (
     BoundaryTemplate,
@@ -139,6 +140,7 @@ __all__ = [
     "PretrainedLoadError",
     "RankTimeoutError",
     "Role",
+    "RoleReport",
     "RoleRule",
     "ShardingPlan",
     "StateDictLayoutError",
@@ -155,6 +157,7 @@ __all__ = [
     "clip_grad_norm_",
     "dump_overrides",
     "dump_plan",
+    "explain_roles",
     "finalize_grads",
     "format_named_placement",
     "format_placement",

@@ -7,8 +7,9 @@
   that declares its arguments and sets ``handler``, and the handler
   ``cmd_<name>(args, out, err)`` (two rich consoles) that returns the exit code;
 * :mod:`~hp_core.cli.failure` — the error/exit skeleton every handler shares;
-* :mod:`~hp_core.cli.model_args` (``--model``), :mod:`~hp_core.cli.planning` (what plan
-  and freeze share), :mod:`~hp_core.cli.arg_types` (argparse value types).
+* :mod:`~hp_core.cli.model_args` (``--model``; :mod:`~hp_core.cli.model_factory` its
+  ``pkg.mod:factory`` form), :mod:`~hp_core.cli.planning` (what plan and freeze share),
+  :mod:`~hp_core.cli.arg_types` (argparse value types).
 
 Add a command: write ``hp_core/cli/<name>.py`` with both functions and list its
 ``add_<name>_command`` in :data:`COMMANDS`.

@@ -1,4 +1,5 @@
-"""``--model NAME_OR_CONFIG``: a preset or a local HF config, turned into a meta-device model.
+"""``--model NAME_OR_CONFIG``: a preset, a local HF config or ``pkg.mod:factory``, turned into a
+meta-device model.
 
 Offline: a preset (:mod:`hp_core.presets`) or a ``config.json`` (a file or its folder),
 read under hp's input limits. Every bad config (unreadable, over the limits, an unknown
@@ -17,6 +18,7 @@ from typing import Any
 from hp_core.bounded.json_reader import loads_json
 from hp_core.bounded.limits import InputLimitError, read_bounded
 from hp_core.cli.failure import CommandFailed, one_line
+from hp_core.cli.model_factory import is_factory_path, load_factory_model
 from hp_core.presets import PRESETS, UnknownModelPresetError, model_from_config, preset_config
 from hp_core.spec.keywords import close_matches
 
@@ -140,7 +142,10 @@ def load_config(model: str) -> Any:
 
 
 def load_model(name: str) -> Any:
-    """``--model``: a preset or an HF config, built on the meta device (usage errors exit 2)."""
+    """``--model``: a preset, an HF config or a ``pkg.mod:factory``
+    (:mod:`~hp_core.cli.model_factory`), built on the meta device (usage errors exit 2)."""
+    if is_factory_path(name) and not Path(name).exists():
+        return load_factory_model(name)
     config = load_config(name)
     try:
         return model_from_config(config, device="meta")

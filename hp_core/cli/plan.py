@@ -7,12 +7,13 @@ import argparse
 from rich.console import Console
 from rich.text import Text
 
-from hp_core.cli.failure import command
+from hp_core.cli.failure import CommandFailed, command
 from hp_core.cli.planning import (
     ALLOW_MISSING_HELP,
     ALLOW_MISSING_PLUGINS,
     add_planning_args,
     check_plugin_items,
+    explain_roles_from_args,
     plan_from_args,
     verify_plan,
 )
@@ -48,6 +49,15 @@ def add_plan_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
             "per step then count the gradient reductions it derived (exit 1 if it refuses)"
         ),
     )
+    parser.add_argument(
+        "--explain-roles",
+        action="store_true",
+        help=(
+            "print why each parameter has its role: the rule that decided it, the plugin that "
+            "provided the rule, its placements; then the unclaimed parameters and the fused "
+            "projections under tp (exit 1 after the table if the planner refuses the model)"
+        ),
+    )
     parser.add_argument(ALLOW_MISSING_PLUGINS, action="store_true", help=ALLOW_MISSING_HELP)
     parser.set_defaults(handler=cmd_plan)
 
@@ -62,6 +72,8 @@ def cmd_plan(args: argparse.Namespace, out: Console, err: Console) -> int:
     exits 1); the collectives per step then count the verified gradient reductions
     (``explain(report)``), and the verifier's summary follows the plan.
     """
+    if args.explain_roles:
+        return _explain_roles(args, out, err)
     result, model = plan_from_args(args, err)
     check_plugin_items(result, args, err, "plan")
     report = verify_plan(model, result, args.mesh, err) if args.verify else None
@@ -74,4 +86,23 @@ def cmd_plan(args: argparse.Namespace, out: Console, err: Console) -> int:
         if report is not None:
             text = text.rstrip("\n") + "\n\n" + report.summary()
     out.print(Text(text.rstrip("\n")), soft_wrap=True)
+    return 0
+
+
+def _explain_roles(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """``--explain-roles``: the report on ``out``; a refused plan then exits 1 with its error
+    on ``err`` (the table comes first: it is what explains the refusal)."""
+    if args.yaml or args.verify:
+        raise CommandFailed(
+            2,
+            "--explain-roles prints the role report only; drop --yaml/--verify (or run hp plan "
+            "again without --explain-roles).",
+        )
+    report = explain_roles_from_args(args, err)
+    out.print(Text(report.text().rstrip("\n")), soft_wrap=True)
+    if report.refusal is not None:
+        first = report.refusal.split("\n", 1)[0]
+        raise CommandFailed(
+            1, f"the planner refuses this model: {first} (the report above shows the fix)"
+        )
     return 0

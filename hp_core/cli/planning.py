@@ -19,8 +19,9 @@ from hp_core.cli.failure import CommandFailed, failing
 from hp_core.cli.model_args import load_model
 from hp_core.errors import HpError
 from hp_core.mesh import MeshSpec, MeshSpecError
-from hp_core.plan_items import missing_plan_items
+from hp_core.plan_items import check_plan_items, missing_plan_items
 from hp_core.planner.plan import plan
+from hp_core.planner.role_report import explain_roles
 from hp_core.presets import PRESETS
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "ALLOW_MISSING_PLUGINS",
     "add_planning_args",
     "check_plugin_items",
+    "explain_roles_from_args",
     "plan_from_args",
     "verify_plan",
 ]
@@ -52,7 +54,11 @@ def add_planning_args(parser: argparse.ArgumentParser) -> None:
         "--model",
         required=True,
         metavar="NAME_OR_CONFIG",
-        help=f"a preset ({', '.join(PRESETS)}) or a path to an HF config.json (or its folder)",
+        help=(
+            f"a preset ({', '.join(PRESETS)}), a path to an HF config.json (or its folder), or "
+            "pkg.mod:factory, a zero-arg callable returning the nn.Module (called on the meta "
+            "device; the current directory is importable)"
+        ),
     )
     parser.add_argument(
         "--mesh", required=True, help="mesh axes and sizes, e.g. tp=8,cp=2 or dp=2,tp=4"
@@ -84,10 +90,14 @@ def check_plugin_items(planned: Any, args: argparse.Namespace, err: Console, ver
     ``--allow-missing-plugins`` print one warning line per missing item instead.
 
     The message is ``hp_core.apply``'s: the items are resolved with the function its
-    preflight uses (``hp_core.injection.resolve_injection``).
+    preflight uses (``hp_core.injection.resolve_injection``). When every name is installed,
+    the rest of what ``hp_core.plan`` checks (import paths, ``Target`` config keys) follows:
+    exit 1 with apply's error.
     """
     missing = missing_plan_items(planned)
     if not missing:
+        with failing(1, HpError, ValueError):
+            check_plan_items(planned)
         return
     if args.allow_missing_plugins:
         for item in missing:
@@ -115,17 +125,41 @@ def _print_hp_warnings(
             err.print(Text(f"warning: {w.message}"), **print_kw)
 
 
+def _inputs(args: argparse.Namespace) -> tuple[MeshSpec, Any]:
+    """The parsed ``--mesh`` and the ``--model`` built on meta (usage errors exit 2)."""
+    with failing(2, MeshSpecError, message=lambda e: f"--mesh: {e}"):
+        mesh = MeshSpec.parse(args.mesh)
+    if args.overrides is not None and not Path(args.overrides).is_file():
+        raise CommandFailed(2, f"--overrides: {args.overrides!r}: no such file.")
+    return mesh, load_model(args.model)
+
+
+def explain_roles_from_args(args: argparse.Namespace, err: Console) -> Any:
+    """``hp_core.explain_roles`` for ``--model`` on ``--mesh`` with the planning options (a
+    refused plan is in the report, not raised); prints hp's own warnings to ``err``."""
+    mesh, model = _inputs(args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with failing(1, ValueError):  # a malformed overrides file
+            report = explain_roles(
+                model,
+                mesh,
+                overrides=args.overrides,
+                sequence_parallel=args.sequence_parallel,
+                loss_parallel=args.loss_parallel,
+                ep_size=args.ep,
+            )
+    _print_hp_warnings(caught, err)
+    return report
+
+
 def plan_from_args(args: argparse.Namespace, err: Console) -> tuple[Any, Any]:
     """Plan ``--model`` for ``--mesh`` with the planning options; returns ``(plan, model)``.
 
     Raises :class:`CommandFailed`; prints hp's own warnings (e.g. a glob matching nothing)
     to ``err``.
     """
-    with failing(2, MeshSpecError, message=lambda e: f"--mesh: {e}"):
-        mesh = MeshSpec.parse(args.mesh)
-    if args.overrides is not None and not Path(args.overrides).is_file():
-        raise CommandFailed(2, f"--overrides: {args.overrides!r}: no such file.")
-    model = load_model(args.model)
+    mesh, model = _inputs(args)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # PlanError and friends: every planner error is a ValueError
@@ -137,6 +171,7 @@ def plan_from_args(args: argparse.Namespace, err: Console) -> tuple[Any, Any]:
                 sequence_parallel=args.sequence_parallel,
                 loss_parallel=args.loss_parallel,
                 ep_size=args.ep,
+                check_items=False,  # check_plugin_items: exit 2, or a warning
             )
     _print_hp_warnings(caught, err)
     return result, model

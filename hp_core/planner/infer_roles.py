@@ -29,8 +29,8 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
-from hp_core.planner.templates.module_rules import ModuleRule, kind_role, module_kind
-from hp_core.planner.templates.roles import Role
+from hp_core.planner.templates.module_rules import ModuleRule, kind_role, module_rule
+from hp_core.planner.templates.roles import Role, RoleSource
 from hp_core.planner.trace import ATTN, FlowTrace, TraceFailedError, is_norm_module, producers
 from hp_core.planner.trace import trace as run_trace
 
@@ -48,6 +48,10 @@ class Inference:
     attention: set[str] = dataclasses.field(default_factory=set)
     #: Module FQN → kind, from ModuleRules and inference (``keep``: stays whole).
     kinds: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: Module FQN → the ModuleRule that declared its kind.
+    kind_rules: dict[str, ModuleRule] = dataclasses.field(default_factory=dict)
+    #: Param FQN → what decided the role in :attr:`roles` (for ``explain_roles``).
+    sources: dict[str, RoleSource] = dataclasses.field(default_factory=dict)
     #: Projection module FQN → rank of the activation it reads.
     ndims: dict[str, int] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -125,9 +129,10 @@ def infer_roles(
     inf = Inference()
     modules = dict(model.named_modules())
     for fqn, mod in modules.items():
-        kind = module_kind(fqn, mod, module_rules, architectures) if module_rules else None
-        if kind is not None:
-            inf.kinds[fqn] = kind
+        rule = module_rule(fqn, mod, module_rules, architectures) if module_rules else None
+        if rule is not None:
+            inf.kinds[fqn] = rule.kind
+            inf.kind_rules[fqn] = rule
     if not undecided:
         return inf
     owners = {p: p.rpartition(".")[0] for p in undecided}
@@ -166,14 +171,19 @@ def infer_roles(
         mod = modules[owner]
         kind = inf.kinds.get(owner)
         role = kind_role(kind) if kind is not None else None
+        declared = inf.kind_rules.get(owner)
+        source = RoleSource("module_rule", declared.name, declared.name) if declared else None
         if kind == "keep":
             role = Role.REPLICATED
         elif role is None and kind is None:
             role = _by_type(owner, mod, linear, token_embeds, flows is not None, vocab)
+            source = RoleSource("structure", _why(mod, role, flows is not None))
             if role is Role.REPLICATED:
                 inf.kinds[owner] = "keep"
         if role is not None:
             inf.roles[fqn] = role
+            if source is not None:
+                inf.sources[fqn] = source
     if flows is not None:
         inf.attention = {
             f.fqn for f in flows.projections.values() if f.feeds_attention or ATTN in f.inputs
@@ -198,6 +208,19 @@ def _by_type(
     if is_linear_like(mod):
         return linear.get(owner)
     return None
+
+
+def _why(mod: nn.Module, role: Role | None, traced: bool) -> str:
+    """What in the structure decided a role ``_by_type`` returned, in words."""
+    if isinstance(mod, nn.Embedding):
+        how = "trace: " if traced else "size: "
+        what = (
+            "not the token embedding, kept whole" if role is Role.REPLICATED else "token embedding"
+        )
+        return f"structure ({how}{what})"
+    if is_norm_module(mod):
+        return "structure (norm module)"
+    return "structure (trace)" if traced else "structure (shape: projection to the vocabulary)"
 
 
 def _out(mod: nn.Module) -> int | None:

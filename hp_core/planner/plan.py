@@ -13,6 +13,7 @@ from torch import nn
 
 from hp_core.context import ParallelContext
 from hp_core.mesh import MeshLike, MeshSpec
+from hp_core.plan_items import check_plan_items
 from hp_core.planner.fused_layout import fused_layouts
 from hp_core.planner.fused_proof import prove_fused_layouts
 from hp_core.planner.lints import (
@@ -37,7 +38,7 @@ from hp_core.spec.module_spec import ModuleShardingSpec
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["plan"]
+__all__ = ["check_plan_args", "pick_template", "plan", "registered_rules"]
 
 
 def _registered() -> tuple[list[RoleRule], list[BoundaryTemplate]]:
@@ -50,7 +51,13 @@ def _module_rules() -> list[ModuleRule]:
     return [i.value for i in TEMPLATE_REGISTRY.values() if isinstance(i.value, ModuleRule)]
 
 
-def _pick(
+def registered_rules() -> tuple[list[RoleRule], list[ModuleRule], list[BoundaryTemplate]]:
+    """The role rules, module rules and boundary templates the planner uses now."""
+    rules, templates = _registered()
+    return rules, _module_rules(), templates
+
+
+def pick_template(
     templates: Sequence[BoundaryTemplate], kind: str, archs: Sequence[str]
 ) -> BoundaryTemplate | None:
     """Architecture-scoped templates win over general ones; among equals, the last registered
@@ -165,6 +172,24 @@ def _check_loss(model: nn.Module) -> None:
         )
 
 
+def check_plan_args(
+    model: nn.Module,
+    mesh: DeviceMesh | MeshLike,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    ep_size: int,
+) -> MeshSpec:
+    """Refuse arguments :func:`plan` cannot take (the model, the mesh, the flags, a loss
+    parallelism the model's loss does not allow); returns the mesh as a MeshSpec."""
+    _check_model(model)
+    _check_mesh(mesh)
+    ms = MeshSpec.from_any(mesh)
+    _check_flags(sequence_parallel, loss_parallel, ep_size)
+    if loss_parallel:
+        _check_loss(model)
+    return ms
+
+
 def plan(
     model: nn.Module,
     mesh: DeviceMesh | MeshLike,
@@ -173,25 +198,29 @@ def plan(
     sequence_parallel: bool = True,
     loss_parallel: bool = False,
     ep_size: int = 1,
+    check_items: bool = True,
 ) -> ShardingPlan:
     """Derive every boundary's contract for ``model`` on ``mesh`` and merge ``overrides``.
 
     ``mesh`` is a ``DeviceMesh``, a :class:`~hp_core.MeshSpec`, ``{"tp": 8}`` or
     ``"tp=8,cp=2"``; ``overrides`` a ``{fqn_or_glob: ModuleShardingSpec}`` dict, a list of
     YAML-style entries, or a path to a YAML file. Nothing is mutated.
+
+    ``check_items``: resolve every injection of the result (registry names, import paths,
+    ``Target`` config keys) as ``hp_core.apply``'s preflight does, and raise the error apply
+    would raise (e.g. :class:`~hp_core.plugins.UnknownRegistryItemError`), naming
+    ``plan['fqn'].field``. Pass False to plan on a machine without the plugins the plan
+    names (the plan is then checked when it is applied).
     """
-    _check_model(model)
-    _check_mesh(mesh)
-    ms = MeshSpec.from_any(mesh)
-    _check_flags(sequence_parallel, loss_parallel, ep_size)
-    if loss_parallel:
-        _check_loss(model)
+    ms = check_plan_args(model, mesh, sequence_parallel, loss_parallel, ep_size)
+    if not isinstance(check_items, bool):
+        raise PlanningError(f"plan(): check_items must be True or False, got {check_items!r}")
     rules, templates = _registered()
     structure = analyse(model, rules, _module_rules())
     derived: dict[str, ModuleShardingSpec] = {}
     first_layer = True
     for block in structure.blocks:
-        template = _pick(templates, block.kind, structure.architectures)
+        template = pick_template(templates, block.kind, structure.architectures)
         if template is None:
             raise PlanningError(
                 f"{block.fqn}: no boundary template for kind {block.kind!r} is registered. The "
@@ -245,7 +274,7 @@ def plan(
         prove_fused_layouts(model, modules, ms)  # what the forward shows, or a refusal
         for fqn, spec in modules.items():
             spec.with_derived(tp_local_attr_plan=compute_tp_local_attrs(model, fqn, spec, ms))
-    return ShardingPlan(
+    result = ShardingPlan(
         modules=modules,
         mesh_axis_names=ms.axis_names,
         mesh_shape=ms.sizes,
@@ -254,3 +283,6 @@ def plan(
         ep_size=ep_size,
         notes=[*structure.notes, *notes],
     )
+    if check_items:
+        check_plan_items(result)
+    return result

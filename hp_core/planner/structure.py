@@ -16,7 +16,7 @@ from hp_core.planner.infer_roles import Inference, infer_roles, is_linear_like
 from hp_core.planner.lints import CoverageError
 from hp_core.planner.templates.mla import latent_projections
 from hp_core.planner.templates.module_rules import ModuleRule, kind_role
-from hp_core.planner.templates.roles import Role, RoleRule, classify_param
+from hp_core.planner.templates.roles import Role, RoleRule, RoleSource, first_rule
 from hp_core.planner.trace import FlowTrace, TraceFailedError
 from hp_core.planner.trace import trace as run_trace
 from hp_core.spec.module_spec import ModuleShardingSpec
@@ -86,6 +86,8 @@ class ModelStructure:
     unclaimed: dict[str, tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
     #: What the structural inference could not do (e.g. the meta trace failed).
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: Param FQN (every alias) → what decided its role (``hp_core.explain_roles``).
+    sources: dict[str, RoleSource] = dataclasses.field(default_factory=dict)
 
 
 def model_architectures(model: nn.Module) -> tuple[str, ...]:
@@ -197,15 +199,17 @@ def _claim_pass(
             claimed[fqn] = (best, roots[best])
 
 
-def _named_role(
+def _named_rule(
     fqn: str, scoped: list[RoleRule], general: list[RoleRule], archs: tuple[str, ...]
-) -> tuple[Role | None, bool]:
-    """``(role, decisive)``: a scoped rule decides; a general one is a hint; none: ``None``."""
-    if scoped and any(r.matches(fqn, archs) for r in scoped):
-        return classify_param(fqn, scoped, archs), True
-    if any(r.matches(fqn, archs) for r in general):
-        return classify_param(fqn, general, archs), False
-    return None, False
+) -> tuple[RoleRule | None, bool]:
+    """``(rule, decisive)``: a scoped rule decides; a general one is a hint; none: ``None``."""
+    rule = first_rule(fqn, scoped, archs) if scoped else None
+    if rule is not None:
+        return rule, True
+    return first_rule(fqn, general, archs), False
+
+
+_UNCLAIMED = RoleSource("unclaimed", "unclaimed (no rule; replicated)")
 
 
 def _decide_roles(
@@ -214,29 +218,40 @@ def _decide_roles(
     rules: list[RoleRule],
     module_rules: list[ModuleRule],
     archs: tuple[str, ...],
-) -> tuple[dict[str, Role], Inference]:
+) -> tuple[dict[str, Role], Inference, dict[str, RoleSource]]:
     """Every parameter's role: scoped name rules, then ModuleRules, general name rules
-    (hints), then structure (:mod:`~hp_core.planner.infer_roles`) for the rest."""
+    (hints), then structure (:mod:`~hp_core.planner.infer_roles`) for the rest; and what
+    decided each one."""
     scoped = [r for r in rules if r.architectures]
     general = [r for r in rules if not r.architectures]
     inferred = infer_roles(model, [], module_rules, archs)  # module kinds only
     roles: dict[str, Role] = {}
+    sources: dict[str, RoleSource] = {}
     undecided: list[str] = []
     whole = {m: k for m, k in inferred.kinds.items() if kind_role(k) or k == "keep"}
     for fqn, owner in params.items():
-        role, decisive = _named_role(fqn, scoped, general, archs)
+        rule, decisive = _named_rule(fqn, scoped, general, archs)
+        role = rule.role if rule is not None else None
         declared = [a for a in (owner, *_ancestors(owner)) if a in whole] if whole else []
         kind = whole[declared[0]] if declared else None
+        if rule is not None:
+            via = "role_rule" if decisive else "name_hint"
+            text = rule.name if decisive else f"name hint {rule.name}"
+            sources[fqn] = RoleSource(via, text, rule.name)
         if not decisive and kind is not None:
             role = kind_role(kind) or Role.REPLICATED
+            by = inferred.kind_rules[declared[0]].name
+            sources[fqn] = RoleSource("module_rule", by, by)
         if role is None:
             undecided.append(fqn)
             role = Role.REPLICATED
+            sources[fqn] = _UNCLAIMED
         roles[fqn] = role
     if undecided or any(k in ("attention", "mlp") for k in inferred.kinds.values()):
         inferred = infer_roles(model, undecided, module_rules, archs)
         roles.update(inferred.roles)
-    return roles, inferred
+        sources.update(inferred.sources)
+    return roles, inferred, sources
 
 
 def analyse(
@@ -262,7 +277,7 @@ def analyse(
                 tied[fqn] = first_by_id[id(p)]
             else:
                 first_by_id[id(p)] = fqn
-    roles, inferred = _decide_roles(model, owner, rules, list(module_rules), archs)
+    roles, inferred, sources = _decide_roles(model, owner, rules, list(module_rules), archs)
 
     claimed: dict[str, tuple[str, str]] = {}  # param fqn -> (block fqn, kind)
 
@@ -371,7 +386,9 @@ def analyse(
     if flows is None and _outputs_unclear(blocks, modules):
         flows = _light_trace(model)
     _mark_outputs(blocks, flows)
-    return ModelStructure(blocks, roles, tied, archs, list(modules), unclaimed, inferred.notes)
+    return ModelStructure(
+        blocks, roles, tied, archs, list(modules), unclaimed, inferred.notes, sources
+    )
 
 
 def _forward_source(module: nn.Module) -> str | None:

@@ -19,7 +19,7 @@ from torch import nn
 from hp_core.planner.templates.roles import Role, TemplateDefinitionError
 from hp_core.spec.keywords import keyword_checked
 
-__all__ = ["MODULE_KINDS", "ModuleRule", "kind_role", "module_kind"]
+__all__ = ["MODULE_KINDS", "ModuleRule", "kind_role", "module_kind", "module_rule"]
 
 #: What a ModuleRule may declare a module to be.
 MODULE_KINDS = ("attention", "mlp", "embed", "lm_head", "norm", "keep")
@@ -89,18 +89,26 @@ class ModuleRule:
         return re.search(self.match, fqn) is not None
 
 
-def module_kind(
+def module_rule(
     fqn: str, module: nn.Module, rules: Iterable[ModuleRule], architectures: Sequence[str] = ()
-) -> str | None:
-    """The kind the first matching rule declares (architecture-scoped rules first), or None."""
+) -> ModuleRule | None:
+    """The first matching rule (architecture-scoped rules first), or None."""
     rules = list(rules)
     for rule in (
         *(r for r in rules if r.architectures),
         *(r for r in rules if not r.architectures),
     ):
         if rule.matches(fqn, module, architectures):
-            return rule.kind
+            return rule
     return None
+
+
+def module_kind(
+    fqn: str, module: nn.Module, rules: Iterable[ModuleRule], architectures: Sequence[str] = ()
+) -> str | None:
+    """The kind the first matching rule declares (architecture-scoped rules first), or None."""
+    rule = module_rule(fqn, module, rules, architectures)
+    return rule.kind if rule is not None else None
 
 
 def kind_role(kind: str) -> Role | None:

@@ -23,8 +23,10 @@ __all__ = [
     "BoundaryTemplate",
     "Role",
     "RoleRule",
+    "RoleSource",
     "TemplateDefinitionError",
     "classify_param",
+    "first_rule",
 ]
 
 
@@ -126,15 +128,39 @@ DEFAULT_ROLE_RULES: tuple[RoleRule, ...] = (
 )
 
 
-def classify_param(fqn: str, rules: Iterable[RoleRule], architectures: Sequence[str] = ()) -> Role:
-    """The role of parameter ``fqn``: architecture-scoped rules first, then the rest in order."""
+def first_rule(
+    fqn: str, rules: Iterable[RoleRule], architectures: Sequence[str] = ()
+) -> RoleRule | None:
+    """The rule that decides parameter ``fqn``: architecture-scoped rules first, then the rest
+    in order; None when none matches."""
     rules = list(rules)
     scoped = [r for r in rules if r.architectures]
     general = [r for r in rules if not r.architectures]
     for rule in (*scoped, *general):
         if rule.matches(fqn, architectures):
-            return rule.role
-    return Role.REPLICATED
+            return rule
+    return None
+
+
+def classify_param(fqn: str, rules: Iterable[RoleRule], architectures: Sequence[str] = ()) -> Role:
+    """The role of parameter ``fqn``: architecture-scoped rules first, then the rest in order."""
+    rule = first_rule(fqn, rules, architectures)
+    return rule.role if rule is not None else Role.REPLICATED
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleSource:
+    """What decided one parameter's role, for :func:`hp_core.explain_roles`.
+
+    ``via``: ``role_rule`` (an architecture-scoped RoleRule), ``name_hint`` (a general
+    RoleRule no ModuleRule overrode), ``module_rule``, ``structure`` (the type, shape or
+    meta trace) or ``unclaimed`` (nothing decided it: replicated by default). ``item``:
+    the registry name of the rule, to look its provider up (None for structure).
+    """
+
+    via: str
+    rule: str
+    item: str | None = None
 
 
 #: Boundary kinds the planner recognises in a model's structure.
