@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import tomllib
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,13 @@ DIST = "hp-plugin-kit-demo"
 PACKAGE = "hp_plugin_kit_demo"
 #: The skeleton's tests: 8 conformance checks (one equivalence case) + 1 rule test.
 SKELETON_TESTS = 9
+#: hp's pytest plugin for the skeleton's session: by ``-p`` unless hp-core's ``pytest11``
+#: entry point is installed (then pytest loads it, and a second registration is refused).
+PYTEST_HP = (
+    []
+    if any(ep.value == "hp_core.testing.pytest_plugin" for ep in entry_points(group="pytest11"))
+    else ["-p", "hp_core.testing.pytest_plugin"]
+)
 
 
 def _env(site: Path) -> dict[str, str]:
@@ -97,7 +105,9 @@ def test_hp_plugins_lists_it_with_its_items_and_distribution(installed):
 
 def test_its_tests_pass_in_a_subprocess(installed):
     root, site = installed
-    done = _run(["-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "tests"], site, root)
+    done = _run(
+        ["-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *PYTEST_HP, "tests"], site, root
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert _summary(done.stdout) == {"passed": SKELETON_TESTS}, done.stdout[-2000:]
     assert "PASSED tests/test_conformance.py::TestConformance::test_equivalence[tp=2]" in (
@@ -117,7 +127,9 @@ def test_negative_control_an_undeclared_item_and_a_wrong_role_fail_their_checks(
     assert corrupted.count("Role.COLWISE") == 2 and f"{NAME}.extra" in corrupted
     plugin.write_text(corrupted)
     try:
-        done = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "tests"], site, root)
+        done = _run(
+            ["-m", "pytest", "-q", "-p", "no:cacheprovider", *PYTEST_HP, "-rf", "tests"], site, root
+        )
     finally:
         plugin.write_text(original)
     assert _summary(done.stdout) == {"failed": 2, "passed": SKELETON_TESTS - 2}, done.stdout

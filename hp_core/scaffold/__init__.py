@@ -22,7 +22,6 @@ from hp_core.scaffold.files import FILES, ITEM_NAMES
 from hp_core.version import __version__
 
 __all__ = [
-    "ITEMS_GROUP",
     "ScaffoldError",
     "Skeleton",
     "check_architecture",
@@ -31,9 +30,6 @@ __all__ = [
     "skeleton_files",
     "write_skeleton",
 ]
-
-#: The entry-point group in which a distribution declares the items it provides.
-ITEMS_GROUP = "hp_core.items"
 
 _NAME = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
 _MAX_NAME = 40

@@ -43,32 +43,37 @@ from hp_core.plugins import (
     ENV_DISABLE_AUTOLOAD,
     ENV_PLUGINS,
     ENV_STRICT,
+    ITEMS_GROUP,
     RegisteredItem,
-    RegistryKind,
+    declared_items,
+    declared_problems,
     plugin_packages,
     plugin_report,
     registered_items,
     reset_plugins,
 )
-from hp_core.scaffold import ITEMS_GROUP, hp_core_requirement
+from hp_core.scaffold import hp_core_requirement
 from hp_core.testing.equivalence import check_equivalence
 from hp_core.testing.equivalence_case import EquivalenceCase
 from hp_core.testing.equivalence_report import EquivalenceError, EquivalenceReport
 from hp_core.testing.surface import private_hp_imports
 
-__all__ = ["EquivalenceCase", "PluginConformance", "declared_items"]
+__all__ = ["EquivalenceCase", "PluginConformance"]
 
 _CORE_DIST = "hp-core"
 
 
-def declared_items(dist: importlib_metadata.Distribution) -> dict[tuple[str, str], str]:
-    """``(kind, item name) -> module`` for each entry of the distribution's ``hp_core.items``."""
-    out = {}
-    for ep in dist.entry_points:
-        if ep.group == ITEMS_GROUP:
-            kind, _, name = ep.name.partition(".")
-            out[(kind, name)] = ep.value
-    return out
+def _declared_by(dist: str) -> tuple[dict[tuple[str, str], str], list[str]]:
+    """What ``dist`` declares in ``hp_core.items``: ``(kind, name) -> module``, and the
+    messages of its malformed entries (``hp_core.plugins.declared_problems``)."""
+    mine = canonicalize_name(dist)
+    declared = {
+        (item.kind.value, item.name): item.module
+        for item in declared_items()
+        if canonicalize_name(item.distribution) == mine
+    }
+    problems = [p for p in declared_problems() if f"distribution {dist} " in p]
+    return declared, problems
 
 
 def _key(item: RegisteredItem) -> tuple[str, str]:
@@ -285,26 +290,25 @@ class PluginConformance:
 
     def test_registers_exactly_the_declared_items(self) -> None:
         """What it registers is what its ``hp_core.items`` metadata declares, no more, no less."""
-        dist, ep = self._dist(), self._entry_point()
-        declared = declared_items(dist)
+        self._dist()
+        ep = self._entry_point()
+        declared, problems = _declared_by(self.distribution)
         registered = {_key(item) for item in self._mine()}
         lines = "\n".join(f'"{k}.{n}" = "{ep.value}"' for k, n in sorted(registered))
         table = f'[project.entry-points."{ITEMS_GROUP}"]\n{lines}'
-        if not declared:
+        if not declared and not problems:
             self._fail(
                 f"its metadata declares no items (entry-point group {ITEMS_GROUP!r}), so hp "
                 "cannot name it when one of its items is missing.",
                 f"add to its pyproject.toml and reinstall:\n{table}",
             )
-        kinds = {kind.value for kind in RegistryKind}
-        bad_kind = sorted(f"{k}.{n}" for k, n in declared if k not in kinds)
         undeclared = sorted(f"{k}.{n}" for k, n in registered - declared.keys())
         unregistered = sorted(f"{k}.{n}" for k, n in declared.keys() - registered)
         wrong_module = sorted(f"{k}.{n} = {v}" for (k, n), v in declared.items() if v != ep.value)
-        if bad_kind or undeclared or unregistered or wrong_module:
+        if problems or undeclared or unregistered or wrong_module:
             self._fail(
                 "its registrations and its declared items differ: "
-                f"unknown kinds {bad_kind or 'none'} (kinds: {', '.join(sorted(kinds))}); "
+                f"malformed entries {problems or 'none'}; "
                 f"registered but not declared {undeclared or 'none'}; declared but not "
                 f"registered {unregistered or 'none'}; declared for another module than its "
                 f"entry point ({ep.value}): {wrong_module or 'none'}.",
