@@ -7,6 +7,7 @@ called as the method it is, the way pytest calls it in a plugin's ``TestConforma
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -198,11 +199,28 @@ def test_the_case_generator_parametrizes_one_test_per_case():
         calls: list = []
 
         def parametrize(self, name, values, ids):
-            self.calls.append((name, [v.id for v in values], ids))
+            self.calls.append((name, [v and v.id for v in values], ids))
 
     meta = Meta()
     suite.pytest_generate_tests(meta)  # type: ignore[arg-type]
     assert meta.calls == [("case", ["phi3-tp=2", "bloom-tp=2"], ["phi3-tp=2", "bloom-tp=2"])]
+    Meta.calls = []
+    _suite().pytest_generate_tests(meta)  # type: ignore[arg-type]
+    assert meta.calls == [("case", [None], ["no-cases"])]
+    Meta.calls, Meta.fixturenames = [], ["monkeypatch"]
+    _suite().pytest_generate_tests(meta)  # type: ignore[arg-type]
+    assert meta.calls == []  # the other tests are not parametrized
+
+
+def test_family_factories_are_seeded_and_picklable():
+    case = EquivalenceCase.family("llama", {"tp": 2}, steps=3)
+    assert (case.id, case.kwargs()["steps"], case.kwargs()["mesh"]) == ("llama-tp=2", 3, {"tp": 2})
+    model, again = case.model_factory(), pickle.loads(pickle.dumps(case)).model_factory()
+    assert all(a.equal(b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+    assert model.config.pad_token_id is None
+    first, second = case.batch_factory(0), case.batch_factory(1)
+    assert first["input_ids"].equal(case.batch_factory(0)["labels"])
+    assert not first["input_ids"].equal(second["input_ids"])
 
 
 @pytest.mark.parametrize(

@@ -67,7 +67,7 @@ def private_hp_imports(root: Path) -> list[str]:
     ``path:line imports module hp_core.planner.templates``; an empty list means the
     package keeps to :data:`PUBLIC_SURFACE`.
     """
-    found = []
+    found: list[str] = []
     for path in package_files(root):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
@@ -76,6 +76,8 @@ def private_hp_imports(root: Path) -> list[str]:
                 checks = [(alias.name, []) for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 checks = [(node.module, [alias.name for alias in node.names])]
+            else:
+                continue
             for module, names in checks:
                 found.extend(f"{path}:{node.lineno} imports {bad}" for bad in _check(module, names))
     return found
