@@ -242,6 +242,10 @@ def test_uninstall_disable_and_enable_only(hp_plugins):
     rows = _names(hp_plugins)
     assert rows["sba"] == "loaded" and rows["sbb"] == "disabled" and rows["cp"] == "disabled"
 
+    hp_plugins.enable_only("sba", "sbb")
+    hp_plugins.disable("sbb")  # narrows the HP_PLUGINS already set
+    assert os.environ[ENV_PLUGINS] == "sba" and _names(hp_plugins)["sbb"] == "disabled"
+
     hp_plugins.enable_only()
     assert "loaded" not in _names(hp_plugins).values()
 
