@@ -1,7 +1,8 @@
 """hp's pytest plugin: hp_world, hp_plugins (the PluginSandbox), rank import paths, session end.
 
-Inner pytest sessions (pytester, in-process) run in a temp folder with no conftest, so only
-the plugin can provide what they use.
+Inner pytest sessions (pytester) run in a temp folder with no conftest, so only the plugin
+can provide what they use. Those that spawn a world run in a subprocess: in-process, their
+session end would also shut down this session's worlds.
 """
 
 from __future__ import annotations
@@ -84,6 +85,15 @@ TEST_BY_FILE = """
 """
 
 
+def _write_session(pytester: pytest.Pytester, test_source: str) -> str:
+    """The rank tasks and a test module in a subfolder: ``python -m pytest`` puts the
+    working directory on ``sys.path``, so they must not sit in it."""
+    sub = pytester.mkdir("suite")
+    (sub / "inner_rank_tasks.py").write_text(textwrap.dedent(RANK_TASKS))
+    (sub / "test_inner.py").write_text(textwrap.dedent(test_source))
+    return str(sub)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -94,28 +104,30 @@ def _pid_alive(pid: int) -> bool:
 
 @pytest.mark.distributed
 def test_rank_tasks_next_to_the_tests_import_and_worlds_end_with_the_session(pytester):
-    pytester.makepyfile(inner_rank_tasks=RANK_TASKS, test_inner=TEST_WITH_HP_WORLD)
-    result = pytester.runpytest(*WITH_HP, "--strict-markers")
+    suite = _write_session(pytester, TEST_WITH_HP_WORLD)
+    result = pytester.runpytest_subprocess(*WITH_HP, "--strict-markers", suite)
     result.assert_outcomes(passed=1)
-    pids = json.loads((pytester.path / "pids.json").read_text())
+    pids = json.loads((pytester.path / "suite" / "pids.json").read_text())
     assert len(pids) == 2 and os.getpid() not in pids
     assert not [pid for pid in pids if _pid_alive(pid)], "the session's ranks outlived it"
 
 
 @pytest.mark.distributed
 def test_importlib_mode_ranks_import_by_the_plugins_paths(pytester):
-    pytester.makepyfile(inner_rank_tasks=RANK_TASKS, test_inner=TEST_BY_FILE)
-    result = pytester.runpytest(*WITH_HP, "--import-mode=importlib")
+    suite = _write_session(pytester, TEST_BY_FILE)
+    result = pytester.runpytest_subprocess(*WITH_HP, "--import-mode=importlib", suite)
     result.assert_outcomes(passed=1)
 
 
 @pytest.mark.distributed
 def test_importlib_mode_without_the_plugin_the_ranks_cannot_import(pytester):
     """Negative control: the same session without the plugin; the ranks die unpickling."""
-    pytester.makepyfile(inner_rank_tasks=RANK_TASKS, test_inner=TEST_BY_FILE)
-    result = pytester.runpytest(*WITHOUT_HP, "--import-mode=importlib")
+    suite = _write_session(pytester, TEST_BY_FILE)
+    result = pytester.runpytest_subprocess(*WITHOUT_HP, "--import-mode=importlib", suite)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*WorldError*rank(s)*died*"])
+    out = result.stdout.str() + result.stderr.str()
+    assert "No module named 'inner_rank_tasks'" in out
 
 
 def test_the_folders_of_test_modules_and_conftests_go_on_sys_path(pytester):
@@ -229,6 +241,10 @@ def test_uninstall_disable_and_enable_only(hp_plugins):
     hp_plugins.enable_only("sba")
     rows = _names(hp_plugins)
     assert rows["sba"] == "loaded" and rows["sbb"] == "disabled" and rows["cp"] == "disabled"
+
+    hp_plugins.enable_only("sba", "sbb")
+    hp_plugins.disable("sbb")  # narrows the HP_PLUGINS already set
+    assert os.environ[ENV_PLUGINS] == "sba" and _names(hp_plugins)["sbb"] == "disabled"
 
     hp_plugins.enable_only()
     assert "loaded" not in _names(hp_plugins).values()

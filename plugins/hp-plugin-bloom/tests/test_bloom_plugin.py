@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
-import sys
+from pathlib import Path
 
 import dist_tasks_bloom as tasks
 import pytest
@@ -23,31 +23,24 @@ from transformers import BloomConfig
 from transformers.models.bloom.modeling_bloom import BloomAttention, build_alibi_tensor
 
 from hp_core import ParallelContext, Role, plan, verify
-from hp_core.plugins import reset_plugins
 from hp_core.testing import get_world
 
+HERE = Path(__file__).resolve().parent.parent
 TOL = 1e-5
 
 
 @pytest.fixture
-def _fresh(monkeypatch, tmp_path):
-    """Fresh discovery; the entry point made visible with a dist-info folder when the
-    distribution is not pip-installed (importlib.metadata reads either the same way)."""
-    for var in ("HP_DISABLE_PLUGIN_AUTOLOAD", "HP_PLUGINS", "HP_PLUGINS_STRICT"):
-        monkeypatch.delenv(var, raising=False)
+def _fresh(hp_plugins):
+    """Fresh discovery (hp's plugin sandbox); the entry point made visible with a dist-info
+    folder when the distribution is not pip-installed (importlib.metadata reads either the
+    same way)."""
     try:
         importlib.metadata.distribution("hp-plugin-bloom")
     except importlib.metadata.PackageNotFoundError:
-        info = tmp_path / "hp_plugin_bloom-0.1.0.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(
-            "Metadata-Version: 2.1\nName: hp-plugin-bloom\nVersion: 0.1.0\n"
+        hp_plugins.install_path(
+            HERE / "src", dist="hp-plugin-bloom", entry_point="hp_plugin_bloom.plugin"
         )
-        (info / "entry_points.txt").write_text("[hp_core]\nbloom = hp_plugin_bloom.plugin\n")
-        monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
-    reset_plugins()
-    yield
-    reset_plugins()
+    return hp_plugins
 
 
 def _tiny(heads: int = 4) -> BloomConfig:
