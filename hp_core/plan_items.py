@@ -5,8 +5,10 @@ A plan names registry items by name: ``inner_wrapper`` (an inner wrapper) and
 a ``Target``. ``hp_core.apply`` resolves them in its preflight with
 :func:`hp_core.injection.resolve_injection`; this module runs that same resolution on
 the plan right after planning, so a name no installed plugin provides is refused with
-the message ``apply`` would give, before anything is written or launched. Dotted import
-paths (``pkg.module.attr``) are not registry items and are left to ``apply``.
+the message ``apply`` would give, before anything is written or launched.
+:func:`check_plan_items` goes further, as ``hp_core.plan`` does at the end of planning:
+every injection (import paths and ``Target`` config keys included) is resolved with
+:func:`resolve_planned`, the very function apply's preflight uses.
 
 This is the one finder of missing registry items: ``hp plan`` / ``hp freeze`` use it, and
 so does :func:`hp_core.artifact.signed.missing_registry_items` (``read_artifact``,
@@ -17,44 +19,55 @@ resolution it calls; the table is derived from the registry kinds' rows.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
 from typing import Any
 
-from hp_core.injection import Target
-from hp_core.plugins import REGISTRY_KINDS, UnknownRegistryItemError
-from hp_core.resolve import resolve_injection
+from hp_core.plans.providers import INJECTION_FIELDS, is_import_path, named_injections
+from hp_core.plugins import UnknownRegistryItemError
+from hp_core.resolve import ResolvedInjection, resolve_injection
 
 __all__ = [
     "INJECTION_FIELDS",
     "MissingPlanItem",
+    "check_plan_items",
     "is_import_path",
     "missing_plan_items",
     "named_injections",
+    "resolve_planned",
+    "resolve_value",
 ]
 
-#: Injection field of a spec → (the ``resolve_injection`` kind preflight resolves it as,
-#: the registry a plain name there refers to).
-INJECTION_FIELDS: Mapping[str, tuple[str, str]] = {
-    spec.plan_field: (spec.injection, spec.kind.value)
-    for spec in REGISTRY_KINDS
-    if spec.plan_field is not None and spec.injection is not None
-}
+
+def resolve_planned(plan: Any, fqn: str, field: str) -> ResolvedInjection | None:
+    """``plan[fqn].field`` resolved as ``hp_core.apply``'s preflight resolves it (None when
+    unset): a registry name, an import path or a ``Target`` (its config keys checked).
+
+    The one resolution both apply's preflight and :func:`check_plan_items` run. Calls
+    nothing and needs no process group; an import path is imported (from trusted
+    packages only), as apply does.
+    """
+    value = getattr(plan[fqn], field)
+    return None if value is None else resolve_value(plan, fqn, field, value)
 
 
-def is_import_path(name: str) -> bool:
-    """``pkg.module.attr`` or ``pkg.module:attr``: imported by ``apply``, not a registry name."""
-    return "." in name or ":" in name
+def resolve_value(plan: Any, fqn: str, field: str, value: Any) -> ResolvedInjection:
+    """:func:`resolve_planned` for a value known to be set (``plan[fqn].field``)."""
+    return resolve_injection(
+        value,
+        INJECTION_FIELDS[field][0],
+        source=f"plan[{fqn!r}].{field}",
+        providers=getattr(plan, "providers", None),
+    )
 
 
-def named_injections(plan: Any) -> Iterator[tuple[str, str, str]]:
-    """``(fqn, field, name)`` for every injection written as a string (a registry name or an
-    import path; a ``Target``'s target included), in plan order. Imports nothing."""
-    for fqn, spec in plan.items():
+def check_plan_items(plan: Any) -> None:
+    """Resolve every injection of ``plan`` (modules in plan order, ``inner_wrapper`` before
+    ``local_compute_fn``, as apply does), raising the first error apply would raise for it:
+    :class:`~hp_core.plugins.UnknownRegistryItemError`, a config-key error,
+    :class:`~hp_core.injection.UntrustedTargetError`, ..., each naming ``plan['fqn'].field``.
+    """
+    for fqn in plan:
         for field in INJECTION_FIELDS:
-            value = getattr(spec, field, None)
-            ref = value.target if isinstance(value, Target) else value
-            if isinstance(ref, str):
-                yield fqn, field, ref
+            resolve_planned(plan, fqn, field)
 
 
 @dataclasses.dataclass
@@ -67,6 +80,8 @@ class MissingPlanItem:
     modules: list[str]
     #: What ``resolve_injection`` (hence ``apply``) raises for it.
     error: UnknownRegistryItemError
+    #: Its message without the ``plan['fqn'].field: `` prefix (``where`` says that).
+    message: str = ""
 
     @property
     def where(self) -> str:
@@ -77,7 +92,8 @@ class MissingPlanItem:
 
     def one_line(self) -> str:
         """``plan['fqn'].field: UnknownRegistryItemError: <apply's message, lines joined>``."""
-        message = " ".join(line.strip() for line in str(self.error).splitlines() if line.strip())
+        text = self.message or str(self.error)
+        message = " ".join(line.strip() for line in text.splitlines() if line.strip())
         return f"{self.where}: {type(self.error).__name__}: {message}"
 
 
@@ -99,10 +115,17 @@ def missing_plan_items(plan: Any) -> list[MissingPlanItem]:
         if key in found:
             found[key].modules.append(fqn)
             continue
+        source = f"plan[{fqn!r}].{field}"
         try:
-            # The name alone: a Target's config is checked by apply, against the item.
-            resolve_injection(ref, INJECTION_FIELDS[field][0], source=f"plan[{fqn!r}].{field}")
+            # The name alone: check_plan_items checks a Target's config against the item.
+            resolve_injection(
+                ref,
+                INJECTION_FIELDS[field][0],
+                source=source,
+                providers=getattr(plan, "providers", None),
+            )
             resolved.add(key)
         except UnknownRegistryItemError as e:
-            found[key] = MissingPlanItem(field, ref, [fqn], e)
+            bare = e.message.removeprefix(f"{source}: ")
+            found[key] = MissingPlanItem(field, ref, [fqn], e, bare)
     return list(found.values())

@@ -27,7 +27,12 @@ from hp_core.injection import (
     require_injection_meta,
     user_trusted_packages,
 )
-from hp_core.plugins import lookup, plugin_packages
+from hp_core.plugins import (
+    RecordedProvider,
+    UnknownRegistryItemError,
+    lookup,
+    plugin_packages,
+)
 from hp_core.spec.keywords import close_matches
 
 __all__ = ["ResolvedInjection", "resolve_injection", "trusted_packages"]
@@ -150,11 +155,15 @@ def resolve_injection(
     *,
     source: str,
     trusted: Iterable[str] | None = None,
+    providers: Mapping[str, RecordedProvider] | None = None,
 ) -> ResolvedInjection:
     """Resolve a registry name, decorated callable or Target into a ResolvedInjection.
 
     Config keys of a Target are checked against the factory's explicit parameters here,
-    before anything is called or mutated.
+    before anything is called or mutated. An unknown registry name raises
+    :class:`~hp_core.plugins.UnknownRegistryItemError` prefixed with ``source``;
+    ``providers`` (a plan's :attr:`~hp_core.ShardingPlan.providers`) lets its message name
+    the distribution the plan was made with.
     """
     if kind not in DECORATORS:
         raise ValueError(f"unknown injection kind {kind!r}; expected one of {sorted(DECORATORS)}")
@@ -173,7 +182,12 @@ def resolve_injection(
             provider = ref.split(".", 1)[0].split(":", 1)[0]
             described = f"package {provider!r} (imported from {ref!r})"
         else:
-            item = lookup(_REGISTRY_KIND[kind], ref)
+            registry = _REGISTRY_KIND[kind]
+            recorded = (providers or {}).get(f"{registry}.{ref}")
+            try:
+                item = lookup(registry, ref, recorded=recorded)
+            except UnknownRegistryItemError as e:
+                raise type(e)(f"{source}: {e.message}", kind=e.kind, name=e.name) from None
             fn = item.value
             provider = item.provider
             described = item.describe_provider()

@@ -1,27 +1,23 @@
-"""Fake plugin distributions for tests: a ``*.dist-info`` + modules in a tmp dir on sys.path.
+"""Fake plugin distributions for hp's own tests, on hp_core.testing's PluginSandbox.
 
-``importlib.metadata`` finds a distribution through any ``<name>-<version>.dist-info``
-folder on ``sys.path``, so writing one (METADATA + entry_points.txt) is enough to make a
-plugin appear, and taking the folder off ``sys.path`` makes it disappear, without pip.
+:class:`FakePlugins` adds what these tests need on top of the public sandbox: one-module
+plugins built from ``HEADER`` and a list of the modules written, so a test can forget
+their imports (``cleanup``) without uninstalling the distributions.
 """
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import sys
 import textwrap
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
 
-from hp_core.plugins import (
-    ENV_DISABLE_AUTOLOAD,
-    ENV_IMPORT_TIMEOUT,
-    ENV_PLUGINS,
-    ENV_STRICT,
-    reset_plugins,
-)
+from hp_core.plugins import reset_plugins
+from hp_core.testing import PluginSandbox
+from hp_core.testing.sandbox import PLUGIN_ENV_VARS
 
 _COUNTER = itertools.count()
 
@@ -46,42 +42,32 @@ def undecorated(target_module, ctx):
 
 def clean_plugin_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No HP_* plugin switches from the outer environment; fresh discovery before and after."""
-    for var in (ENV_DISABLE_AUTOLOAD, ENV_PLUGINS, ENV_STRICT, ENV_IMPORT_TIMEOUT):
+    for var in PLUGIN_ENV_VARS:
         monkeypatch.delenv(var, raising=False)
     reset_plugins()
 
 
-class FakePlugins:
-    """Writes fake plugin distributions into ``root`` and puts ``root`` on ``sys.path``."""
+class FakePlugins(PluginSandbox):
+    """A :class:`PluginSandbox` in ``root`` that remembers the modules it wrote."""
 
-    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.root = root
-        self.monkeypatch = monkeypatch
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
         self.modules: list[str] = []
-        self.on_path = False
 
     def add_distribution(
         self,
         dist: str,
-        entry_points: dict[str, str],
+        entry_points: Mapping[str, str],
         *,
         version: str = "0.1",
-        modules: dict[str, str] | None = None,
-        record: list[str] | None = None,
+        modules: Mapping[str, str] | None = None,
+        items: Mapping[str, str] | None = None,
+        record: Iterable[str] | None = None,
     ) -> Path:
-        info = self.root / f"{dist.replace('-', '_')}-{version}.dist-info"
-        info.mkdir(parents=True)
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-        lines = "".join(f"{name} = {value}\n" for name, value in entry_points.items())
-        (info / "entry_points.txt").write_text(f"[hp_core]\n{lines}")
-        if record is not None:
-            (info / "RECORD").write_text("".join(f"{path},,\n" for path in record))
-        for module, source in (modules or {}).items():
-            path = self.root / (module.replace(".", "/") + ".py")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(textwrap.dedent(source))
-            self.modules.append(module)
-        self.enable()
+        info = super().add_distribution(
+            dist, entry_points, version=version, modules=modules, items=items, record=record
+        )
+        self.modules.extend(modules or {})
         return info
 
     def plugin(self, name: str, body: str, *, dist: str | None = None, version: str = "0.1") -> str:
@@ -96,19 +82,7 @@ class FakePlugins:
         )
         return module
 
-    def enable(self) -> None:
-        if not self.on_path:
-            self.monkeypatch.syspath_prepend(str(self.root))
-            self.on_path = True
-        reset_plugins()
-
-    def disable(self) -> None:
-        if self.on_path:
-            sys.path.remove(str(self.root))
-            importlib.invalidate_caches()
-            self.on_path = False
-        reset_plugins()
-
     def cleanup(self) -> None:
+        """Forget the imports of the written modules (the distributions stay installed)."""
         for module in self.modules:
             sys.modules.pop(module, None)

@@ -1,21 +1,9 @@
-"""Shared fixtures. Distributed worlds are spawned once per session (hp_core.testing.get_world)."""
+"""Shared fixtures. Worlds, import paths and OMP_NUM_THREADS come from hp's pytest plugin
+(hp_core.testing.pytest_plugin), loaded by its entry point or the root conftest.py."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _close_worlds_at_session_end():
-    """Stop the gloo ranks before coverage is combined, so their measurements are written."""
-    yield
-    from hp_core.testing import shutdown_worlds
-
-    shutdown_worlds()
 
 
 @pytest.fixture
@@ -30,10 +18,9 @@ def plugin_env(monkeypatch):
 
 
 @pytest.fixture
-def fakes(tmp_path, monkeypatch):
+def fakes(tmp_path):
     """Fake plugin distributions installed under tmp_path (see tests/_plugin_fakes.py)."""
     from tests._plugin_fakes import FakePlugins
 
-    fake = FakePlugins(tmp_path / "site", monkeypatch)
-    yield fake
-    fake.cleanup()
+    with FakePlugins(tmp_path / "site") as fake:
+        yield fake

@@ -17,11 +17,10 @@ pytestmark = pytest.mark.usefixtures("plugin_env")
 
 
 @pytest.fixture
-def broken(tmp_path, monkeypatch):
-    fake = FakePlugins(tmp_path / "site", monkeypatch)
-    fake.add_distribution("fake-broken", {"broken": "fake_cli_missing_module"}, version="2.5")
-    yield fake
-    fake.cleanup()
+def broken(tmp_path):
+    with FakePlugins(tmp_path / "site") as fake:
+        fake.add_distribution("fake-broken", {"broken": "fake_cli_missing_module"}, version="2.5")
+        yield fake
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

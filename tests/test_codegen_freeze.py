@@ -72,7 +72,8 @@ def _round_trip(p: ShardingPlan) -> tuple[dict, ShardingPlan]:
     "family,mesh,kwargs", CASES, ids=lambda c: str(c) if isinstance(c, str) else None
 )
 def test_round_trip_on_every_supported_model(family, mesh, kwargs):
-    live = plan(build_model(family, device="meta"), mesh, **kwargs)
+    # Built-in templates only, on purpose: the cp cases name sdpa_hf, which is not loaded.
+    live = plan(build_model(family, device="meta"), mesh, check_items=False, **kwargs)
     meta = freeze(live)
     data = canonical_json(meta)
     assert canonical_json(freeze(live)) == data  # freezing twice: identical bytes
@@ -86,7 +87,9 @@ def test_round_trip_on_every_supported_model(family, mesh, kwargs):
 
 
 def test_meta_layout_for_a_cp_plan():
-    live = plan(build_model("llama", device="meta"), "cp=2", overrides=CP_OVERRIDES)
+    live = plan(
+        build_model("llama", device="meta"), "cp=2", overrides=CP_OVERRIDES, check_items=False
+    )
     meta = freeze(live)
     assert {k: meta[k] for k in ("mesh", "sequence_parallel", "loss_parallel", "ep_size")} == {
         "mesh": {"axis_names": ["cp"], "shape": [2]},

@@ -80,6 +80,22 @@ def test_loss_parallel_logits_are_gathered_by_the_plans_output_layout():
     assert logits.placements == "tp: Shard(2)"
 
 
+def test_context_parallel_with_the_cp_training_adapter_split():
+    # the cp plugin's batch split and global loss, through the documented hooks
+    report = check_equivalence(
+        models.llama,
+        models.llama_batch,
+        "cp=2",
+        overrides=models.CP_OVERRIDES,
+        shard_batch=models.cp_shard,
+        after_apply=models.cp_loss,
+        steps=1,
+    )
+    _assert_passed(report)
+    assert report.findings["production:logits"][0].placements == "cp: Shard(1)"
+    assert report.compared["validate:grad"] == report.n_params
+
+
 def test_gpt2_fused_c_attn_passes_with_its_fused_layout():
     report = check_equivalence(M + "gpt2", M + "gpt2_batch", "tp=2", steps=1)
     _assert_passed(report)
@@ -208,6 +224,18 @@ def test_factory_that_is_not_callable_or_not_picklable():
     _fix(info.value)
     with pytest.raises(EquivalenceFactoryError, match=r"'pkg\.module:function'"):
         check_equivalence("tests._equivalence_models.llama", M + "llama_batch", "tp=2")
+
+
+def test_model_factory_that_returns_no_module():
+    with pytest.raises(EquivalenceFactoryError, match=r"returned dict, not an nn\.Module") as info:
+        check_equivalence(M + "not_a_model", M + "llama_batch", "tp=2")
+    _fix(info.value)
+
+
+def test_model_factory_that_builds_other_weights_on_other_ranks():
+    with pytest.raises(EquivalenceFactoryError, match=r"other weights on rank\(s\) \[1\]") as info:
+        check_equivalence(M + "llama_per_rank", M + "llama_batch", "tp=2")
+    _fix(info.value)
 
 
 def test_batch_factory_without_tensors():

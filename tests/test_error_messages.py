@@ -457,11 +457,9 @@ def hp_register_compute_factories(register):
 @pytest.fixture
 def boom_plugin(tmp_path, monkeypatch):
     clean_plugin_env(monkeypatch)
-    fake = FakePlugins(tmp_path / "site", monkeypatch)
-    fake.plugin("fakeboom", _BOOM, dist="fake-boom", version="0.3")
-    yield fake
-    fake.disable()
-    fake.cleanup()
+    with FakePlugins(tmp_path / "site") as fake:
+        fake.plugin("fakeboom", _BOOM, dist="fake-boom", version="0.3")
+        yield fake
 
 
 def _kind_error(ctx):

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from hp_core.testing.surface import PUBLIC_SURFACE, private_hp_imports
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Layers of hp_core, bottom first. A module may import modules of its own layer or below.
@@ -46,6 +48,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "hp_core.training",
             "hp_core.hf_trainer",
             "hp_core.presets",
+            "hp_core.scaffold",
             "hp_core.testing",
         ),
     ),
@@ -53,16 +56,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("command line", ("hp_core.cli",)),
 )
 
-#: The hp_core modules a plugin may import: the public surface, nothing private.
-PLUGIN_SURFACE = (
-    "hp_core",
-    "hp_core.hookspecs",
-    "hp_core.injection",
-    "hp_core.collectives",
-    "hp_core.context",
-    "hp_core.plugins",
-    "hp_core.testing",
-)
+#: The hp_core modules a plugin may import: the public surface, nothing private (one list,
+#: shared with the plugin conformance suite).
+PLUGIN_SURFACE = PUBLIC_SURFACE
 
 #: Function-local hp imports that are optional by design: (module, imported) -> why.
 OPTIONAL_LOCAL: dict[tuple[str, str], str] = {}
@@ -263,14 +259,29 @@ def test_the_core_never_imports_a_plugin() -> None:
 
 @pytest.mark.parametrize("plugin", [p for p in PACKAGES if p != "hp_core"])
 def test_plugins_use_only_the_public_surface(plugin: str) -> None:
-    bad = [
-        f"{e.source}:{e.line} imports {e.target}"
-        for e in EDGES
-        if e.source.split(".")[0] == plugin
-        and e.target.startswith("hp_core")
-        and e.target not in PLUGIN_SURFACE
+    # The same check as the conformance suite's test_imports_only_the_public_hp_core_surface.
+    assert private_hp_imports(PACKAGES[plugin]) == []
+
+
+def test_the_surface_check_catches_private_imports(tmp_path: Path) -> None:
+    # Negative control: each kind of private import is found, a public one is not.
+    (tmp_path / "mod.py").write_text(
+        "from hp_core import Role\n"
+        "from hp_core.planner.templates import RoleRule\n"
+        "import hp_core.plugins._items\n"
+        "from hp_core.plugins import _registry\n"
+        "from hp_core import planner\n"
+        "def f():\n    from hp_core.runtime import install\n"
+    )
+    found = [line.split(" imports ")[1] for line in private_hp_imports(tmp_path)]
+    assert found == [
+        "module hp_core.planner.templates",
+        "module hp_core.plugins._items",
+        "private name hp_core.plugins._registry",
+        "module hp_core.planner",
+        "module hp_core.runtime",
     ]
-    assert bad == []
+    assert PLUGIN_SURFACE[0] == "hp_core"
 
 
 def test_no_source_file_over_500_lines() -> None:

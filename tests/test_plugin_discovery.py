@@ -91,7 +91,7 @@ def test_fake_plugin_appears_and_disappears_with_its_metadata(fakes):
     assert module in plugin_packages()
     assert_real_plugins_loaded(rows)
 
-    fakes.disable()
+    fakes.hide()
     assert "fakeplug" not in report()
     assert "fake_attn" not in INNER_WRAPPER_REGISTRY
     assert module not in plugin_packages()

@@ -329,7 +329,8 @@ def test_unknown_name_lists_known_names_with_providers_and_the_closest_match():
     )
     lines = str(err).splitlines()
     assert lines[0] == "unknown inner wrapper 'sdpa_qvk'. Did you mean 'sdpa_qkv'?"
-    assert "sdpa_qkv (provider 'user'" in lines[1] and "flex_hf (provider 'user'" in lines[1]
+    (known,) = [line for line in lines if line.startswith("Known inner wrappers: ")]
+    assert "sdpa_qkv (provider 'user'" in known and "flex_hf (provider 'user'" in known
     assert lines[-1].startswith("Fix:") and "register_inner_wrapper(name, fn)" in lines[-1]
     assert (err.kind, err.name) == ("inner_wrapper", "sdpa_qvk")
 

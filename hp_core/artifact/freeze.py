@@ -1,11 +1,12 @@
 """``freeze(plan) -> meta``: a plan as JSON-safe plain data, by walking ``SPEC_FIELDS``.
 
 A meta holds the plan-level fields (mesh axis names and shape, sequence_parallel,
-loss_parallel, ep_size) and, per frozen group of the table, a list of ``{match: FQN,
-...}`` rules in model order: ``param_plan`` has one rule per module, ``injections`` one
-per module that has any injection field to write. Inside a rule, keys follow the table
-and values come from the freeze kind of their row (:data:`FREEZERS`); nothing here
-knows a particular field.
+loss_parallel, ep_size; ``providers``, the distribution of each registry item it names,
+when there are any: :mod:`hp_core.plans.providers`) and, per frozen group of the table,
+a list of ``{match: FQN, ...}`` rules in model order: ``param_plan`` has one rule per
+module, ``injections`` one per module that has any injection field to write. Inside a
+rule, keys follow the table and values come from the freeze kind of their row
+(:data:`FREEZERS`); nothing here knows a particular field.
 
 Value forms: placements are DSL strings (``"shard(1)"``, ``"replicate"``, ``"partial"``)
 under their axis; a registry name stays a name (``"sdpa_hf"``); a ``Target`` becomes
@@ -25,6 +26,7 @@ from typing import Any
 from hp_core.errors import HpError
 from hp_core.injection import InjectionMeta, Target
 from hp_core.plans.model import ShardingPlan
+from hp_core.plans.providers import PROVIDERS_KEY, providers_data, record_providers
 from hp_core.spec.fields import FROZEN_GROUPS, MATCH_KEY, PARAM_PLAN, fields_in_group
 from hp_core.spec.module_spec import ModuleShardingSpec
 from hp_core.spec.placements import PlacementSyntaxError, format_placement, parse_placement
@@ -232,4 +234,7 @@ def freeze(plan: ShardingPlan) -> dict[str, Any]:
             if rule or group == PARAM_PLAN:  # param_plan lists every module, in model order
                 groups[group].append({MATCH_KEY: fqn, **rule})
     meta.update(groups)
+    providers = record_providers(plan)
+    if providers:  # where the plan was made; not part of the plan's fingerprint
+        meta[PROVIDERS_KEY] = providers_data(providers)
     return meta

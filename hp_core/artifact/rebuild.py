@@ -27,6 +27,7 @@ from hp_core.mesh import MeshSpec
 from hp_core.planner.lints import compute_tp_local_attrs
 from hp_core.plans.errors import PlanError
 from hp_core.plans.model import ShardingPlan
+from hp_core.plans.providers import PROVIDERS_KEY, providers_from_data
 from hp_core.spec.fields import (
     DERIVED_FIELDS,
     FROZEN_GROUPS,
@@ -295,6 +296,8 @@ def rebuild(meta: Mapping[str, Any], *, model: nn.Module | None = None) -> Shard
         raise MetaError(f"meta: expected a mapping, got {type(meta).__name__}.")
     valid = (*PLAN_KEYS, *FROZEN_GROUPS)
     for key in meta:
+        if key == PROVIDERS_KEY:  # optional: an artifact frozen before hp recorded providers
+            continue
         if key not in valid:
             best = close_matches(str(key), valid, n=1)
             hint = f" Did you mean {best[0]!r}?" if best else ""
@@ -347,6 +350,9 @@ def rebuild(meta: Mapping[str, Any], *, model: nn.Module | None = None) -> Shard
             sequence_parallel=meta["sequence_parallel"],
             loss_parallel=meta["loss_parallel"],
             ep_size=meta["ep_size"],
+            providers=(
+                providers_from_data(meta[PROVIDERS_KEY], MetaError) if PROVIDERS_KEY in meta else {}
+            ),
         )
     except PlanError as e:
         raise MetaError(str(e).removeprefix("ShardingPlan.")) from None
@@ -354,7 +360,9 @@ def rebuild(meta: Mapping[str, Any], *, model: nn.Module | None = None) -> Shard
         canonical = freeze(plan)
     except FreezeError as e:  # e.g. outputs ordered only by a map's key order
         raise MetaError(str(e)) from None
-    diff = _first_difference(dict(meta), canonical)
+    # The providers record where the plan was made, not the plan: not compared.
+    canonical.pop(PROVIDERS_KEY, None)
+    diff = _first_difference({k: v for k, v in meta.items() if k != PROVIDERS_KEY}, canonical)
     if diff is not None:
         got, want = _at(meta, diff), _at(canonical, diff)
         raise MetaError(

@@ -428,9 +428,16 @@ def missing_registry_items(plan: ShardingPlan) -> list[str]:
         elif (field, name) in missing:
             kind = INJECTION_REGISTRIES[field]
             known = ", ".join(sorted(PluginRegistry(kind))) or "none"
+            recorded = plan.providers.get(f"{kind}.{name}")
+            made = (
+                f"; it was frozen with {recorded.distribution} {recorded.version or ''}".rstrip()
+                + f" (pip install {recorded.requirement()})"
+                if recorded is not None
+                else ""
+            )
             problems.append(
                 f"{where}: {name!r} is not a registered {kind.replace('_', ' ')} (registered: "
-                f"{known})"
+                f"{known}){made}"
             )
     return problems
 

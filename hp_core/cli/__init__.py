@@ -1,10 +1,11 @@
 """The ``hp`` command line: :func:`build_parser` and :func:`main` (the ``hp`` console script,
 ``hp_core.cli:main``) here, one module per command beside them.
 
-* :mod:`~hp_core.cli.plugins`, :mod:`~hp_core.cli.plan`, :mod:`~hp_core.cli.freeze`,
-  :mod:`~hp_core.cli.check`, :mod:`~hp_core.cli.demo` — one ``hp`` command each: an
-  ``add_<name>_command(subparsers)`` that declares its arguments and sets ``handler``, and
-  the handler ``cmd_<name>(args, out, err)`` (two rich consoles) that returns the exit code;
+* :mod:`~hp_core.cli.plugins`, :mod:`~hp_core.cli.plugin_new` (``hp plugin new``),
+  :mod:`~hp_core.cli.plan`, :mod:`~hp_core.cli.freeze`, :mod:`~hp_core.cli.check`,
+  :mod:`~hp_core.cli.demo` — one ``hp`` command each: an ``add_<name>_command(subparsers)``
+  that declares its arguments and sets ``handler``, and the handler
+  ``cmd_<name>(args, out, err)`` (two rich consoles) that returns the exit code;
 * :mod:`~hp_core.cli.failure` — the error/exit skeleton every handler shares;
 * :mod:`~hp_core.cli.model_args` (``--model``; :mod:`~hp_core.cli.model_factory` its
   ``pkg.mod:factory`` form), :mod:`~hp_core.cli.planning` (what plan and freeze share),
@@ -29,6 +30,7 @@ from hp_core.cli.demo import add_demo_command, cmd_demo
 from hp_core.cli.failure import Handler
 from hp_core.cli.freeze import add_freeze_command, cmd_freeze
 from hp_core.cli.plan import add_plan_command, cmd_plan
+from hp_core.cli.plugin_new import add_plugin_command, cmd_plugin_new
 from hp_core.cli.plugins import add_plugins_command, cmd_plugins
 
 __all__ = [
@@ -36,12 +38,14 @@ __all__ = [
     "add_demo_command",
     "add_freeze_command",
     "add_plan_command",
+    "add_plugin_command",
     "add_plugins_command",
     "build_parser",
     "cmd_check",
     "cmd_demo",
     "cmd_freeze",
     "cmd_plan",
+    "cmd_plugin_new",
     "cmd_plugins",
     "main",
 ]
@@ -52,6 +56,7 @@ PIPE_WIDTH = 240
 #: Subcommands in help order; add ``add_<name>_command`` functions here.
 COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     add_plugins_command,
+    add_plugin_command,
     add_plan_command,
     add_freeze_command,
     add_check_command,

@@ -19,7 +19,7 @@ from hp_core.cli.failure import CommandFailed, failing
 from hp_core.cli.model_args import load_model
 from hp_core.errors import HpError
 from hp_core.mesh import MeshSpec, MeshSpecError
-from hp_core.plan_items import missing_plan_items
+from hp_core.plan_items import check_plan_items, missing_plan_items
 from hp_core.planner.plan import plan
 from hp_core.planner.role_report import explain_roles
 from hp_core.presets import PRESETS
@@ -90,10 +90,14 @@ def check_plugin_items(planned: Any, args: argparse.Namespace, err: Console, ver
     ``--allow-missing-plugins`` print one warning line per missing item instead.
 
     The message is ``hp_core.apply``'s: the items are resolved with the function its
-    preflight uses (``hp_core.injection.resolve_injection``).
+    preflight uses (``hp_core.injection.resolve_injection``). When every name is installed,
+    the rest of what ``hp_core.plan`` checks (import paths, ``Target`` config keys) follows:
+    exit 1 with apply's error.
     """
     missing = missing_plan_items(planned)
     if not missing:
+        with failing(1, HpError, ValueError):
+            check_plan_items(planned)
         return
     if args.allow_missing_plugins:
         for item in missing:
@@ -167,6 +171,7 @@ def plan_from_args(args: argparse.Namespace, err: Console) -> tuple[Any, Any]:
                 sequence_parallel=args.sequence_parallel,
                 loss_parallel=args.loss_parallel,
                 ep_size=args.ep,
+                check_items=False,  # check_plugin_items: exit 2, or a warning
             )
     _print_hp_warnings(caught, err)
     return result, model

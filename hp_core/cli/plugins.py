@@ -9,7 +9,13 @@ from rich.table import Table
 from rich.text import Text
 
 from hp_core.cli.failure import command
-from hp_core.plugins import RegisteredItem, RegistryKind, current_state, strict_from_env
+from hp_core.plugins import (
+    RegisteredItem,
+    RegistryKind,
+    current_state,
+    declared_problems,
+    strict_from_env,
+)
 
 __all__ = ["add_plugins_command", "cmd_plugins"]
 
@@ -86,12 +92,14 @@ def cmd_plugins(args: argparse.Namespace, out: Console, err: Console) -> int:
             )
     out.print(items)
 
-    for warning in state.warnings:
+    # Malformed hp_core.items metadata: a problem of that distribution, not a crash.
+    warnings = [*state.warnings, *declared_problems()]
+    for warning in warnings:
         err.print(Text(f"warning: {warning}", style="yellow"))
 
     strict = args.strict or strict_from_env()
     failures = state.failures()
-    if strict and (failures or state.warnings):
+    if strict and (failures or warnings):
         for info in failures:
             version = f" {info.version}" if info.version else ""
             err.print(
@@ -101,10 +109,11 @@ def cmd_plugins(args: argparse.Namespace, out: Console, err: Console) -> int:
                     style="red",
                 )
             )
-        if state.warnings:
+        if warnings:
             err.print(
                 Text(
-                    "hp plugins --strict: plugin selection problems (see warnings above).",
+                    "hp plugins --strict: plugin selection or metadata problems (see warnings "
+                    "above).",
                     style="red",
                 )
             )

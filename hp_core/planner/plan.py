@@ -13,6 +13,7 @@ from torch import nn
 
 from hp_core.context import ParallelContext
 from hp_core.mesh import MeshLike, MeshSpec
+from hp_core.plan_items import check_plan_items
 from hp_core.planner.fused_layout import fused_layouts
 from hp_core.planner.fused_proof import prove_fused_layouts
 from hp_core.planner.lints import (
@@ -197,14 +198,23 @@ def plan(
     sequence_parallel: bool = True,
     loss_parallel: bool = False,
     ep_size: int = 1,
+    check_items: bool = True,
 ) -> ShardingPlan:
     """Derive every boundary's contract for ``model`` on ``mesh`` and merge ``overrides``.
 
     ``mesh`` is a ``DeviceMesh``, a :class:`~hp_core.MeshSpec`, ``{"tp": 8}`` or
     ``"tp=8,cp=2"``; ``overrides`` a ``{fqn_or_glob: ModuleShardingSpec}`` dict, a list of
     YAML-style entries, or a path to a YAML file. Nothing is mutated.
+
+    ``check_items``: resolve every injection of the result (registry names, import paths,
+    ``Target`` config keys) as ``hp_core.apply``'s preflight does, and raise the error apply
+    would raise (e.g. :class:`~hp_core.plugins.UnknownRegistryItemError`), naming
+    ``plan['fqn'].field``. Pass False to plan on a machine without the plugins the plan
+    names (the plan is then checked when it is applied).
     """
     ms = check_plan_args(model, mesh, sequence_parallel, loss_parallel, ep_size)
+    if not isinstance(check_items, bool):
+        raise PlanningError(f"plan(): check_items must be True or False, got {check_items!r}")
     rules, templates = _registered()
     structure = analyse(model, rules, _module_rules())
     derived: dict[str, ModuleShardingSpec] = {}
@@ -264,7 +274,7 @@ def plan(
         prove_fused_layouts(model, modules, ms)  # what the forward shows, or a refusal
         for fqn, spec in modules.items():
             spec.with_derived(tp_local_attr_plan=compute_tp_local_attrs(model, fqn, spec, ms))
-    return ShardingPlan(
+    result = ShardingPlan(
         modules=modules,
         mesh_axis_names=ms.axis_names,
         mesh_shape=ms.sizes,
@@ -273,3 +283,6 @@ def plan(
         ep_size=ep_size,
         notes=[*structure.notes, *notes],
     )
+    if check_items:
+        check_plan_items(result)
+    return result

@@ -7,6 +7,12 @@ from typing import Any
 
 from hp_core.plans.errors import PlanTypeError, PlanYAMLError
 from hp_core.plans.model import ShardingPlan, check_axis_names, check_shape
+from hp_core.plans.providers import (
+    PROVIDERS_KEY,
+    providers_data,
+    providers_from_data,
+    record_providers,
+)
 from hp_core.plans.spec_codec import (
     PLAN_FORMAT_VERSION,
     USER_FIELDS,
@@ -30,16 +36,30 @@ def plan_to_dict(plan: ShardingPlan) -> dict[str, Any]:
 
     Placements become DSL strings, internals go under ``_internal``, injected callables
     become ``{_target_: module.qualname}`` (loading those back needs the package trusted).
+    The providers of the registry items it names go under ``providers`` (from the registry
+    now, see :mod:`hp_core.plans.providers`), when there are any.
     """
     if not isinstance(plan, ShardingPlan):
         raise PlanTypeError(
             f"plan_to_dict: expected a ShardingPlan, got {tname(plan)}. Pass the plan that "
             "hp_core.plan(...) or load_plan returned."
         )
-    return plan_data(plan, strict=True)
+    data = plan_data(plan, strict=True)
+    providers = record_providers(plan)
+    if providers:
+        data[PROVIDERS_KEY] = providers_data(providers)
+    return data
 
 
-_PLAN_KEYS = ("version", "mesh", "sequence_parallel", "loss_parallel", "ep_size", "modules")
+_PLAN_KEYS = (
+    "version",
+    "mesh",
+    "sequence_parallel",
+    "loss_parallel",
+    "ep_size",
+    "modules",
+    PROVIDERS_KEY,
+)
 _MESH_KEYS = ("axis_names", "shape")
 _MODULE_KEYS = (*USER_FIELDS, "_internal")
 
@@ -117,4 +137,5 @@ def plan_from_dict(data: Any) -> ShardingPlan:
         sequence_parallel=bool(flags["sequence_parallel"]),
         loss_parallel=bool(flags["loss_parallel"]),
         ep_size=ep_size,
+        providers=providers_from_data(data[PROVIDERS_KEY], err) if PROVIDERS_KEY in data else {},
     )

@@ -15,6 +15,7 @@ from typing import Any
 from hp_core.plans.errors import PlanError
 from hp_core.plans.explain import explain as explain_plan
 from hp_core.plans.spec_codec import is_int, parse_bool, plan_data, tname
+from hp_core.plugins import RecordedProvider
 from hp_core.spec.keywords import did_you_mean, keyword_checked
 from hp_core.spec.module_spec import ModuleShardingSpec, copy_spec
 
@@ -65,8 +66,11 @@ class ShardingPlan:
 
     ``modules`` maps module FQNs, in model order, to their spec; ``mesh_shape`` is None
     when only the axis names are known. ``notes`` records what merging overrides dropped;
-    it takes part in neither equality nor the fingerprint. (The planner's ``plan()`` passes
-    its own defaults, e.g. ``sequence_parallel=True``.)
+    it takes part in neither equality nor the fingerprint. ``providers`` records, per
+    registry item the plan names (``"inner_wrapper.sdpa_hf"``), the distribution that
+    provided it where the plan was written (:mod:`hp_core.plans.providers`); it takes part
+    in neither either. (The planner's ``plan()`` passes its own defaults, e.g.
+    ``sequence_parallel=True``.)
     """
 
     modules: dict[str, ModuleShardingSpec]
@@ -76,6 +80,7 @@ class ShardingPlan:
     loss_parallel: bool = False
     ep_size: int = 1
     notes: list[str] = dataclasses.field(default_factory=list, compare=False)
+    providers: dict[str, RecordedProvider] = dataclasses.field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         cls = "ShardingPlan"
@@ -110,6 +115,15 @@ class ShardingPlan:
         ):
             raise PlanError(f"{cls}.notes: expected a list of strings, got {self.notes!r}.")
         self.notes = list(self.notes)
+        if not isinstance(self.providers, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, RecordedProvider)
+            for k, v in self.providers.items()
+        ):
+            raise PlanError(
+                f"{cls}.providers: expected a dict of item key ('inner_wrapper.NAME') to "
+                f"RecordedProvider, got {self.providers!r}."
+            )
+        self.providers = dict(self.providers)
 
     # Mapping-like access by module FQN ------------------------------------
     def __getitem__(self, fqn: str) -> ModuleShardingSpec:
@@ -166,4 +180,5 @@ class ShardingPlan:
             loss_parallel=self.loss_parallel,
             ep_size=self.ep_size,
             notes=list(self.notes),
+            providers=dict(self.providers),
         )

@@ -16,10 +16,10 @@ from typing import Any
 import yaml
 
 from hp_core.bounded import load_yaml, read_bounded
-from hp_core.plans.codec import plan_from_dict
+from hp_core.plans.codec import plan_from_dict, plan_to_dict
 from hp_core.plans.errors import PlanError, PlanTypeError, PlanYAMLError, PlanYAMLInputLimitError
 from hp_core.plans.model import ShardingPlan
-from hp_core.plans.spec_codec import plan_data, short, tname
+from hp_core.plans.spec_codec import short, tname
 
 __all__ = ["dump_plan", "in_file", "load_plan", "read_source", "yaml_dump", "yaml_load"]
 
@@ -119,13 +119,15 @@ def dump_plan(plan: ShardingPlan) -> str:
 
     A decorated function in the plan is written as ``{_target_: module.qualname}``; applying
     the loaded plan imports it only if its package is an hp plugin or trusted by the user.
+    The distribution and version providing each registry item it names are recorded under
+    ``providers:`` (see :mod:`hp_core.plans.providers`).
     """
     if not isinstance(plan, ShardingPlan):
         raise PlanTypeError(
             f"dump_plan: expected a ShardingPlan, got {tname(plan)} {short(plan)}. Pass the plan "
             "that hp_core.plan(...) or load_plan returned."
         )
-    return yaml_dump(plan_data(plan, strict=True), PlanYAMLError)
+    return yaml_dump(plan_to_dict(plan), PlanYAMLError)
 
 
 def load_plan(text_or_path: str | os.PathLike[str]) -> ShardingPlan:

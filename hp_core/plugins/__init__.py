@@ -17,12 +17,15 @@ Environment switches:
 A plugin declares the plugin API it was built for (``HP_PLUGIN_API =``
 :data:`PLUGIN_API_VERSION`); one built for another version, or declaring none, is refused
 like any failed plugin. The registry kinds are declared once, in :data:`REGISTRY_KINDS`.
+A distribution declares the items it provides in the entry-point group ``hp_core.items``
+(:data:`ITEMS_GROUP`), so a missing item's provider is named without importing anything.
 
 Layout (each module imports only those above it in this list): ``_errors``, ``_items``
 (plain data), ``_validate`` (one registration), ``_kinds`` (the one row per kind),
 ``_config`` (names, environment), ``_state``, ``_conflicts``, ``_discovery`` (entry
 points, bounded import), ``_contract`` (the API version), ``_hookcall`` (hooks through
 pluggy), ``_loading`` (one plugin in isolation), ``_manager`` (discover, report, reset),
+``_declared`` (the items installed distributions declare in ``hp_core.items``),
 ``_registry`` (views, lookups, user registration).
 """
 
@@ -44,6 +47,14 @@ from hp_core.plugins._config import (
     ENV_PLUGINS,
     ENV_STRICT,
     strict_from_env,
+)
+from hp_core.plugins._declared import (
+    ITEMS_GROUP,
+    DeclaredItem,
+    RecordedProvider,
+    declared_items,
+    declared_problems,
+    declared_providers,
 )
 from hp_core.plugins._errors import (
     DuplicateRegistrationError,
@@ -104,6 +115,7 @@ __all__ = [
     "ENV_STRICT",
     "FORWARD_STYLES",
     "INNER_WRAPPER_REGISTRY",
+    "ITEMS_GROUP",
     "KIND_SPECS",
     "PLUGIN_API_ATTRIBUTE",
     "PLUGIN_API_VERSION",
@@ -112,6 +124,7 @@ __all__ = [
     "TEMPLATE_REGISTRY",
     "TRAINING_ADAPTER_REGISTRY",
     "USER_PROVIDER",
+    "DeclaredItem",
     "DuplicateRegistrationError",
     "HpPluginWarning",
     "InvalidRegistrationError",
@@ -122,11 +135,15 @@ __all__ = [
     "PluginState",
     "PluginStatus",
     "ProtectedRegistryItemError",
+    "RecordedProvider",
     "RegisteredItem",
     "RegistryKind",
     "UnknownRegistryItemError",
     "UnknownRegistryKindError",
     "current_state",
+    "declared_items",
+    "declared_problems",
+    "declared_providers",
     "hookimpl",
     "hookspec",
     "load_plugins",

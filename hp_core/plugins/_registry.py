@@ -6,7 +6,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, overload
 
 from hp_core.errors import HpError
+from hp_core.plugins._config import ENV_DISABLE_AUTOLOAD, ENV_PLUGINS
 from hp_core.plugins._conflicts import check_conflicts
+from hp_core.plugins._declared import ITEMS_GROUP, RecordedProvider, declared_providers
 from hp_core.plugins._errors import (
     UnknownRegistryItemError,
     UnknownRegistryKindError,
@@ -55,19 +57,38 @@ def _kind(kind: RegistryKind | str) -> RegistryKind:
         ) from None
 
 
-#: Item names that first-party plugin distributions register, so that a lookup failing
-#: because the plugin is not installed (or not loaded) can say what to install.
-WELL_KNOWN_ITEMS: dict[RegistryKind, dict[str, str]] = {
-    RegistryKind.INNER_WRAPPER: dict.fromkeys(
-        ("sdpa_qkv", "sdpa_hf", "flex_qkv", "flex_hf"), "hp-plugin-cp"
-    ),
-    RegistryKind.COMPUTE_FACTORY: dict.fromkeys(
-        ("qwen2moe", "mixtral", "routed_only", "deepseekv3"), "hp-plugin-moe"
-    ),
-}
+def _declared_lines(kind: RegistryKind, name: str) -> tuple[list[str], str | None]:
+    """What installed metadata says about ``name``: lines, and the fix it implies."""
+    lines: list[str] = []
+    fixes: list[str] = []
+    for d in declared_providers(kind, name):
+        if d.status == "disabled":
+            why = f"its plugin {d.entry_point!r} is {(d.reason or '').removeprefix('it is ')}"
+            fixes.append(
+                f"load plugin {d.entry_point!r} (add it to {ENV_PLUGINS}, or unset {ENV_PLUGINS} "
+                f"and {ENV_DISABLE_AUTOLOAD}), then check with `hp plugins`"
+            )
+        elif d.status == "failed":
+            why = f"its plugin {d.entry_point!r} {(d.reason or '').removeprefix('it ')}"
+            fixes.append(
+                f"repair or reinstall {d.distribution} (`hp plugins` shows why plugin "
+                f"{d.entry_point!r} fails)"
+            )
+        elif d.loaded:
+            why = "its plugin is loaded but did not register it (its metadata is out of date)"
+            fixes.append(f"reinstall {d.distribution}, or report it to its authors")
+        else:
+            why = d.reason or d.status
+            fixes.append(f"reinstall {d.distribution} (`hp plugins` lists what is loaded)")
+        lines.append(
+            f"{name!r} is declared by the installed distribution {d.describe()}, but {why}."
+        )
+    return lines, ("; or ".join(fixes) if fixes else None)
 
 
-def _unknown_message(kind: RegistryKind, name: object) -> str:
+def _unknown_message(
+    kind: RegistryKind, name: object, recorded: RecordedProvider | None = None
+) -> str:
     state = current_state()
     items = state.items[kind]
     plural = kind.label[:-1] + "ies" if kind.label.endswith("y") else kind.label + "s"
@@ -75,13 +96,19 @@ def _unknown_message(kind: RegistryKind, name: object) -> str:
     lines = [
         f"unknown {kind.label} {name!r}." + (f" Did you mean {best!r}?" if best else ""),
     ]
-    dist = WELL_KNOWN_ITEMS.get(kind, {}).get(str(name))
-    if dist is not None:
+    declared, fix = _declared_lines(kind, str(name))
+    lines.extend(declared)
+    if not declared:
         lines.append(
-            f"{name!r} is provided by the distribution {dist}, whose plugin is not loaded: "
-            f"install it (pip install {dist}), or, if it is installed, check `hp plugins` "
-            "and HP_PLUGINS."
+            f"No installed distribution declares the {kind.label} {name!r} (entry-point group "
+            f"{ITEMS_GROUP}, entry '{kind.value}.{name}')."
         )
+        if recorded is not None:
+            lines.append(
+                f"The plan was made with {name!r} from {recorded.distribution}"
+                f"{' ' + recorded.version if recorded.version else ''}."
+            )
+            fix = f"install it (pip install {recorded.requirement()})"
     if items:
         known = ", ".join(f"{n} ({item.describe_provider()})" for n, item in items.items())
         lines.append(f"Known {plural}: {known}.")
@@ -91,9 +118,13 @@ def _unknown_message(kind: RegistryKind, name: object) -> str:
     if inactive:
         listed = ", ".join(f"{p.name!r} ({p.status})" for p in inactive)
         lines.append(f"Not loaded: plugin(s) {listed}; run `hp plugins` for details.")
+    if fix is None:
+        fix = (
+            "use a known name, or install the distribution that provides it (its documentation, "
+            "or whoever made the plan, names it)"
+        )
     lines.append(
-        "Fix: use a known name, install the plugin that provides it, or register it with "
-        f"hp_core.plugins.{KIND_SPECS[kind].usage()}."
+        f"Fix: {fix}; or register it yourself with hp_core.plugins.{KIND_SPECS[kind].usage()}."
     )
     return "\n".join(lines)
 
@@ -127,12 +158,16 @@ class PluginRegistry(Mapping[str, RegisteredItem]):
             )
         return item
 
-    def get_item(self, name: str) -> RegisteredItem:
-        """The item registered as ``name``, or :class:`UnknownRegistryItemError`."""
+    def get_item(self, name: str, *, recorded: RecordedProvider | None = None) -> RegisteredItem:
+        """The item registered as ``name``, or :class:`UnknownRegistryItemError`.
+
+        ``recorded``: the provider a plan recorded for the item, named in the error when no
+        installed distribution declares it.
+        """
         item = self._items().get(name)
         if item is None:
             raise UnknownRegistryItemError(
-                _unknown_message(self._kind, name), kind=self._kind.value, name=str(name)
+                _unknown_message(self._kind, name, recorded), kind=self._kind.value, name=str(name)
             )
         return item
 
@@ -163,9 +198,14 @@ ROUTER_ADAPTER_REGISTRY = PluginRegistry(RegistryKind.ROUTER_ADAPTER)
 TRAINING_ADAPTER_REGISTRY = PluginRegistry(RegistryKind.TRAINING_ADAPTER)
 
 
-def lookup(kind: RegistryKind | str, name: str) -> RegisteredItem:
-    """The item ``name`` of registry ``kind`` (``"inner_wrapper"``, ``"compute_factory"``, ...)."""
-    return PluginRegistry(kind).get_item(name)
+def lookup(
+    kind: RegistryKind | str, name: str, *, recorded: RecordedProvider | None = None
+) -> RegisteredItem:
+    """The item ``name`` of registry ``kind`` (``"inner_wrapper"``, ``"compute_factory"``, ...).
+
+    ``recorded``: the provider a plan recorded for it (see :class:`RecordedProvider`).
+    """
+    return PluginRegistry(kind).get_item(name, recorded=recorded)
 
 
 def registered_items(kind: RegistryKind | str | None = None) -> list[RegisteredItem]:

@@ -34,6 +34,7 @@ from hp_core.runtime.outer import OuterWrapperCheck
 from hp_core.runtime.param_layout import named_layouts
 from hp_core.runtime.params import shard_parameters
 from hp_core.runtime.preflight import PreflightResult
+from hp_core.runtime.region_call import RegionWrapperCall
 from hp_core.runtime.rng import RngStreams
 from hp_core.runtime.sequence import SequenceFallback, SequenceSwitch
 from hp_core.runtime.state_dict import ShardedStateDict
@@ -135,6 +136,10 @@ def _inner_wrap(
             )
         )
     check_forward_compatible(replacement, original, source=source)
+    if mode == "validate" and spec.region_dispatch is True:  # it receives DTensors: say so
+        named = fqn if inj.inner_target == "self" else f"{fqn}.{inj.inner_target}"
+        provider = inj.inner_wrapper.provider_description or inj.inner_wrapper.provider
+        replacement = RegionWrapperCall(fqn, named, inj.inner_wrapper.name, provider, replacement)
     wraps[fqn] = InnerWrap(
         inj.inner_wrapper.name, fqn if inj.inner_target == "self" else f"{fqn}.{inj.inner_target}"
     )

@@ -21,11 +21,12 @@ from torch import nn
 from hp_core.context import ParallelContext
 from hp_core.injection import InjectionBindingError, Target, check_forward_compatible
 from hp_core.mesh import MeshSpec
+from hp_core.plan_items import resolve_value
 from hp_core.planner.lints import PlanningError, attr_value, lint_plan
 from hp_core.planner.structure import model_architectures
 from hp_core.plans.model import ShardingPlan
 from hp_core.plugins import INNER_WRAPPER_REGISTRY, suggest_compute_factory
-from hp_core.resolve import ResolvedInjection, resolve_injection
+from hp_core.resolve import ResolvedInjection
 from hp_core.runtime.errors import MeshMismatchError, PlanMismatchError, PreflightError
 from hp_core.runtime.experts import (
     ExpertGroups,
@@ -155,7 +156,6 @@ def _resolve(
     ctx: ParallelContext,
     archs: tuple[str, ...] = (),
 ) -> InjectionPlan:
-    src = f"plan[{fqn!r}]"
     result = InjectionPlan()
     cp_active = ctx.cp_mesh is not None
     if (spec.inner_target is None) != (spec.inner_wrapper is None):
@@ -198,9 +198,7 @@ def _resolve(
                     "layout of its output ('first_input', or a placement mapping such as {tp: "
                     "shard(1)})."
                 )
-        resolved = resolve_injection(
-            spec.inner_wrapper, "inner_wrapper", source=f"{src}.inner_wrapper"
-        )
+        resolved = resolve_value(plan, fqn, "inner_wrapper", spec.inner_wrapper)
         meta = _registry_meta(spec.inner_wrapper)
         if meta.get("needs_cp") and not cp_active:
             raise PreflightError(
@@ -218,9 +216,7 @@ def _resolve(
             )
         result.inner_wrapper, result.inner_target = resolved, target
     if spec.local_compute_fn is not None:
-        resolved = resolve_injection(
-            spec.local_compute_fn, "local_compute", source=f"{src}.local_compute_fn"
-        )
+        resolved = resolve_value(plan, fqn, "local_compute_fn", spec.local_compute_fn)
         result.local_compute = resolved
         if (
             spec._ep_size <= 1

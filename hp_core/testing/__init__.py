@@ -1,7 +1,9 @@
 """Testing helpers for hp and for plugin authors: a reusable gloo world and tiny models.
 
 The one-call equivalence check is :func:`check_equivalence` (docs/testing.md), with the
-comparison helpers it is built from. The tiny models are :mod:`hp_core.presets`'
+comparison helpers it is built from; :class:`EquivalenceCase` holds one call's arguments for
+the plugin conformance suite (:mod:`hp_core.testing.conformance`, which needs pytest and is
+imported from there). The tiny models are :mod:`hp_core.presets`'
 (re-exported here); the differential-test families are in :mod:`hp_core.testing.families`
 and :mod:`hp_core.testing.family_matrix`.
 """
@@ -18,6 +20,7 @@ from hp_core.testing.compare import (
     unmoved_params,
 )
 from hp_core.testing.equivalence import check_equivalence
+from hp_core.testing.equivalence_case import EquivalenceCase, FamilyBatch, FamilyModel
 from hp_core.testing.equivalence_rank import equivalence_on_rank
 from hp_core.testing.equivalence_report import (
     EquivalenceArgumentError,
@@ -29,6 +32,7 @@ from hp_core.testing.equivalence_report import (
     EquivalenceOutputError,
     EquivalenceReport,
 )
+from hp_core.testing.sandbox import PluginSandbox
 from hp_core.testing.world import (
     World,
     WorldError,
@@ -42,12 +46,16 @@ __all__ = [
     "FAMILIES",
     "EquivalenceArgumentError",
     "EquivalenceBatchError",
+    "EquivalenceCase",
     "EquivalenceError",
     "EquivalenceFactoryError",
     "EquivalenceInputError",
     "EquivalenceMeshError",
     "EquivalenceOutputError",
     "EquivalenceReport",
+    "FamilyBatch",
+    "FamilyModel",
+    "PluginSandbox",
     "World",
     "WorldError",
     "WorldTaskError",

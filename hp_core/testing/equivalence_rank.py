@@ -199,7 +199,7 @@ def _problem_name(line: str, names: Sequence[str]) -> str:
 
 
 class _Run:
-    """One check's models, optimizers and the report they fill."""
+    """One check's mesh, plan facts (placements, output layout) and the report it fills."""
 
     def __init__(self, report: EquivalenceReport, mesh: DeviceMesh, p: ShardingPlan) -> None:
         self.report, self.mesh, self.plan = report, mesh, p
@@ -244,6 +244,22 @@ def _gather_params(run: _Run, m: nn.Module, ref: nn.Module, key: str) -> dict[st
     finally:
         for n, p in m.named_parameters():
             p.grad = saved[n]
+
+
+def _same_everywhere(model: nn.Module, factory: object) -> None:
+    """Refuse a factory that builds other weights on other ranks (an unseeded model)."""
+    with torch.no_grad():
+        mine = [float(p.detach().double().sum()) for p in model.parameters()]
+    every: list[list[float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    odd = [r for r, sums in enumerate(every) if sums != every[0]]
+    if odd:
+        raise EquivalenceFactoryError(
+            f"model factory {factory!r} built other weights on rank(s) {odd} than on rank 0: "
+            "the check needs the same model on every rank (each keeps its own reference). "
+            "Fix: seed the factory (torch.manual_seed, or build_family(name, seed=0)) so "
+            "every call builds the same weights."
+        )
 
 
 def _unmoved_everywhere(names: list[str]) -> list[str]:
@@ -292,6 +308,7 @@ def equivalence_on_rank(
             "Fix: return the model (the same seeded one on every call)."
         )
     base = base.to(device)
+    _same_everywhere(base, model_factory)
     p = plan(base, dmesh, overrides=overrides, **dict(plan_kwargs or {}))
     if plan_hook is not None:
         p = plan_hook(p) or p

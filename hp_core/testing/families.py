@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = [
     "build_family",
     "family_batch",
+    "family_inputs",
     "family_model",
     "perturb_",
     "tiny_family_config",
@@ -173,3 +174,13 @@ def family_batch(name: str, *, batch: int = 2, seq: int = 16, seed: int = 0) -> 
     vocab = _family(name).vocab_size
     gen = torch.Generator(device="cpu").manual_seed(seed)
     return torch.randint(FIRST_ORDINARY_ID, vocab, (batch, seq), generator=gen)
+
+
+def family_inputs(name: str, step: int) -> dict[str, torch.Tensor | bool]:
+    """The keyword arguments of one training step of family ``name``: a batch factory.
+
+    ``functools.partial(family_inputs, "llama")`` is what
+    :func:`hp_core.testing.check_equivalence` takes as ``batch_factory`` (picklable).
+    """
+    ids = family_batch(name, seed=step)
+    return {"input_ids": ids, "labels": ids, "use_cache": False}

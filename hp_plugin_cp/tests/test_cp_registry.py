@@ -14,6 +14,7 @@ from hp_core import cli, plan
 from hp_core.injection import require_injection_meta
 from hp_core.plugins import (
     INNER_WRAPPER_REGISTRY,
+    RecordedProvider,
     UnknownRegistryItemError,
     lookup,
     plugin_report,
@@ -74,8 +75,9 @@ def test_without_the_plugin_the_wrappers_are_gone_and_the_error_says_what_to_ins
     assert "sdpa_hf" not in out
     with pytest.raises(UnknownRegistryItemError) as err:
         lookup("inner_wrapper", "sdpa_hf")
-    assert "pip install hp-plugin-cp" in str(err.value)
-    assert "'cp' (disabled)" in str(err.value)
+    # Declared in the installed distribution's hp_core.items metadata, its plugin disabled.
+    assert "declared by the installed distribution hp-plugin-cp" in str(err.value)
+    assert "plugin 'cp' is disabled (not listed in HP_PLUGINS=moe)" in str(err.value)
 
 
 def test_uninstalled_plugin_disappears_from_hp_plugins(plugins_env, capsys):
@@ -91,8 +93,12 @@ def test_uninstalled_plugin_disappears_from_hp_plugins(plugins_env, capsys):
     assert cli.main(["plugins"]) == 0
     out = capsys.readouterr().out
     assert "hp-plugin-cp" not in out and "flex_hf" not in out
-    with pytest.raises(UnknownRegistryItemError, match="pip install hp-plugin-cp"):
+    with pytest.raises(UnknownRegistryItemError, match="No installed distribution declares"):
         lookup("inner_wrapper", "flex_qkv")
+    # A plan made where it was installed recorded its provider: that is what to install.
+    made_with = RecordedProvider("hp-plugin-cp", "0.1.0")
+    with pytest.raises(UnknownRegistryItemError, match=r"pip install hp-plugin-cp==0\.1\.0"):
+        lookup("inner_wrapper", "flex_qkv", recorded=made_with)
     # and the distribution really is installed, so this was the entry point's doing
     assert importlib.metadata.version("hp-plugin-cp") == "0.1.0"
 

@@ -419,8 +419,14 @@ def apply_error(case: str) -> dict[str, Any]:
     model = build(family, **config)
     mesh = _mesh(mesh_shape, names)
     overrides = [] if factory is False else ep_overrides(family, factory)
+    # These cases test apply's refusals: plan without the plan-time check of the same names.
     p = make_plan(
-        plan_model or model, mesh, sequence_parallel=sp, ep_size=ep, overrides=overrides + extra
+        plan_model or model,
+        mesh,
+        sequence_parallel=sp,
+        ep_size=ep,
+        overrides=overrides + extra,
+        check_items=False,
     )
     if factory is False:  # a plan made where no plugin registered a compute for the model
         for _, spec in p.items():
