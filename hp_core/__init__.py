@@ -47,6 +47,7 @@ from hp_core.injection import (
 from hp_core.mesh import MeshSpec
 from hp_core.planner.builtin_templates import builtin_template
 from hp_core.planner.lints import MeshTypeError, TemplateBuildError
+from hp_core.planner.local_proof import LocalProgramError
 from hp_core.planner.plan import plan
 from hp_core.planner.role_report import RoleReport, explain_roles
 from hp_core.planner.templates.context import TemplateContext
@@ -125,6 +126,7 @@ __all__ = [
     "HpError",
     "InjectionCallError",
     "InjectionMeta",
+    "LocalProgramError",
     "MeshAxisName",
     "MeshSpec",
     "MeshTypeError",

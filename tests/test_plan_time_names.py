@@ -70,9 +70,8 @@ def env(monkeypatch):
 
 @pytest.fixture
 def fakes(tmp_path, env):
-    plugins = FakePlugins(tmp_path, env)
-    yield plugins
-    plugins.cleanup()
+    with FakePlugins(tmp_path) as plugins:
+        yield plugins
 
 
 def _model():
@@ -332,7 +331,7 @@ def test_yaml_records_providers_and_loads_them_back(fakes, env):
 
     # Where the plugin is gone, apply (and plan-time checks) say what to install.
     env.setenv("HP_PLUGINS", "")
-    fakes.disable()
+    fakes.hide()
     with pytest.raises(UnknownRegistryItemError) as checked:
         check_plan_items(loaded)
     with pytest.raises(UnknownRegistryItemError) as applied:
@@ -378,7 +377,7 @@ def test_artifact_records_providers(fakes, env):
         "inner_wrapper.fake_ring": RecordedProvider("fake-ring", "0.3")
     }
     env.setenv("HP_PLUGINS", "")
-    fakes.disable()
+    fakes.hide()
     with pytest.raises(ArtifactRegistryError) as e:
         loads_artifact(data)
     assert "it was frozen with fake-ring 0.3 (pip install fake-ring==0.3)" in str(e.value)

@@ -19,13 +19,13 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "shardable-forwards.md"
 
 #: example -> the error hp raises for it (None: it matches one device).
 EXPECTED = {
-    "HardCodedHeads": "ProductionDiffersError",
+    "HardCodedHeads": "LocalProgramError",
     "LocalHeads": None,
-    "UnknownHeadCount": "EquivalenceError",
+    "UnknownHeadCount": "LocalProgramError",
     "ResidualInside": "UndeclaredCommunicationError",
     "ResidualOutside": None,
     "RawBias": "UndeclaredCommunicationError",
-    "PerHeadGrid": "UndeclaredCommunicationError",
+    "PerHeadGrid": "LocalProgramError",
     "PerHeadVector": None,
 }
 

@@ -267,14 +267,27 @@ def _conv1d_widths(module: nn.Module, spec: ModuleShardingSpec) -> list[str]:
 
 
 def compute_tp_local_attrs(
-    model: nn.Module, fqn: str, spec: ModuleShardingSpec, mesh: MeshSpec
+    model: nn.Module,
+    fqn: str,
+    spec: ModuleShardingSpec,
+    mesh: MeshSpec,
+    *,
+    attention: bool = False,
 ) -> dict[str, tuple[int, int]] | None:
-    """Head-count attributes (if q/k/v are tp-sharded) and ``tp_divide_attrs`` → (global, local)."""
+    """Head-count attributes (if q/k/v are tp-sharded) and ``tp_divide_attrs`` → (global, local).
+
+    ``attention``: the structure found ``fqn`` to be an attention block, so a tp-sharded
+    weight there splits heads whatever its projections are called (``wq``, ``to_q``...).
+    """
     tp = mesh.size("tp")
     module = _module(model, fqn)
     names: list[str] = []
     fused_qkv = any(f.get("kind") != "gate_up" for f in spec._fused_layouts.values())
-    if _tp_sharded_heads(spec) or fused_qkv:
+    by_structure = attention and any(
+        isinstance(named.get("tp"), Shard) and rel.endswith("weight")
+        for rel, named in (spec.params if isinstance(spec.params, dict) else {}).items()
+    )
+    if _tp_sharded_heads(spec) or fused_qkv or by_structure:
         names += [
             a
             for a in HEAD_COUNT_ATTRS

@@ -24,6 +24,7 @@ from hp_core.planner.lints import (
     compute_tp_local_attrs,
     lint_plan,
 )
+from hp_core.planner.local_proof import prove_local_programs
 from hp_core.planner.structure import analyse, check_unclaimed
 from hp_core.planner.templates.context import TemplateContext
 from hp_core.planner.templates.mixers import kept_whole_note
@@ -272,8 +273,11 @@ def plan(
         spec.with_derived(**facts)
     if ms.size("tp") > 1:
         prove_fused_layouts(model, modules, ms)  # what the forward shows, or a refusal
+        attention = [b.fqn for b in structure.blocks if b.kind == "attention"]
         for fqn, spec in modules.items():
-            spec.with_derived(tp_local_attr_plan=compute_tp_local_attrs(model, fqn, spec, ms))
+            local = compute_tp_local_attrs(model, fqn, spec, ms, attention=fqn in attention)
+            spec.with_derived(tp_local_attr_plan=local)
+        prove_local_programs(model, modules, attention, ms)  # what production runs, or a refusal
     result = ShardingPlan(
         modules=modules,
         mesh_axis_names=ms.axis_names,

@@ -1,0 +1,120 @@
+"""The local-program gate: a tp-sharded attention block must run the global program, scaled.
+
+Validate mode runs each block on DTensors of the global shapes, so a forward that reads a
+head count the plan did not make local (``self.heads``, a constant, a shared config value)
+computes the global program there and matches, while production runs the same forward on
+local shards and silently computes another one (each head ``head_dim / tp`` wide). Only the
+production program shows that, so it is checked here, at plan time, on the meta device.
+
+Each distinct attention block whose projections are column-sharded on tp is traced twice
+with :mod:`hp_core.planner.fused_proof`'s recorder: the global program, and the local one
+production runs (local parameter shapes, the plan's tp-local attributes). The shape-changing
+ops on what derives from each column-sharded projection must be the same ops, with exactly
+one dim divided by tp and never a per-head width. Otherwise the plan is refused, naming the
+op and both shapes, before any collective. A block whose forward is replaced by an inner
+wrapper or a compute (CP attention, BLOOM's ALiBi rows, experts) is its wrapper's contract
+and is not traced; a block the model's forward does not reach on meta is left to the
+verifier, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from hp_core.mesh import MeshSpec
+from hp_core.planner.fused_layout import keep_whole
+from hp_core.planner.fused_proof import _capture, _clone, _compare, _key, _local_clone, _run
+from hp_core.planner.lints import PlanningError, is_conv1d
+from hp_core.spec.module_spec import ModuleShardingSpec
+
+__all__ = ["LocalProgramError", "prove_local_programs"]
+
+
+class LocalProgramError(PlanningError):
+    """A tp-sharded block's forward runs another program on its local shards than globally."""
+
+
+def _column_owners(block: nn.Module, spec: ModuleShardingSpec) -> list[str]:
+    """The submodules whose weight is column-sharded on tp (their outputs are split by heads)."""
+    params = spec.params if isinstance(spec.params, dict) else {}
+    out: list[str] = []
+    for rel, named in params.items():
+        path, _, leaf = rel.rpartition(".")
+        placement = named.get("tp")
+        if leaf != "weight" or not path or not isinstance(placement, Shard):
+            continue
+        owner = block.get_submodule(path)
+        column = placement.dim == (1 if is_conv1d(owner) else 0)
+        if column and path not in out:
+            out.append(path)
+    return out
+
+
+def _traced(spec: ModuleShardingSpec) -> bool:
+    """Whether hp runs the block's own forward (no wrapper or compute stands in for it)."""
+    return spec.inner_wrapper is None and spec.local_compute_fn is None
+
+
+def _refuse(fqn: str, spec: ModuleShardingSpec, block: nn.Module, tp: int, why: str) -> None:
+    raise LocalProgramError(
+        f"{fqn}: {type(block).__name__}'s forward computes another program on its tp={tp} "
+        f"shards than on the whole model: {why}. Validate mode runs the global shapes and would "
+        "not show it; production would fail or train wrong, so the plan is refused before any "
+        "collective. "
+        "A head count the forward reads but hp does not make local is the usual cause.\nFix: "
+        "view by the tensor's own size (-1) or the module's head-count attribute, list that "
+        "attribute in the boundary's tp_divide_attrs, or keep the block whole on tp."
+        f"{keep_whole(fqn, spec)}"
+    )
+
+
+def prove_local_programs(
+    model: nn.Module,
+    modules: Mapping[str, ModuleShardingSpec],
+    attention: Sequence[str],
+    mesh: MeshSpec,
+) -> None:
+    """Refuse every attention boundary in ``attention`` whose local program is not the global
+    one scaled by tp (see the module docstring). Blocks already proven as fused are skipped."""
+    tp = mesh.size("tp")
+    if tp <= 1:
+        return
+    todo: dict[str, tuple[ModuleShardingSpec, list[str]]] = {}
+    for fqn in attention:
+        spec = modules.get(fqn)
+        if spec is None or spec._fused_layouts or not _traced(spec):
+            continue
+        owners = _column_owners(model.get_submodule(fqn), spec)
+        if owners:
+            todo[fqn] = (spec, owners)
+    if not todo:
+        return
+    keys = {f: _key(model.get_submodule(f), s, tp) for f, (s, _) in todo.items()}
+    reps: dict[tuple[Any, ...], str] = {}
+    for fqn, key in keys.items():
+        reps.setdefault(key, fqn)
+    calls = _capture(model, set(reps.values()))
+    for fqn in reps.values():
+        call = calls.get(fqn)
+        if call is None:
+            continue  # not reached on meta: the verifier's propagation is the check
+        spec, owners = todo[fqn]
+        block = model.get_submodule(fqn)
+        paths = {p: p for p in owners}
+        try:
+            global_ops = _run(_clone(block), paths, call)
+        except Exception:  # user code that does not run on meta: nothing to compare
+            continue
+        attrs = spec._tp_local_attr_plan or {}
+        try:
+            local_ops = _run(_local_clone(block, spec, tp, attrs), paths, call)
+        except Exception as e:  # runs globally, fails on the local shapes
+            _refuse(fqn, spec, block, tp, f"it fails on the local shapes ({type(e).__name__}: {e})")
+        for path in owners:
+            why = _compare(global_ops.get(path, []), local_ops.get(path, []), tp)
+            if why is not None:
+                _refuse(fqn, spec, block, tp, f"after {path}: {why}")
