@@ -19,13 +19,13 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "shardable-forwards.md"
 
 #: example -> the error hp raises for it (None: it matches one device).
 EXPECTED = {
-    "HardCodedHeads": "LocalProgramError",
+    "HardCodedHeads": "ProductionDiffersError",
     "LocalHeads": None,
     "UnknownHeadCount": "LocalProgramError",
     "ResidualInside": "UndeclaredCommunicationError",
     "ResidualOutside": None,
     "RawBias": "UndeclaredCommunicationError",
-    "PerHeadGrid": "LocalProgramError",
+    "PerHeadGrid": "UndeclaredCommunicationError",
     "PerHeadVector": None,
 }
 
