@@ -69,7 +69,8 @@ class EquivalenceCase:
     arguments for a step (or ``"pkg.mod:fn"``); both must be importable on the spawned
     ranks, so define them in a module next to the tests, not inside a test function.
     ``mesh`` is mesh text (``"tp=2"``, ``"tp=2,ep=2"``) or a mapping; ``overrides`` and
-    ``plan_kwargs`` go to ``hp_core.plan``; ``modes`` and ``steps`` to the check. ``name``
+    ``plan_kwargs`` go to ``hp_core.plan``; ``modes``, ``steps``, ``loss_fn``, ``shard_batch``
+    and ``after_apply`` to the check. ``name``
     is the test id (default: the mesh text); ``rtol``/``atol`` are hp's tolerance
     convention, ``|got - ref| <= atol + rtol * |ref|``.
     """
@@ -84,6 +85,11 @@ class EquivalenceCase:
     name: str | None = None
     rtol: float = 1e-5
     atol: float = 1e-5
+    #: ``check_equivalence``'s hooks (module-level callables, importable on the ranks): the
+    #: loss of a plain-tensor output, a batch split (cp), a step after apply (cp's loss).
+    loss_fn: Callable[[Any, Any], Any] | None = None
+    shard_batch: Callable[[Any, Any], Any] | None = None
+    after_apply: Callable[[Any, str], None] | None = None
 
     def __post_init__(self) -> None:
         for field in ("model_factory", "batch_factory"):
@@ -130,4 +136,7 @@ class EquivalenceCase:
             "steps": self.steps,
             "rtol": self.rtol,
             "atol": self.atol,
+            "loss_fn": self.loss_fn,
+            "shard_batch": self.shard_batch,
+            "after_apply": self.after_apply,
         }
