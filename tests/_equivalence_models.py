@@ -98,3 +98,17 @@ def llama_per_rank() -> nn.Module:
     import torch.distributed as dist
 
     return build_family("llama", seed=dist.get_rank())
+
+
+def shift_rank1_logits(model: nn.Module, mode: str) -> None:
+    """After apply, on rank 1 only and in production: its logits off by 0.5 (rank 0 exact)."""
+    import torch.distributed as dist
+
+    if mode != "production" or dist.get_rank() != 1:
+        return
+
+    def shift(module: nn.Module, args: Any, output: Any) -> Any:
+        output.logits = output.logits + 0.5
+        return output
+
+    model.register_forward_hook(shift)

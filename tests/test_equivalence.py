@@ -164,6 +164,15 @@ def test_dropped_gradient_reductions_are_caught():
     assert type(refused.value).__name__ == "UnreducedGradientError"
 
 
+def test_a_mismatch_on_one_rank_only_fails_the_check():
+    """Rank 0's run is exact; rank 1's production logits are off: the check still fails."""
+    with pytest.raises(EquivalenceError) as err:
+        check_equivalence(
+            models.llama, M + "llama_batch", "tp=2", after_apply=models.shift_rank1_logits, steps=1
+        )
+    assert "production" in str(err.value) and "logits" in str(err.value)
+
+
 def test_rank_side_variant_raises_the_same_error_on_every_rank():
     out = get_world(2).run(tasks.raises_on_rank, M + "gpt2", M + "gpt2_batch")
     assert [o["type"] for o in out] == ["EquivalenceError"] * 2

@@ -131,7 +131,10 @@ def check_equivalence(
         if cause is not None:
             raise cause from None
         raise
-    report: EquivalenceReport = reports[0]
-    if not report.passed:
-        raise EquivalenceError(report)
-    return report
+    # Every rank compared its own run with its own reference: a mismatch on any one of
+    # them (replicas that diverged, a rank-local bug) fails the check, not only rank 0's.
+    for report in reports:
+        if not report.passed:
+            raise EquivalenceError(report)
+    first: EquivalenceReport = reports[0]
+    return first
