@@ -1,13 +1,11 @@
-"""Loads hp's pytest plugin in a checkout where hp-core's ``pytest11`` entry point is not
-installed (yet); where it is, pytest has already loaded it as ``hp`` and this adds nothing.
+"""Loads hp's pytest plugin for this repository's own test sessions.
+
+``pyproject.toml``'s ``addopts`` blocks the installed entry point (``-p no:hp``) and this
+conftest loads the same module instead: a conftest is imported after pytest-cov has started
+measuring, an entry-point plugin before, so only this way is the plugin's own code measured
+by ``make test``. Everywhere else (a plugin author's tests) the entry point loads it.
 """
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
-
-PLUGIN = "hp_core.testing.pytest_plugin"
-
-pytest_plugins = (
-    [] if any(ep.value == PLUGIN for ep in entry_points(group="pytest11")) else [PLUGIN]
-)
+pytest_plugins = ["hp_core.testing.pytest_plugin"]
