@@ -64,31 +64,6 @@ def no_tensors(step: int) -> dict[str, Any]:
 NOT_A_FACTORY = 3
 
 
-CP_OVERRIDES = [
-    {
-        "match": "*.self_attn",
-        "when": "cp",
-        "inner_target": "self",
-        "inner_wrapper": "sdpa_hf",
-        "region_dispatch": False,
-    }
-]
-
-
-def cp_shard(batch: dict[str, Any], mesh: Any) -> dict[str, Any]:
-    """The context-parallel training adapter's split of a whole batch (this cp rank's part)."""
-    from hp_plugin_cp import shard_batch_for_cp
-
-    return shard_batch_for_cp(batch, mesh["cp"])
-
-
-def cp_loss(model: nn.Module, mode: str) -> None:
-    """Make ``.loss`` the global loss over the cp ranks (after apply, as docs/cp.md says)."""
-    from hp_plugin_cp import enable_cp_loss
-
-    enable_cp_loss(model, model._hp_applied.mesh["cp"])  # type: ignore[union-attr]
-
-
 def not_a_model() -> object:
     return {"weight": torch.zeros(2)}
 

@@ -78,25 +78,16 @@ class NotOnMeta(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
-def _net(block: type[nn.Module]) -> Net:
-    torch.manual_seed(0)
-    model = Net(block())
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
 def known_count() -> Net:
-    return _net(KnownCount)
+    return fe.seeded_net(KnownCount)
 
 
 def own_count() -> Net:
-    return _net(OwnCount)
+    return fe.seeded_net(OwnCount)
 
 
 def not_on_meta() -> Net:
-    return _net(NotOnMeta)
+    return fe.seeded_net(NotOnMeta)
 
 
 def ungated_equivalence() -> dict[str, float]:

@@ -4,6 +4,14 @@
 from __future__ import annotations
 
 import pytest
+from transformers.utils import logging as hf_logging
+
+# transformers gives its root logger a StreamHandler on sys.stderr the first time a logger is
+# asked for. Asked for first inside a test with capsys, that handler keeps the test's capture
+# stream, which is closed afterwards, and every later transformers warning (a kernel falling
+# back, once per process) prints "--- Logging error ---" into whichever test is running. Asked
+# for here, the handler holds pytest's session-wide stderr.
+hf_logging.get_logger("transformers")
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ source verbatim (``tests/test_shardable_forwards.py`` checks it).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -171,14 +172,20 @@ class Net(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def net(name: str) -> Net:
-    """The seeded net around example ``name`` (its weights perturbed off their init)."""
+def seeded_net(make_block: Callable[[], nn.Module]) -> Net:
+    """``Net`` around ``make_block()``, seeded, its weights perturbed off their init (so
+    every rank builds the same non-trivial weights)."""
     torch.manual_seed(0)
-    model = Net(EXAMPLES[name]())
+    model = Net(make_block())
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
     return model
+
+
+def net(name: str) -> Net:
+    """The seeded net around example ``name``."""
+    return seeded_net(EXAMPLES[name])
 
 
 def batch(step: int) -> dict[str, torch.Tensor]:

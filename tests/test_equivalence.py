@@ -27,6 +27,7 @@ from hp_core.testing import (
     get_world,
 )
 from hp_core.testing.families import build_family
+from hp_plugin_cp import HF_CP_OVERRIDES, cp_global_loss, cp_shard_batch
 from tests import _equivalence_models as models
 from tests import dist_tasks_equivalence as tasks
 
@@ -86,9 +87,9 @@ def test_context_parallel_with_the_cp_training_adapter_split():
         models.llama,
         models.llama_batch,
         "cp=2",
-        overrides=models.CP_OVERRIDES,
-        shard_batch=models.cp_shard,
-        after_apply=models.cp_loss,
+        overrides=HF_CP_OVERRIDES,
+        shard_batch=cp_shard_batch,
+        after_apply=cp_global_loss,
         steps=1,
     )
     _assert_passed(report)

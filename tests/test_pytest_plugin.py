@@ -112,6 +112,33 @@ def test_rank_tasks_next_to_the_tests_import_and_worlds_end_with_the_session(pyt
     assert not [pid for pid in pids if _pid_alive(pid)], "the session's ranks outlived it"
 
 
+COVERAGE_RC = """
+    [run]
+    concurrency = multiprocessing,thread
+    parallel = true
+    sigterm = true
+"""
+
+
+@pytest.mark.distributed
+def test_the_ranks_coverage_is_combined_into_the_sessions_report(pytester):
+    """``rank_sum`` runs on the ranks only: its lines count as covered only if the worlds
+    stop before pytest-cov combines (at the end of the test loop, not at session finish)."""
+    suite = _write_session(pytester, TEST_WITH_HP_WORLD)
+    rc = pytester.path / "coverage.rc"
+    rc.write_text(textwrap.dedent(COVERAGE_RC))
+    report = pytester.path / "cov.json"
+    result = pytester.runpytest_subprocess(
+        *WITH_HP, f"--cov={suite}", f"--cov-config={rc}", f"--cov-report=json:{report}", suite
+    )
+    result.assert_outcomes(passed=1)
+    files = json.loads(report.read_text())["files"]
+    (tasks,) = [v for k, v in files.items() if k.endswith("inner_rank_tasks.py")]
+    body = textwrap.dedent(RANK_TASKS).splitlines()
+    line = body.index("    dist.all_reduce(t)") + 1
+    assert line in tasks["executed_lines"], f"rank-only line {line} not measured: {tasks}"
+
+
 @pytest.mark.distributed
 def test_importlib_mode_ranks_import_by_the_plugins_paths(pytester):
     suite = _write_session(pytester, TEST_BY_FILE)

@@ -289,10 +289,11 @@ def equivalence_on_rank(
 
     Arguments as :func:`hp_core.testing.check_equivalence`. ``shard_batch(batch, mesh)``
     gives the batch the parallel models see (e.g. a context-parallel training adapter's
-    split); the reference sees the whole one. ``plan_hook(plan)`` and
-    ``after_apply(model, mode)`` are for negative controls: they change the plan (return
-    the new one, or None to keep it) or an applied model, so a test can prove the check
-    catches that change. Raises :class:`EquivalenceError` on every rank when a quantity is
+    split); the reference sees the whole one. ``plan_hook(plan)`` changes the plan (return
+    the new one, or None to keep it) and ``after_apply(model, mode)`` an applied model:
+    negative controls use them to prove the check catches a change, and ``after_apply``
+    also does what a training loop does after ``apply`` (e.g. ``hp_plugin_cp``'s
+    ``cp_global_loss``). Raises :class:`EquivalenceError` on every rank when a quantity is
     off (unless ``raise_on_failure`` is false); plan/apply refusals raise as themselves.
     """
     run_modes = check_run_args(steps, modes)

@@ -10,7 +10,10 @@ Installed with hp-core, pytest loads it in every session (``-p no:hp`` turns it 
   on ``sys.path`` (appended, so they never shadow an installed module). Spawned ranks copy
   ``sys.path``, so they import rank-task modules next to the tests by name, in pytest's
   ``prepend`` and ``importlib`` import modes alike.
-* ``pytest_sessionfinish`` shuts the worlds down, so the ranks' coverage is written.
+* The worlds shut down when the session's last fixture is torn down, which is before
+  pytest-cov stops measuring and combines the data (its ``pytest_runtestloop`` wrapper
+  ends before ``pytest_sessionfinish``), so the ranks' coverage files are written in time.
+  ``pytest_sessionfinish`` shuts down any world spawned outside a test.
 * ``OMP_NUM_THREADS`` defaults to 1 (the ranks of a world share the machine's cores).
 * Registers the ``distributed`` marker.
 """
@@ -74,6 +77,13 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutdown_worlds()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _hp_shutdown_worlds() -> Iterator[None]:
+    """Stops every world at the end of the test loop, while coverage still collects."""
+    yield
     shutdown_worlds()
 
 

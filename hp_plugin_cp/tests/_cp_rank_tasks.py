@@ -739,27 +739,3 @@ def loss_parallel_check() -> dict[str, float]:
         ),
         "vocab_parallel": float(type(m.loss_function.base).__name__ == "VocabParallelCausalLMLoss"),
     }
-
-
-# ------------------------------------------------------------------ the conformance case's hooks
-
-#: The override that turns CP attention on (docs/cp.md), for the conformance case.
-CONFORMANCE_OVERRIDES = [
-    {
-        "match": "*.self_attn",
-        "when": "cp",
-        "inner_target": "self",
-        "inner_wrapper": "sdpa_hf",
-        "region_dispatch": False,
-    }
-]
-
-
-def conformance_shard(batch: dict[str, Any], mesh: Any) -> dict[str, Any]:
-    """This cp rank's part of a whole batch (the plugin's training-adapter split)."""
-    return shard_batch_for_cp(batch, mesh["cp"])
-
-
-def conformance_loss(model: nn.Module, mode: str) -> None:
-    """``.loss`` made the global loss over the cp ranks, as docs/cp.md does after apply."""
-    enable_cp_loss(model, model._hp_applied.mesh["cp"])  # type: ignore[union-attr]

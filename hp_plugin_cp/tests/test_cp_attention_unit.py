@@ -16,6 +16,7 @@ from hp_plugin_cp import (
     CPConfigError,
     CPLayout,
     CPUnsupportedError,
+    cp_global_loss,
     cp_sdpa,
     enable_cp_loss,
     flex_hf,
@@ -73,6 +74,11 @@ def test_flex_block_mask_cases():
 def test_enable_cp_loss_needs_an_hf_style_loss():
     with pytest.raises(CPBatchError, match="reduce_loss_over_cp"):
         enable_cp_loss(nn.Linear(2, 2), _cp_rank())
+
+
+def test_the_equivalence_loss_hook_needs_an_applied_model():
+    with pytest.raises(CPConfigError, match=r"has not been applied by hp.*after_apply"):
+        cp_global_loss(nn.Linear(2, 2), "production")
 
 
 def test_reduce_cp_gradients_without_gradients_is_a_no_op():

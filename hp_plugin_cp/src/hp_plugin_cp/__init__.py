@@ -11,6 +11,7 @@ from __future__ import annotations
 from hp_plugin_cp.attention import cp_flex_attention, cp_sdpa, expand_kv_heads
 from hp_plugin_cp.batch import SEQUENCE_KEYS, gather_sequence, shard_batch_for_cp
 from hp_plugin_cp.collectives import all_gather_kv, cp_attention_collectives
+from hp_plugin_cp.equivalence import HF_CP_OVERRIDES, cp_global_loss, cp_shard_batch
 from hp_plugin_cp.errors import (
     CPBatchError,
     CPConfigError,
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CP_LAYOUT_KEY",
+    "HF_CP_OVERRIDES",
     "SEQUENCE_KEYS",
     "CPBatchError",
     "CPCausalLMLoss",
@@ -53,7 +55,9 @@ __all__ = [
     "chunk_positions",
     "cp_attention_collectives",
     "cp_flex_attention",
+    "cp_global_loss",
     "cp_sdpa",
+    "cp_shard_batch",
     "enable_cp_loss",
     "expand_kv_heads",
     "flex_hf",
