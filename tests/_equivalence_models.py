@@ -14,6 +14,8 @@ from torch import nn
 
 from hp_core.testing.external_models import TitanTransformer, build_external, external_batch
 from hp_core.testing.families import build_family, family_batch
+from tests._toy_models import VOCAB as TOY_VOCAB
+from tests._toy_models import list_moe_lm
 
 
 def llama() -> nn.Module:
@@ -55,6 +57,40 @@ def titan_batch(step: int) -> dict[str, Any]:
 def next_token_loss(logits: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
     ids = batch["input_ids"]
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
+
+
+#: ep=2 for the per-expert ModuleList toy: hp stacks its experts at apply, with
+#: hp-plugin-moe's routed-only compute.
+LIST_MOE_OVERRIDES = [
+    {
+        "match": "model.layers.*.block_sparse_moe",
+        "when": "ep",
+        "local_compute_fn": "routed_only",
+        "region_dispatch": False,
+    }
+]
+
+
+def list_moe() -> nn.Module:
+    """The per-expert ``ModuleList`` MoE toy (``experts.3.w1.weight``), seeded."""
+    torch.manual_seed(0)
+    return list_moe_lm()
+
+
+def list_moe_batch(step: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(step)
+    return {"input_ids": torch.randint(0, TOY_VOCAB, (2, 8), generator=gen)}
+
+
+def swap_two_experts(model: nn.Module, mode: str) -> None:
+    """After apply, in production: each rank's first two stacked experts trade weights
+    (rows 0 and 1 of every stacked projection), so tokens reach the wrong expert."""
+    if mode != "production":
+        return
+    moe = model.get_submodule("model.layers.0.block_sparse_moe.experts")
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(p[[1, 0, *range(2, p.shape[0])]])
 
 
 def no_tensors(step: int) -> dict[str, Any]:

@@ -97,6 +97,47 @@ def test_context_parallel_with_the_cp_training_adapter_split():
     assert report.compared["validate:grad"] == report.n_params
 
 
+def test_stacked_experts_compare_against_the_per_expert_reference():
+    """ep=2 stacks the toy's per-expert ModuleList into ``experts.w1.weight`` [E, ...]; the
+    reference keeps ``experts.<i>.w1.weight``. Every stacked gradient and parameter is
+    compared with the reference's experts stacked in expert order."""
+    report = check_equivalence(
+        M + "list_moe",
+        M + "list_moe_batch",
+        "tp=2",
+        overrides=models.LIST_MOE_OVERRIDES,
+        plan_kwargs={"ep_size": 2},
+        loss_fn=models.next_token_loss,
+    )
+    _assert_passed(report)
+    per_expert = sum(1 for n, _ in models.list_moe().named_parameters() if ".experts." in n)
+    # 2 layers x 3 projections stacked: the parallel model's names, each compared
+    assert report.n_params == sum(1 for _ in models.list_moe().parameters()) - per_expert + 6
+    for mode in MODES_AND_PAIR:
+        assert report.compared[f"{mode}:grad"] == report.n_params
+        assert report.compared[f"{mode}:param"] == report.n_params
+
+
+def test_stacked_experts_in_the_wrong_order_fail_in_production_only():
+    """Negative control: production's stacked experts 0 and 1 swapped after apply."""
+    with pytest.raises(EquivalenceError) as err:
+        check_equivalence(
+            M + "list_moe",
+            M + "list_moe_batch",
+            "tp=2",
+            overrides=models.LIST_MOE_OVERRIDES,
+            plan_kwargs={"ep_size": 2},
+            loss_fn=models.next_token_loss,
+            after_apply=models.swap_two_experts,
+            steps=1,
+        )
+    failed = err.value.report.failed()
+    assert "production:grad" in failed and not [k for k in failed if k.startswith("validate")]
+    found = {f.name: f for f in err.value.report.findings["production:grad"]}
+    swapped = found["model.layers.0.block_sparse_moe.experts.w1.weight"]
+    assert swapped.excess > 0 and "ep" in swapped.placements, swapped
+
+
 def test_gpt2_fused_c_attn_passes_with_its_fused_layout():
     report = check_equivalence(M + "gpt2", M + "gpt2_batch", "tp=2", steps=1)
     _assert_passed(report)

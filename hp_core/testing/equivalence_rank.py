@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from hp_core import MeshSpec, ShardingPlan, apply, plan, verify
+from hp_core.checkpoint.names import stacked_names
 from hp_core.spec.module_spec import layout_map
 from hp_core.testing.compare import (
     GradientCheckError,
@@ -201,22 +202,47 @@ def _problem_name(line: str, names: Sequence[str]) -> str:
 class _Run:
     """One check's mesh, plan facts (placements, output layout) and the report it fills."""
 
-    def __init__(self, report: EquivalenceReport, mesh: DeviceMesh, p: ShardingPlan) -> None:
+    def __init__(
+        self,
+        report: EquivalenceReport,
+        mesh: DeviceMesh,
+        p: ShardingPlan,
+        stacks: Mapping[str, tuple[str, ...]],
+    ) -> None:
         self.report, self.mesh, self.plan = report, mesh, p
+        #: stacked expert parameter → the reference's per-expert names, in expert order.
+        self.stacks = dict(stacks)
         self.layouts = param_layouts(p)
         dims = tuple(mesh.mesh_dim_names or ())
         self.tp = mesh.size(dims.index("tp")) if "tp" in dims else 1
         self.logit_layout = output_layout(p)
         self.logit_text = _layout_text(self.logit_layout) if self.logit_layout else "whole"
 
+    def reference(self, ref: nn.Module, what: str) -> dict[str, torch.Tensor]:
+        """The reference's parameters (``what="param"``) or gradients under the parallel
+        model's names: per-expert tensors stacked as ``apply`` stacked them (an expert no
+        token reached has no gradient in the reference, and zero rows in the stack)."""
+        named = dict(ref.named_parameters())
+        if what == "param":
+            out = {n: q.detach() for n, q in named.items()}
+        else:
+            out = {n: q.grad for n, q in named.items() if q.grad is not None}
+        for stacked, sources in self.stacks.items():
+            if what == "grad" and not any(s in out for s in sources):
+                continue
+            rows = [out.pop(s) if s in out else torch.zeros_like(named[s]) for s in sources]
+            out[stacked] = torch.stack(rows)
+        return out
+
     def gather(self, m: nn.Module, ref: nn.Module, key: str, step: int) -> dict[str, torch.Tensor]:
         state: Any = getattr(m, "_hp_applied", None)
         meshes = getattr(state, "expert_meshes", None) or None
+        whole = self.reference(ref, "param")
         try:
-            full = gather_full_grads(m, ref, self.mesh, expert_groups=meshes)
+            full = gather_full_grads(m, whole, self.mesh, expert_groups=meshes)
         except GradientCheckError as e:
             lines = str(e).splitlines()[1:]
-            names = [n for n, _ in ref.named_parameters()]
+            names = list(whole)
             self.report.problem(
                 key, step, lines, _problem_name(lines[0] if lines else "", names), self.layouts
             )
@@ -320,8 +346,8 @@ def equivalence_on_rank(
         if after_apply is not None:
             after_apply(models[mode], mode)
     report = EquivalenceReport(str(spec), run_modes, steps, rtol, atol)
-    report.n_params = sum(1 for _ in base.named_parameters())
-    run = _Run(report, dmesh, p)
+    run = _Run(report, dmesh, p, stacked_names(models[run_modes[0]]))
+    report.n_params = len(run.reference(base, "param"))
     _train(run, models, make_batch, device, loss_fn, shard_batch)
     if raise_on_failure and not report.passed:
         raise EquivalenceError(report)
@@ -366,9 +392,7 @@ def _train(
                 outs["logits"] = _whole(logits.detach().clone(), layout, run.mesh)
             loss.backward()
             grads = (
-                {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
-                if k == "ref"
-                else run.gather(m, ref, f"{k}:grad", step)
+                run.reference(m, "grad") if k == "ref" else run.gather(m, ref, f"{k}:grad", step)
             )
             res[k] = {"out": outs, "grad": grads}
         for a, b, name in pairs:
@@ -390,7 +414,7 @@ def _train(
                 )
             else:
                 report.record(f"{k}:moved", dict.fromkeys(before, 0.0), step, run.layouts)
-    whole = {n: q.detach() for n, q in ref.named_parameters()}
+    whole = run.reference(ref, "param")
     params = {k: _gather_params(run, models[k], ref, f"{k}:param") for k in modes}
     for a, b, name in pairs:
         other = whole if b == "ref" else params[b]
