@@ -93,6 +93,40 @@ def swap_two_experts(model: nn.Module, mode: str) -> None:
             p.copy_(p[[1, 0, *range(2, p.shape[0])]])
 
 
+class _FailingBackward(torch.autograd.Function):
+    """The identity forward; its backward raises (a stand-in for a broken custom op)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("injected backward failure")
+
+
+def production_forward_fails(model: nn.Module, mode: str) -> None:
+    """After apply, in production: the forward raises before it starts."""
+
+    def fail(module: nn.Module, args: Any, kwargs: Any) -> None:
+        raise RuntimeError("injected forward failure")
+
+    if mode == "production":
+        model.register_forward_pre_hook(fail, with_kwargs=True)
+
+
+def production_backward_fails(model: nn.Module, mode: str) -> None:
+    """After apply, in production: the logits pass through an op whose backward raises."""
+    if mode == "production":
+        model.register_forward_hook(lambda m, args, out: _FailingBackward.apply(out))
+
+
+def float_ids(step: int) -> dict[str, Any]:
+    """Token ids as floats: the embedding refuses them, so the reference itself fails."""
+    batch = llama_batch(step)
+    return {**batch, "input_ids": batch["input_ids"].float()}
+
+
 def no_tensors(step: int) -> dict[str, Any]:
     return {"input_ids": [1, 2, 3]}
 

@@ -22,6 +22,7 @@ from hp_core.testing import (
     EquivalenceMeshError,
     EquivalenceOutputError,
     EquivalenceReport,
+    EquivalenceRunError,
     WorldTaskError,
     check_equivalence,
     get_world,
@@ -167,7 +168,11 @@ def test_fused_c_attn_split_as_plain_rows_is_caught_in_production():
 def test_fused_c_attn_split_as_plain_rows_is_not_silent_in_validate():
     # validate runs gpt2's own Conv1D on the DTensors: its view of the column-sharded output
     # fails outright (validate does not "match" as it did when the issue was filed)
-    with pytest.raises(WorldTaskError, match="is invalid for input of size"):
+    with pytest.raises(
+        EquivalenceRunError,
+        match=r"^validate mode raised \w+ in the forward and loss of step 0: "
+        r".*is invalid for input of size",
+    ):
         check_equivalence(
             M + "gpt2",
             M + "gpt2_batch",
@@ -299,6 +304,43 @@ def test_output_without_loss():
     with pytest.raises(EquivalenceOutputError, match="no scalar loss") as info:
         check_equivalence(M + "titan_logits", M + "titan_batch", "tp=2", modes=("production",))
     _fix(info.value)
+
+
+def test_a_production_forward_that_raises_names_the_mode_and_step():
+    with pytest.raises(EquivalenceRunError) as info:
+        check_equivalence(
+            M + "llama", M + "llama_batch", "tp=2", after_apply=models.production_forward_fails
+        )
+    msg = _fix(info.value)
+    assert msg.startswith("production mode raised RuntimeError in the forward and loss of step 0")
+    assert "injected forward failure" in msg and "rank traceback" in msg
+    # the ranks' tracebacks stay reachable: the cause is the world's task error
+    assert isinstance(info.value.__cause__, WorldTaskError)
+    assert "_equivalence_models.py" in str(info.value.__cause__)  # the hook's frame
+
+
+def test_a_production_backward_that_raises_names_the_phase():
+    with pytest.raises(
+        EquivalenceRunError,
+        match="production mode raised RuntimeError in the "
+        "backward of step 0: injected backward failure",
+    ):
+        check_equivalence(
+            M + "titan_logits",
+            M + "titan_batch",
+            "tp=2",
+            loss_fn=models.next_token_loss,
+            after_apply=models.production_backward_fails,
+            modes=("production",),
+        )
+
+
+def test_a_reference_that_raises_says_the_model_itself_fails():
+    with pytest.raises(EquivalenceRunError) as info:
+        check_equivalence(M + "llama", M + "float_ids", "tp=2", modes=("production",))
+    msg = _fix(info.value)
+    assert msg.startswith("the single-device reference raised RuntimeError in the forward")
+    assert "run it unsharded first" in msg
 
 
 def test_mesh_whose_size_is_not_the_worlds():

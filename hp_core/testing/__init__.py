@@ -31,6 +31,7 @@ from hp_core.testing.equivalence_report import (
     EquivalenceMeshError,
     EquivalenceOutputError,
     EquivalenceReport,
+    EquivalenceRunError,
 )
 from hp_core.testing.sandbox import PluginSandbox
 from hp_core.testing.world import (
@@ -53,6 +54,7 @@ __all__ = [
     "EquivalenceMeshError",
     "EquivalenceOutputError",
     "EquivalenceReport",
+    "EquivalenceRunError",
     "FamilyBatch",
     "FamilyModel",
     "PluginSandbox",

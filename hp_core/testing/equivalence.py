@@ -32,6 +32,7 @@ from hp_core.testing.equivalence_report import (
     EquivalenceError,
     EquivalenceFactoryError,
     EquivalenceReport,
+    EquivalenceRunError,
 )
 from hp_core.testing.world import World, WorldTaskError, get_world
 
@@ -128,6 +129,8 @@ def check_equivalence(
         )
     except WorldTaskError as e:
         cause = _refusal(e)
+        if isinstance(cause, EquivalenceRunError):
+            raise cause from e  # the model's own failure: keep the ranks' tracebacks
         if cause is not None:
             raise cause from None
         raise

@@ -11,10 +11,11 @@ gathered the same way; and that every parameter with a gradient moved.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from hp_core import MeshSpec, ShardingPlan, apply, plan, verify
+from hp_core import HpError, MeshSpec, ShardingPlan, apply, plan, verify
 from hp_core.checkpoint.names import stacked_names
 from hp_core.spec.module_spec import layout_map
 from hp_core.testing.compare import (
@@ -41,6 +42,7 @@ from hp_core.testing.equivalence_report import (
     EquivalenceMeshError,
     EquivalenceOutputError,
     EquivalenceReport,
+    EquivalenceRunError,
 )
 from hp_core.testing.fused import restore_fused
 
@@ -194,6 +196,28 @@ def _loss_and_logits(
     return loss, logits if isinstance(logits, torch.Tensor) else None
 
 
+@contextlib.contextmanager
+def _naming_failures(copy_name: str, step: int, phase: str) -> Iterator[None]:
+    """Re-raise a model's own exception as one that says which copy, step and phase; hp's
+    errors (they name their culprit) pass through as they are."""
+    try:
+        yield
+    except HpError:
+        raise
+    except Exception as e:
+        which = "the single-device reference" if copy_name == "ref" else f"{copy_name} mode"
+        raise EquivalenceRunError(
+            f"{which} raised {type(e).__name__} in the {phase} of step {step}: {e}\n"
+            + (
+                "Fix: the model itself fails on this batch; run it unsharded first."
+                if copy_name == "ref"
+                else "Fix: only the parallel copy fails: the rank traceback (the cause) "
+                "shows the failing op; a shape error points at a forward that hard-codes "
+                "a size tensor parallelism divides (docs/shardable-forwards.md)."
+            )
+        ) from e
+
+
 def _problem_name(line: str, names: Sequence[str]) -> str:
     head = line.strip().partition(":")[0]
     return head if head in names else (names[0] if names else "?")
@@ -218,7 +242,7 @@ class _Run:
         self.logit_layout = output_layout(p)
         self.logit_text = _layout_text(self.logit_layout) if self.logit_layout else "whole"
 
-    def reference(self, ref: nn.Module, what: str) -> dict[str, torch.Tensor]:
+    def reference(self, ref: nn.Module, what: Literal["param", "grad"]) -> dict[str, torch.Tensor]:
         """The reference's parameters (``what="param"``) or gradients under the parallel
         model's names: per-expert tensors stacked as ``apply`` stacked them (an expert no
         token reached has no gradient in the reference, and zero rows in the stack)."""
@@ -384,13 +408,15 @@ def _train(
         res: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
         for k, m in models.items():
             opts[k].zero_grad(set_to_none=True)
-            loss, logits = _loss_and_logits(m(**seen[k]), seen[k], loss_fn)
+            with _naming_failures(k, step, "forward and loss"):
+                loss, logits = _loss_and_logits(m(**seen[k]), seen[k], loss_fn)
             # Read before backward: a loss may reuse the logits' storage for its gradient.
             outs = {"loss": _whole(loss.detach().clone(), {}, run.mesh).reshape(())}
             if logits is not None:
                 layout = run.logit_layout if k != "ref" else {}
                 outs["logits"] = _whole(logits.detach().clone(), layout, run.mesh)
-            loss.backward()
+            with _naming_failures(k, step, "backward"):
+                loss.backward()
             grads = (
                 run.reference(m, "grad") if k == "ref" else run.gather(m, ref, f"{k}:grad", step)
             )

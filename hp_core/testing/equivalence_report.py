@@ -23,6 +23,7 @@ __all__ = [
     "EquivalenceMeshError",
     "EquivalenceOutputError",
     "EquivalenceReport",
+    "EquivalenceRunError",
     "Finding",
 ]
 
@@ -52,6 +53,12 @@ class EquivalenceMeshError(EquivalenceInputError):
 
 class EquivalenceArgumentError(EquivalenceInputError):
     """A ``steps`` below 1, or ``modes`` empty or naming an unknown mode."""
+
+
+class EquivalenceRunError(HpError, RuntimeError):
+    """A model raised while the check ran it: names which copy (the reference or a mode),
+    the step and the phase (forward with the loss, or backward); the rank's traceback is
+    the cause."""
 
 
 @dataclasses.dataclass(frozen=True)
