@@ -98,18 +98,19 @@ def test_context_parallel_with_the_cp_training_adapter_split():
     assert report.compared["validate:grad"] == report.n_params
 
 
+#: The per-expert ModuleList toy at ep=2 with hp-plugin-moe's routed-only compute.
+LIST_MOE_EP = {
+    "overrides": models.LIST_MOE_OVERRIDES,
+    "plan_kwargs": {"ep_size": 2},
+    "loss_fn": models.next_token_loss,
+}
+
+
 def test_stacked_experts_compare_against_the_per_expert_reference():
     """ep=2 stacks the toy's per-expert ModuleList into ``experts.w1.weight`` [E, ...]; the
     reference keeps ``experts.<i>.w1.weight``. Every stacked gradient and parameter is
     compared with the reference's experts stacked in expert order."""
-    report = check_equivalence(
-        M + "list_moe",
-        M + "list_moe_batch",
-        "tp=2",
-        overrides=models.LIST_MOE_OVERRIDES,
-        plan_kwargs={"ep_size": 2},
-        loss_fn=models.next_token_loss,
-    )
+    report = check_equivalence(M + "list_moe", M + "list_moe_batch", "tp=2", **LIST_MOE_EP)
     _assert_passed(report)
     per_expert = sum(1 for n, _ in models.list_moe().named_parameters() if ".experts." in n)
     # 2 layers x 3 projections stacked: the parallel model's names, each compared
@@ -126,9 +127,7 @@ def test_stacked_experts_in_the_wrong_order_fail_in_production_only():
             M + "list_moe",
             M + "list_moe_batch",
             "tp=2",
-            overrides=models.LIST_MOE_OVERRIDES,
-            plan_kwargs={"ep_size": 2},
-            loss_fn=models.next_token_loss,
+            **LIST_MOE_EP,
             after_apply=models.swap_two_experts,
             steps=1,
         )
