@@ -70,7 +70,12 @@ def test_export_memory_runs(tmp_path):
     ]
     # rank 0 gets every entry of the tiny llama's state dict (9 per layer + 3), the others none
     assert [r["tensors"] for r in rows] == [21, 0, 21, 0]
-    assert all(r["peak_rss_bytes"] >= r["baseline_bytes"] > 0 and r["ratio"] > 0 for r in rows)
+    # the peak is at least the baseline by construction (the kernel's high-water mark can
+    # lag an RSS sample); what is checked is that the ratio is the one the table prints
+    for r in rows:
+        assert r["baseline_bytes"] > 0 and r["peak_rss_bytes"] > 0
+        want = r["peak_rss_bytes"] / (r["baseline_bytes"] + r["shard_bytes"])
+        assert r["ratio"] == pytest.approx(want)
     assert all(0 < r["shard_bytes"] < r["full_bytes"] for r in rows)  # each rank holds a shard
 
 
