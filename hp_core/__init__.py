@@ -64,6 +64,7 @@ from hp_core.plans.errors import (
     OverridesTypeError,
     PlanTypeError,
 )
+from hp_core.plans.example import ExampleCallError
 from hp_core.plans.model import ShardingPlan
 from hp_core.plans.overrides import OverrideEntry, dump_overrides, load_overrides
 from hp_core.plans.yaml_io import dump_plan, load_plan
@@ -120,6 +121,7 @@ __all__ = [
     "CheckpointUnexpectedKeysError",
     "CorruptSafetensorsError",
     "DuplicateOverrideError",
+    "ExampleCallError",
     "ExportArgumentError",
     "ExportNotAppliedError",
     "FsdpViewError",

@@ -83,7 +83,7 @@ class _Net(nn.Module):
         return self.head(self.norm(self.attn(self.tok(ids))))
 
 
-def _fail(model: nn.Module) -> None:
+def _fail(model: nn.Module, call: object = None) -> None:
     raise TraceFailedError("no meta run here")
 
 
@@ -158,7 +158,7 @@ def test_the_light_trace_runs_only_where_the_code_leaves_outputs_unclear():
     rules = [*DEFAULT_ROLE_RULES]
     calls = []
 
-    def counted(model: nn.Module) -> object:
+    def counted(model: nn.Module, call: object = None) -> object:
         calls.append(type(model).__name__)
         return trace(model)
 

@@ -22,6 +22,7 @@ from hp_core.mesh import MeshSpec, MeshSpecError
 from hp_core.plan_items import check_plan_items, missing_plan_items
 from hp_core.planner.plan import plan
 from hp_core.planner.role_report import explain_roles
+from hp_core.plans.example import ExampleCall, ExampleCallError, parse_example_texts
 from hp_core.presets import PRESETS
 
 __all__ = [
@@ -83,6 +84,17 @@ def add_planning_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="expert-parallel size for MoE blocks (default 1)",
     )
+    parser.add_argument(
+        "--example",
+        action="append",
+        default=None,
+        metavar="ARG",
+        help=(
+            "one argument of the training call, in order, repeatable: 'int64[2,64]' "
+            "(positional) or 'NAME=int64[2,64]' / 'NAME=true' (keyword); hp plans and verifies "
+            "exactly that call (default: forward(int64[1,4]))"
+        ),
+    )
 
 
 def check_plugin_items(planned: Any, args: argparse.Namespace, err: Console, verb: str) -> None:
@@ -125,19 +137,24 @@ def _print_hp_warnings(
             err.print(Text(f"warning: {w.message}"), **print_kw)
 
 
-def _inputs(args: argparse.Namespace) -> tuple[MeshSpec, Any]:
-    """The parsed ``--mesh`` and the ``--model`` built on meta (usage errors exit 2)."""
+def _inputs(args: argparse.Namespace) -> tuple[MeshSpec, Any, ExampleCall | None]:
+    """The parsed ``--mesh``, the ``--model`` built on meta and the ``--example`` call (usage
+    errors exit 2)."""
     with failing(2, MeshSpecError, message=lambda e: f"--mesh: {e}"):
         mesh = MeshSpec.parse(args.mesh)
     if args.overrides is not None and not Path(args.overrides).is_file():
         raise CommandFailed(2, f"--overrides: {args.overrides!r}: no such file.")
-    return mesh, load_model(args.model)
+    call = None
+    if args.example:
+        with failing(2, ExampleCallError):
+            call = parse_example_texts(args.example)
+    return mesh, load_model(args.model), call
 
 
 def explain_roles_from_args(args: argparse.Namespace, err: Console) -> Any:
     """``hp_core.explain_roles`` for ``--model`` on ``--mesh`` with the planning options (a
     refused plan is in the report, not raised); prints hp's own warnings to ``err``."""
-    mesh, model = _inputs(args)
+    mesh, model, call = _inputs(args)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with failing(1, ValueError):  # a malformed overrides file
@@ -148,6 +165,7 @@ def explain_roles_from_args(args: argparse.Namespace, err: Console) -> Any:
                 sequence_parallel=args.sequence_parallel,
                 loss_parallel=args.loss_parallel,
                 ep_size=args.ep,
+                example_inputs=call,
             )
     _print_hp_warnings(caught, err)
     return report
@@ -159,7 +177,7 @@ def plan_from_args(args: argparse.Namespace, err: Console) -> tuple[Any, Any]:
     Raises :class:`CommandFailed`; prints hp's own warnings (e.g. a glob matching nothing)
     to ``err``.
     """
-    mesh, model = _inputs(args)
+    mesh, model, call = _inputs(args)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # PlanError and friends: every planner error is a ValueError
@@ -172,6 +190,7 @@ def plan_from_args(args: argparse.Namespace, err: Console) -> tuple[Any, Any]:
                 loss_parallel=args.loss_parallel,
                 ep_size=args.ep,
                 check_items=False,  # check_plugin_items: exit 2, or a warning
+                example_inputs=call,
             )
     _print_hp_warnings(caught, err)
     return result, model

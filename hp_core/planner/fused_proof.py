@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
-import inspect
 import itertools
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -45,6 +44,7 @@ from hp_core.mesh import MeshSpec
 from hp_core.planner.fused_layout import FusedLayout, keep_whole
 from hp_core.planner.lints import FusedProjectionError, compute_tp_local_attrs
 from hp_core.planner.trace import META_ANSWERS
+from hp_core.plans.example import ExampleCall, default_call
 from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = ["prove_fused_layouts"]
@@ -293,8 +293,11 @@ def _local_clone(
     return clone
 
 
-def _capture(model: nn.Module, fqns: set[str]) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
-    """The arguments the model's forward passes each of ``fqns`` (one meta run of the model)."""
+def _capture(
+    model: nn.Module, fqns: set[str], call: ExampleCall | None = None
+) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The arguments the model's forward passes each of ``fqns`` (one meta run of the model
+    with ``call``, by default hp's default call)."""
     calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
 
     class _Done(Exception):
@@ -318,13 +321,12 @@ def _capture(model: nn.Module, fqns: set[str]) -> dict[str, tuple[tuple[Any, ...
     handles = [
         model.get_submodule(f).register_forward_pre_hook(hook(f), with_kwargs=True) for f in fqns
     ]
-    ids = torch.zeros(1, 4, dtype=torch.long, device="meta")
-    kwargs = {"use_cache": False} if "use_cache" in _names(model) else {}
+    args, kwargs = (call or default_call(model)).meta()
     # An MoE router's nonzero on meta: assume every expert is chosen (the ordinary batch).
     nonzero = fx_config.patch(meta_nonzero_assume_all_nonzero=True)  # type: ignore[attr-defined]
     try:
         with torch.no_grad(), _Recorder(), nonzero:
-            torch.func.functional_call(model, meta, (ids,), kwargs, tie_weights=False, strict=False)
+            torch.func.functional_call(model, meta, args, kwargs, tie_weights=False, strict=False)
     except _Done:
         pass
     except Exception:  # what was not captured is refused by the caller
@@ -333,13 +335,6 @@ def _capture(model: nn.Module, fqns: set[str]) -> dict[str, tuple[tuple[Any, ...
         for h in handles:
             h.remove()
     return calls
-
-
-def _names(model: nn.Module) -> set[str]:
-    try:
-        return set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):  # pragma: no cover
-        return set()
 
 
 def _key(block: nn.Module, spec: ModuleShardingSpec, tp: int) -> tuple[Any, ...]:
@@ -449,7 +444,10 @@ def _glob(
 
 
 def prove_fused_layouts(
-    model: nn.Module, modules: Mapping[str, ModuleShardingSpec], mesh: MeshSpec
+    model: nn.Module,
+    modules: Mapping[str, ModuleShardingSpec],
+    mesh: MeshSpec,
+    call: ExampleCall | None = None,
 ) -> None:
     """Prove (and correct) every boundary's ``fused_layouts``; refuse what cannot be proven.
 
@@ -467,7 +465,7 @@ def prove_fused_layouts(
     moved = {
         f: any(len(d["parts"]) > 1 for d in s._fused_layouts.values()) for f, s in todo.items()
     }
-    calls = _capture(model, set(reps.values()))
+    calls = _capture(model, set(reps.values()), call)
     proven = {
         key: _prove(model, fqn, todo[fqn], mesh, calls.get(fqn), _glob(fqn, keys, key, modules))
         for key, fqn in reps.items()

@@ -33,6 +33,7 @@ from hp_core.planner.templates.module_rules import ModuleRule, kind_role, module
 from hp_core.planner.templates.roles import Role, RoleSource
 from hp_core.planner.trace import ATTN, FlowTrace, TraceFailedError, is_norm_module, producers
 from hp_core.planner.trace import trace as run_trace
+from hp_core.plans.example import ExampleCall, failed_call_error
 
 __all__ = ["Inference", "infer_roles", "is_linear_like"]
 
@@ -122,6 +123,7 @@ def infer_roles(
     undecided: Iterable[str],
     module_rules: Iterable[ModuleRule] = (),
     architectures: Sequence[str] = (),
+    call: ExampleCall | None = None,
 ) -> Inference:
     """Roles for the parameters in ``undecided`` (param FQNs) that structure can decide."""
     undecided = list(undecided)
@@ -141,8 +143,10 @@ def infer_roles(
         is_linear_like(modules[o]) or isinstance(modules[o], nn.Embedding) for o in owners.values()
     ):
         try:
-            flows = run_trace(model)
+            flows = run_trace(model, call)
         except TraceFailedError as e:
+            if call is not None and call.given:
+                raise failed_call_error(model, call, e) from e
             inf.notes.append(
                 f"roles from structure: the meta-device dataflow trace of {type(model).__name__} "
                 f"could not run ({str(e)[:200]}); projections were classified by type, shape and "

@@ -31,6 +31,7 @@ from hp_core.mesh import MeshSpec
 from hp_core.planner.fused_layout import keep_whole
 from hp_core.planner.fused_proof import _capture, _clone, _compare, _key, _local_clone, _run
 from hp_core.planner.lints import PlanningError, is_conv1d
+from hp_core.plans.example import ExampleCall
 from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = ["LocalProgramError", "prove_local_programs"]
@@ -78,6 +79,7 @@ def prove_local_programs(
     modules: Mapping[str, ModuleShardingSpec],
     attention: Sequence[str],
     mesh: MeshSpec,
+    call: ExampleCall | None = None,
 ) -> None:
     """Refuse every attention boundary in ``attention`` whose local program is not the global
     one scaled by tp (see the module docstring). Blocks already proven as fused are skipped."""
@@ -98,21 +100,21 @@ def prove_local_programs(
     reps: dict[tuple[Any, ...], str] = {}
     for fqn, key in keys.items():
         reps.setdefault(key, fqn)
-    calls = _capture(model, set(reps.values()))
+    calls = _capture(model, set(reps.values()), call)
     for fqn in reps.values():
-        call = calls.get(fqn)
-        if call is None:
+        args = calls.get(fqn)
+        if args is None:
             continue  # not reached on meta: the verifier's propagation is the check
         spec, owners = todo[fqn]
         block = model.get_submodule(fqn)
         paths = {p: p for p in owners}
         try:
-            global_ops = _run(_clone(block), paths, call)
+            global_ops = _run(_clone(block), paths, args)
         except Exception:  # user code that does not run on meta: nothing to compare
             continue
         attrs = spec._tp_local_attr_plan or {}
         try:
-            local_ops = _run(_local_clone(block, spec, tp, attrs), paths, call)
+            local_ops = _run(_local_clone(block, spec, tp, attrs), paths, args)
         except Exception:  # a loud failure, not a silent one: the verifier names it at apply
             continue
         for path in owners:

@@ -31,6 +31,7 @@ from hp_core.planner.templates.mixers import kept_whole_note
 from hp_core.planner.templates.module_rules import ModuleRule
 from hp_core.planner.templates.roles import BoundaryTemplate, RoleRule
 from hp_core.plans.errors import ArgumentTypeError, PlanError
+from hp_core.plans.example import check_call, default_call, example_call, left_out_note
 from hp_core.plans.model import ShardingPlan
 from hp_core.plans.overrides import OverridesLike, resolve_overrides
 from hp_core.plugins import TEMPLATE_REGISTRY
@@ -200,6 +201,7 @@ def plan(
     loss_parallel: bool = False,
     ep_size: int = 1,
     check_items: bool = True,
+    example_inputs: Any = None,
 ) -> ShardingPlan:
     """Derive every boundary's contract for ``model`` on ``mesh`` and merge ``overrides``.
 
@@ -216,8 +218,10 @@ def plan(
     ms = check_plan_args(model, mesh, sequence_parallel, loss_parallel, ep_size)
     if not isinstance(check_items, bool):
         raise PlanningError(f"plan(): check_items must be True or False, got {check_items!r}")
+    call = default_call(model) if example_inputs is None else example_call(example_inputs)
+    check_call(model, call)
     rules, templates = _registered()
-    structure = analyse(model, rules, _module_rules())
+    structure = analyse(model, rules, _module_rules(), call)
     derived: dict[str, ModuleShardingSpec] = {}
     first_layer = True
     for block in structure.blocks:
@@ -272,12 +276,13 @@ def plan(
             facts["fused_layouts"] = fused_layouts(model, fqn, spec, ms, structure.roles)
         spec.with_derived(**facts)
     if ms.size("tp") > 1:
-        prove_fused_layouts(model, modules, ms)  # what the forward shows, or a refusal
+        prove_fused_layouts(model, modules, ms, call)  # what the forward shows, or a refusal
         attention = [b.fqn for b in structure.blocks if b.kind == "attention"]
         for fqn, spec in modules.items():
             local = compute_tp_local_attrs(model, fqn, spec, ms, attention=fqn in attention)
             spec.with_derived(tp_local_attr_plan=local)
-        prove_local_programs(model, modules, attention, ms)  # what production runs, or a refusal
+        # What production runs, or a refusal:
+        prove_local_programs(model, modules, attention, ms, call)
     result = ShardingPlan(
         modules=modules,
         mesh_axis_names=ms.axis_names,
@@ -285,7 +290,8 @@ def plan(
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
         ep_size=ep_size,
-        notes=[*structure.notes, *notes],
+        notes=[*structure.notes, *notes, *filter(None, [left_out_note(model, call)])],
+        example=call if call.given else None,
     )
     if check_items:
         check_plan_items(result)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -27,6 +27,7 @@ from hp_core.planner.fused_layout import FusedLayout
 from hp_core.planner.plan import check_plan_args, pick_template, plan, registered_rules
 from hp_core.planner.structure import ModelStructure, analyse
 from hp_core.planner.templates.roles import Role, RoleSource
+from hp_core.plans.example import check_call, default_call, example_call
 from hp_core.plans.model import ShardingPlan
 from hp_core.plans.overrides import OverridesLike, compile_glob, is_glob, load_overrides
 from hp_core.plugins import TEMPLATE_REGISTRY
@@ -187,6 +188,7 @@ def explain_roles(
     sequence_parallel: bool = True,
     loss_parallel: bool = False,
     ep_size: int = 1,
+    example_inputs: Any = None,
 ) -> RoleReport:
     """Why each parameter of ``model`` has its role on ``mesh`` (see the module docstring).
 
@@ -195,8 +197,10 @@ def explain_roles(
     is reported in :attr:`RoleReport.refusal` instead of raised.
     """
     ms = check_plan_args(model, mesh, sequence_parallel, loss_parallel, ep_size)
+    call = default_call(model) if example_inputs is None else example_call(example_inputs)
+    check_call(model, call)
     rules, module_rules, templates = registered_rules()
-    structure = analyse(model, rules, module_rules)
+    structure = analyse(model, rules, module_rules, call)
     active = set(
         ParallelContext.from_spec(
             ms, sequence_parallel=sequence_parallel, ep_size=ep_size
@@ -213,6 +217,7 @@ def explain_roles(
             sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel,
             ep_size=ep_size,
+            example_inputs=call if call.given else None,
         )
     except HpError as e:
         error = e

@@ -19,6 +19,7 @@ from hp_core.planner.templates.module_rules import ModuleRule, kind_role
 from hp_core.planner.templates.roles import Role, RoleRule, RoleSource, first_rule
 from hp_core.planner.trace import FlowTrace, TraceFailedError
 from hp_core.planner.trace import trace as run_trace
+from hp_core.plans.example import ExampleCall, failed_call_error
 from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = [
@@ -218,6 +219,7 @@ def _decide_roles(
     rules: list[RoleRule],
     module_rules: list[ModuleRule],
     archs: tuple[str, ...],
+    call: ExampleCall | None,
 ) -> tuple[dict[str, Role], Inference, dict[str, RoleSource]]:
     """Every parameter's role: scoped name rules, then ModuleRules, general name rules
     (hints), then structure (:mod:`~hp_core.planner.infer_roles`) for the rest; and what
@@ -248,16 +250,20 @@ def _decide_roles(
             sources[fqn] = _UNCLAIMED
         roles[fqn] = role
     if undecided or any(k in ("attention", "mlp") for k in inferred.kinds.values()):
-        inferred = infer_roles(model, undecided, module_rules, archs)
+        inferred = infer_roles(model, undecided, module_rules, archs, call)
         roles.update(inferred.roles)
         sources.update(inferred.sources)
     return roles, inferred, sources
 
 
 def analyse(
-    model: nn.Module, rules: Iterable[RoleRule], module_rules: Iterable[ModuleRule] = ()
+    model: nn.Module,
+    rules: Iterable[RoleRule],
+    module_rules: Iterable[ModuleRule] = (),
+    call: ExampleCall | None = None,
 ) -> ModelStructure:
-    """Classify every parameter and group them into blocks (docs/plans.md, steps 1-2)."""
+    """Classify every parameter and group them into blocks (docs/plans.md, steps 1-2);
+    ``call`` is the forward call the dataflow trace runs (default: hp's default call)."""
     rules = list(rules)
     archs = model_architectures(model)
     modules = dict(model.named_modules())
@@ -277,7 +283,7 @@ def analyse(
                 tied[fqn] = first_by_id[id(p)]
             else:
                 first_by_id[id(p)] = fqn
-    roles, inferred, sources = _decide_roles(model, owner, rules, list(module_rules), archs)
+    roles, inferred, sources = _decide_roles(model, owner, rules, list(module_rules), archs, call)
 
     claimed: dict[str, tuple[str, str]] = {}  # param fqn -> (block fqn, kind)
 
@@ -384,7 +390,7 @@ def analyse(
         )
     flows = inferred.flows
     if flows is None and _outputs_unclear(blocks, modules):
-        flows = _light_trace(model)
+        flows = _light_trace(model, call)
     _mark_outputs(blocks, flows)
     return ModelStructure(
         blocks, roles, tied, archs, list(modules), unclaimed, inferred.notes, sources
@@ -418,12 +424,15 @@ def _outputs_unclear(blocks: list[Block], modules: Mapping[str, nn.Module]) -> b
     return False
 
 
-def _light_trace(model: nn.Module) -> FlowTrace | None:
+def _light_trace(model: nn.Module, call: ExampleCall | None) -> FlowTrace | None:
     """The trace for output structure alone, where roles needed none; ``None`` if the forward
-    cannot run on meta (the annotations decide, and the final norm stays sequence-sharded)."""
+    cannot run on meta (the annotations decide, and the final norm stays sequence-sharded).
+    A call the user gave that fails is an error: they asked for exactly that call."""
     try:
-        return run_trace(model)
-    except TraceFailedError:
+        return run_trace(model, call)
+    except TraceFailedError as e:
+        if call is not None and call.given:
+            raise failed_call_error(model, call, e) from e
         return None
 
 

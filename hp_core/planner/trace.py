@@ -1,15 +1,16 @@
 """A dataflow trace of a model on the meta device: which projection feeds what.
 
 The model runs once through ``torch.func.functional_call`` with meta copies of its
-parameters and buffers and tiny meta input ids, so nothing of the user's model is
-copied, allocated or kept. A ``TorchFunctionMode`` tags every tensor with the
-projections whose outputs it derives from (reset at each projection and each norm) and
-records, per projection module: what its input derives from, whether its output meets
-another projection's in an activation-by-activation product (the attention product), and
-its widths. Embedding lookups are recorded with whether they read the input ids. Module outputs are
-recorded too: whether each module's forward returned a tuple, and which norms' outputs the
-code that called them reshapes (``view``/``reshape`` in model code, with whole-sequence
-shapes) and which norm each projection reads.
+parameters and buffers and the plan's example call (:mod:`hp_core.plans.example`; by
+default tiny meta token ids), so nothing of the user's model is copied, allocated or kept.
+A ``TorchFunctionMode`` tags every tensor with the projections whose outputs it derives
+from (reset at each projection and each norm) and records, per projection module: what its
+input derives from, whether its output meets another projection's in an
+activation-by-activation product (the attention product), and its widths. Embedding lookups
+are recorded with whether they read the input ids. Module outputs are recorded too: whether
+each module's forward returned a tuple, and which norms' outputs the code that called them
+reshapes (``view``/``reshape`` in model code, with whole-sequence shapes) and which norm each
+projection reads.
 
 Tag sets are capped (a tensor derived from many projections is the residual stream), so
 each op costs O(1) and the trace is linear in the model's depth.
@@ -29,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from hp_core.errors import HpError
+from hp_core.plans.example import ExampleCall, default_call
 
 __all__ = [
     "ATTN",
@@ -124,11 +126,11 @@ def is_norm_module(module: nn.Module) -> bool:
 
 
 class _Tagger(TorchFunctionMode):
-    def __init__(self, owners: dict[int, str], ids: torch.Tensor) -> None:
+    def __init__(self, owners: dict[int, str], ids: torch.Tensor | None) -> None:
         super().__init__()
         self.owners = owners  # id(meta param) -> owning module fqn
-        self.tags: dict[int, frozenset[str]] = {id(ids): frozenset({INPUT})}
-        self.keep: list[torch.Tensor] = [ids]  # ids stay unique while the trace runs
+        self.tags: dict[int, frozenset[str]] = {} if ids is None else {id(ids): frozenset({INPUT})}
+        self.keep: list[torch.Tensor] = [] if ids is None else [ids]  # ids stay unique meanwhile
         self.flows: dict[str, ProjectionFlow] = {}
         self.embeddings: dict[str, bool] = {}
         self.stack: list[str] = []  # FQNs of the modules whose forward is running
@@ -224,16 +226,22 @@ def _meta_copy(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, device="meta")
 
 
-def _call_kwargs(model: nn.Module) -> dict[str, Any]:
+def _token_ids(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The call's token ids: the integer tensor bound to the forward's first parameter (other
+    integer inputs, such as positions or targets, are not what a token embedding reads)."""
     try:
-        names = set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):  # pragma: no cover - every nn.Module forward is introspectable
-        return {}
-    return {"use_cache": False} if "use_cache" in names else {}
+        first = next(iter(inspect.signature(model.forward).parameters))
+    except (TypeError, ValueError, StopIteration):  # pragma: no cover - introspectable forwards
+        first = None
+    ids = args[0] if args else kwargs.get(first) if first else None
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex:
+        return None
+    return ids if ids.dtype is not torch.bool else None
 
 
-def trace(model: nn.Module, *, seq: int = 4) -> FlowTrace:
-    """Run ``model`` once on the meta device and return what its projections feed.
+def trace(model: nn.Module, call: ExampleCall | None = None) -> FlowTrace:
+    """Run ``model`` once on the meta device with ``call`` (default: hp's default call) and
+    return what its projections feed.
 
     Raises :class:`TraceFailedError` when the forward cannot run on meta tensors.
     """
@@ -255,8 +263,8 @@ def trace(model: nn.Module, *, seq: int = 4) -> FlowTrace:
                 meta[f"{mfqn}.{bname}" if mfqn else bname] = _meta_copy(b)
     names = {id(m): f for f, m in model.named_modules(remove_duplicate=False)}
     norms = {id(m) for m in model.modules() if is_norm_module(m)}
-    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
-    tagger = _Tagger(owners, ids)
+    args, kwargs = (call or default_call(model)).meta()
+    tagger = _Tagger(owners, _token_ids(model, args, kwargs))
     outputs: dict[str, bool] = {}
 
     def enter_hook(module: nn.Module, args: Any) -> None:
@@ -284,9 +292,7 @@ def trace(model: nn.Module, *, seq: int = 4) -> FlowTrace:
     handle = nn.modules.module.register_module_forward_hook(norm_hook)
     try:
         with torch.no_grad(), tagger:
-            torch.func.functional_call(
-                model, meta, (ids,), _call_kwargs(model), tie_weights=False, strict=False
-            )
+            torch.func.functional_call(model, meta, args, kwargs, tie_weights=False, strict=False)
     except Exception as e:  # any failure of user code on meta: the caller falls back
         raise TraceFailedError(f"{type(e).__name__}: {e}") from e
     finally:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hp_core.plans.errors import PlanTypeError, PlanYAMLError
+from hp_core.plans.example import ExampleCall
 from hp_core.plans.model import ShardingPlan, check_axis_names, check_shape
 from hp_core.plans.providers import (
     PROVIDERS_KEY,
@@ -28,6 +29,8 @@ from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = ["plan_from_dict", "plan_to_dict"]
 
+#: The training call the planner was given (optional).
+EXAMPLE_KEY = "example"
 _TOP_EXAMPLE = "version: 1\nmesh: {axis_names: [tp], shape: [4]}\nmodules: {...}"
 
 
@@ -37,7 +40,8 @@ def plan_to_dict(plan: ShardingPlan) -> dict[str, Any]:
     Placements become DSL strings, internals go under ``_internal``, injected callables
     become ``{_target_: module.qualname}`` (loading those back needs the package trusted).
     The providers of the registry items it names go under ``providers`` (from the registry
-    now, see :mod:`hp_core.plans.providers`), when there are any.
+    now, see :mod:`hp_core.plans.providers`), when there are any; the training call the
+    planner was given under ``example`` (:mod:`hp_core.plans.example`).
     """
     if not isinstance(plan, ShardingPlan):
         raise PlanTypeError(
@@ -48,6 +52,8 @@ def plan_to_dict(plan: ShardingPlan) -> dict[str, Any]:
     providers = record_providers(plan)
     if providers:
         data[PROVIDERS_KEY] = providers_data(providers)
+    if plan.example is not None:
+        data[EXAMPLE_KEY] = plan.example.to_data()
     return data
 
 
@@ -59,6 +65,7 @@ _PLAN_KEYS = (
     "ep_size",
     "modules",
     PROVIDERS_KEY,
+    EXAMPLE_KEY,
 )
 _MESH_KEYS = ("axis_names", "shape")
 _MODULE_KEYS = (*USER_FIELDS, "_internal")
@@ -138,4 +145,7 @@ def plan_from_dict(data: Any) -> ShardingPlan:
         loss_parallel=bool(flags["loss_parallel"]),
         ep_size=ep_size,
         providers=providers_from_data(data[PROVIDERS_KEY], err) if PROVIDERS_KEY in data else {},
+        example=ExampleCall.from_data(data[EXAMPLE_KEY], EXAMPLE_KEY, err)
+        if EXAMPLE_KEY in data
+        else None,
     )

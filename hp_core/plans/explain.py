@@ -211,6 +211,9 @@ def explain(plan: ShardingPlan, report: Any = None) -> str:
         f"{len(plan.modules)} modules planned ({n_boundaries} boundaries); fingerprint "
         f"{fingerprint}",
     ]
+    example = getattr(plan, "example", None)
+    if example is not None:
+        out.append(f"planned and verified on the training call {example.describe()}")
     for fqn, spec in plan.modules.items():
         out.append("")
         out.append(fqn or "<root>")

@@ -13,6 +13,7 @@ from collections.abc import ItemsView, Iterable, Iterator, Mapping
 from typing import Any
 
 from hp_core.plans.errors import PlanError
+from hp_core.plans.example import ExampleCall
 from hp_core.plans.explain import explain as explain_plan
 from hp_core.plans.spec_codec import is_int, parse_bool, plan_data, tname
 from hp_core.plugins import RecordedProvider
@@ -69,7 +70,10 @@ class ShardingPlan:
     it takes part in neither equality nor the fingerprint. ``providers`` records, per
     registry item the plan names (``"inner_wrapper.sdpa_hf"``), the distribution that
     provided it where the plan was written (:mod:`hp_core.plans.providers`); it takes part
-    in neither either. (The planner's ``plan()`` passes its own defaults, e.g.
+    in neither either. ``example`` is the training call the user gave the planner
+    (:mod:`hp_core.plans.example`), which the verifier runs too; None: hp's default call. It
+    changes what is checked, not what runs, so it takes no part in equality or the
+    fingerprint. (The planner's ``plan()`` passes its own defaults, e.g.
     ``sequence_parallel=True``.)
     """
 
@@ -81,6 +85,7 @@ class ShardingPlan:
     ep_size: int = 1
     notes: list[str] = dataclasses.field(default_factory=list, compare=False)
     providers: dict[str, RecordedProvider] = dataclasses.field(default_factory=dict, compare=False)
+    example: ExampleCall | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         cls = "ShardingPlan"
@@ -124,6 +129,11 @@ class ShardingPlan:
                 f"RecordedProvider, got {self.providers!r}."
             )
         self.providers = dict(self.providers)
+        if self.example is not None and not isinstance(self.example, ExampleCall):
+            raise PlanError(
+                f"{cls}.example: expected an ExampleCall or None, got {tname(self.example)}; "
+                "record a call with hp_core.plans.example.example_call(inputs)."
+            )
 
     # Mapping-like access by module FQN ------------------------------------
     def __getitem__(self, fqn: str) -> ModuleShardingSpec:
@@ -181,4 +191,5 @@ class ShardingPlan:
             ep_size=self.ep_size,
             notes=list(self.notes),
             providers=dict(self.providers),
+            example=self.example,
         )

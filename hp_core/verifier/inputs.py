@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +22,13 @@ if TYPE_CHECKING:
 
     from hp_core.mesh import MeshLike
 
-__all__ = ["default_inputs", "to_meta_inputs", "verification_mesh", "whole_inputs"]
+__all__ = [
+    "default_inputs",
+    "example_inputs",
+    "to_meta_inputs",
+    "verification_mesh",
+    "whole_inputs",
+]
 
 
 @contextlib.contextmanager
@@ -113,25 +119,46 @@ def to_meta_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (conv(inputs),), {}
 
 
+def _sequence_split(plan: ShardingPlan, mesh: DeviceMesh) -> int:
+    """Into how many chunks a rank's inputs split the sequence (dim 1): the product of the
+    axes that shard activations everywhere (context parallelism)."""
+    sizes = dict(zip(mesh_axes(mesh), (int(n) for n in mesh.shape), strict=True))
+    return math.prod(
+        n
+        for a, n in sizes.items()
+        if n > 1 and not is_data_axis(a) and activations_on(plan.modules, a) == "sharded"
+    )
+
+
+def _resized(
+    args: tuple[Any, ...], kwargs: dict[str, Any], scale: Callable[[int], int]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def resize(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.dim() >= 2:
+            shape = list(v.shape)
+            shape[1] = scale(shape[1])
+            return torch.empty(shape, dtype=v.dtype, device="meta")
+        return v
+
+    return tuple(resize(a) for a in args), {key: resize(v) for key, v in kwargs.items()}
+
+
 def whole_inputs(
     args: tuple[Any, ...], kwargs: dict[str, Any], plan: ShardingPlan, mesh: DeviceMesh
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The unsharded model's inputs: a rank's inputs are its chunk of the sequence (dim 1)
     along every axis that shards activations everywhere (context parallelism)."""
-    sizes = dict(zip(mesh_axes(mesh), (int(n) for n in mesh.shape), strict=True))
-    k = math.prod(
-        n
-        for a, n in sizes.items()
-        if n > 1 and not is_data_axis(a) and activations_on(plan.modules, a) == "sharded"
-    )
-    if k == 1:
-        return args, kwargs
+    k = _sequence_split(plan, mesh)
+    return (args, kwargs) if k == 1 else _resized(args, kwargs, lambda n: n * k)
 
-    def grow(v: Any) -> Any:
-        if isinstance(v, torch.Tensor) and v.dim() >= 2:
-            shape = list(v.shape)
-            shape[1] *= k
-            return torch.empty(shape, dtype=v.dtype, device="meta")
-        return v
 
-    return tuple(grow(a) for a in args), {key: grow(v) for key, v in kwargs.items()}
+def example_inputs(
+    plan: ShardingPlan, mesh: DeviceMesh
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """One rank's share of the training call the plan records (``plan.example``, the call
+    of the whole model), or None when the plan records none."""
+    if plan.example is None:
+        return None
+    args, kwargs = plan.example.meta()
+    k = _sequence_split(plan, mesh)
+    return (args, kwargs) if k == 1 else _resized(args, kwargs, lambda n: n // k)

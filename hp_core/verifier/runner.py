@@ -45,7 +45,13 @@ from hp_core.verifier.consistency import (
 )
 from hp_core.verifier.errors import UnverifiableError
 from hp_core.verifier.gradients import derive
-from hp_core.verifier.inputs import default_inputs, to_meta_inputs, verification_mesh, whole_inputs
+from hp_core.verifier.inputs import (
+    default_inputs,
+    example_inputs,
+    to_meta_inputs,
+    verification_mesh,
+    whole_inputs,
+)
 from hp_core.verifier.meta import MetaValues
 from hp_core.verifier.passes import plain_pass, production_pass, validate_pass, verifier_pre
 from hp_core.verifier.passes import reduced_plan as _reduced
@@ -93,7 +99,8 @@ def verify(
     ``mesh``: the DeviceMesh the plan will run on (nothing is communicated), or a mesh
     description (``"tp=8"``) or None to verify on a fake process group of the plan's size.
     ``inputs``: one rank's model inputs (tensors are only read for shapes and dtypes);
-    default: token ids for a causal LM. ``exhaustive`` checks repeated layers too. The
+    default: the training call the plan records (``plan(example_inputs=...)``, this rank's
+    share of it), else token ids for a causal LM. ``exhaustive`` checks repeated layers too. The
     model is not touched. Raises a :class:`~hp_core.VerificationError` (or the
     preflight error) naming the module, the parameter and the fix.
     """
@@ -102,7 +109,10 @@ def verify(
         pre = preflight if preflight is not None else check_locally(model, plan, dmesh, "validate")
         vpre = verifier_pre(pre, plan)
         repeats = {} if exhaustive else find_repeats(model, plan.modules)
-        args, kwargs = default_inputs(model, dmesh) if inputs is None else to_meta_inputs(inputs)
+        if inputs is not None:
+            args, kwargs = to_meta_inputs(inputs)
+        else:
+            args, kwargs = example_inputs(plan, dmesh) or default_inputs(model, dmesh)
         names = list(mesh_axes(dmesh))
         try:
             with MetaValues(), torch.enable_grad():
