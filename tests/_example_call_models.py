@@ -132,3 +132,36 @@ def positions_batch(step: int) -> dict[str, torch.Tensor]:
 def positions_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     ids = batch["idx"]
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+class TableBlock(Block):
+    """A layer that adds a table of the whole sequence to its input (a sequence shard under
+    sequence parallelism does not fit it; the unsharded model runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", 0.1 * torch.ones(SEQ, DIM), persistent=False)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x + self.table, mask)
+
+
+class TableLM(TargetsLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = nn.ModuleList(TableBlock() for _ in range(2))
+
+
+def table_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return _seeded(TableLM())
+
+
+_CALLS = [0]
+
+
+def drifting_lm() -> nn.Module:
+    """A factory that seeds itself differently on every call (what the check refuses)."""
+    _CALLS[0] += 1
+    torch.manual_seed(_CALLS[0])
+    return _seeded(TargetsLM())

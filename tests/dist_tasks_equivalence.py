@@ -6,6 +6,7 @@ other mode (or the plan verifier) does not see.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from hp_core import ShardingPlan
@@ -21,6 +22,13 @@ def fused_as_plain_rows(p: ShardingPlan) -> ShardingPlan:
     for _fqn, spec in p.items():
         spec._fused_layouts = {}
     return p
+
+
+def perturb_production_attention(model: nn.Module, mode: str) -> None:
+    """Production's first attention computes another function: its q/k/v weights move."""
+    if mode == "production":
+        with torch.no_grad():
+            model.get_submodule("transformer.h.0.attn.c_attn").weight.add_(0.05)
 
 
 def drop_reductions(model: nn.Module, mode: str) -> None:

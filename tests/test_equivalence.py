@@ -28,6 +28,7 @@ from hp_core.testing import (
     get_world,
 )
 from hp_core.testing.families import build_family
+from hp_core.verifier.errors import ProductionDiffersError
 from hp_plugin_cp import HF_CP_OVERRIDES, cp_global_loss, cp_shard_batch
 from tests import _equivalence_models as models
 from tests import dist_tasks_equivalence as tasks
@@ -145,41 +146,40 @@ def test_gpt2_fused_c_attn_passes_with_its_fused_layout():
     assert c_attn and "fused ['q', 'k', 'v']" in c_attn[0].placements
 
 
-def test_fused_c_attn_split_as_plain_rows_is_caught_in_production():
+def test_fused_c_attn_split_as_plain_rows_is_refused_before_training():
+    """Forgetting the fused layouts (c_attn split as plain rows) fails gpt2's own code on the
+    local shards while the unsharded model runs it: the verifier refuses it before a step."""
+    with pytest.raises(ProductionDiffersError) as info:
+        check_equivalence(
+            M + "gpt2",
+            M + "gpt2_batch",
+            "tp=2",
+            modes=("production",),
+            steps=1,
+            plan_hook=tasks.fused_as_plain_rows,
+        )
+    message = str(info.value)
+    assert message.startswith("transformer.h.0.attn (GPT2Attention): in validate mode"), message
+    assert "not a meta-device limitation" in message and "is invalid for input of size" in message
+
+
+def test_production_computing_another_function_is_caught_in_logits_and_grads():
     with pytest.raises(EquivalenceError) as info:
         check_equivalence(
             M + "gpt2",
             M + "gpt2_batch",
             "tp=2",
             modes=("production",),
-            plan_hook=tasks.fused_as_plain_rows,
+            after_apply=tasks.perturb_production_attention,
         )
     report = info.value.report
     message = str(info.value)
     assert message.startswith("production mode, step 0, logits:"), message
-    assert report.worst["production:logits"] > 0.1
+    assert report.worst["production:logits"] > report.atol
     assert report.worst["production:grad"] > report.atol
     grad_line = next(line for line in message.splitlines() if line.startswith("production:grad"))
     assert "transformer.h." in grad_line and "[tp: Shard(" in grad_line, grad_line
     assert f"> tolerance atol={report.atol:g}" in message
-
-
-def test_fused_c_attn_split_as_plain_rows_is_not_silent_in_validate():
-    # validate runs gpt2's own Conv1D on the DTensors: its view of the column-sharded output
-    # fails outright (validate does not "match" as it did when the issue was filed)
-    with pytest.raises(
-        EquivalenceRunError,
-        match=r"^validate mode raised \w+ in the forward and loss of step 0: "
-        r".*is invalid for input of size",
-    ):
-        check_equivalence(
-            M + "gpt2",
-            M + "gpt2_batch",
-            "tp=2",
-            modes=("validate",),
-            steps=1,
-            plan_hook=tasks.fused_as_plain_rows,
-        )
 
 
 def test_dropped_gradient_reductions_are_caught():

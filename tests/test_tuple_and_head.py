@@ -208,9 +208,11 @@ def test_boundary_outputs_as_views_break_falcons_in_place_add():
     r = get_world(2).run(tasks.cases, items, "to_local_views")[0]
     assert r["falcon/nosp"]["type"] == "UnverifiableError", r
     assert "modified inplace" in r["falcon/nosp"]["message"]
-    # under sequence parallelism the same view reaches the next layer in a shape it cannot be
-    assert r["falcon/sp"]["type"] == "LayoutMismatchError", r
-    assert "transformer.h.1" in r["falcon/sp"]["message"]
+    # under sequence parallelism the layer is a local region: the same in-place add fails in
+    # its code on the shards while the unsharded model runs it, so the verifier refuses it
+    assert r["falcon/sp"]["type"] == "ProductionDiffersError", r
+    assert r["falcon/sp"]["message"].startswith("transformer.h.0 (FalconDecoderLayer)"), r
+    assert "modified inplace" in r["falcon/sp"]["message"]
 
 
 OLD_FALCON = {"new_decoder_architecture": False, "multi_query": False, "num_kv_heads": 4}

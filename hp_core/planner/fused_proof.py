@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves
 from hp_core.mesh import MeshSpec
 from hp_core.planner.fused_layout import FusedLayout, keep_whole
 from hp_core.planner.lints import FusedProjectionError, compute_tp_local_attrs
-from hp_core.planner.trace import META_ANSWERS
+from hp_core.planner.trace import META_ANSWERS, meta_operands
 from hp_core.plans.example import ExampleCall, default_call
 from hp_core.spec.module_spec import ModuleShardingSpec
 
@@ -117,6 +117,7 @@ class _Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in META_ANSWERS:
             return META_ANSWERS[func]
+        args, kwargs = meta_operands(args, kwargs)
         out = func(*args, **kwargs)
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         src = next((t for t in ins if id(t) in self.roots), None)

@@ -25,7 +25,7 @@ from hp_core.planner.lints import (
     lint_plan,
 )
 from hp_core.planner.local_proof import prove_local_programs
-from hp_core.planner.structure import analyse, check_unclaimed
+from hp_core.planner.structure import Block, analyse, check_unclaimed
 from hp_core.planner.templates.context import TemplateContext
 from hp_core.planner.templates.mixers import kept_whole_note
 from hp_core.planner.templates.module_rules import ModuleRule
@@ -108,6 +108,20 @@ def _build(template: BoundaryTemplate, ctx: TemplateContext) -> Any:
             provider=provider,
             fqn=fqn,
         ) from e
+
+
+def _not_called(block: Block, ctx: TemplateContext) -> tuple[ModuleShardingSpec, str]:
+    """A block whose forward the traced call never runs: its parameters are declared whole
+    (``is_boundary: false``), since a boundary there would never see its data."""
+    params = {rel: ctx.replicated() for rel in block.params}
+    spec = ModuleShardingSpec(is_boundary=False, params={k: v for k, v in params.items() if v})
+    note = (
+        f"{block.fqn} ({type(block.module).__name__}) is kept whole, its parameters replicated: "
+        "the traced call never runs its forward (its parent's code calls its children), so hp "
+        "cannot wrap it. To shard it, give its parent a contract through an override or a plugin "
+        "template"
+    )
+    return spec, note
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -223,6 +237,7 @@ def plan(
     rules, templates = _registered()
     structure = analyse(model, rules, _module_rules(), call)
     derived: dict[str, ModuleShardingSpec] = {}
+    uncalled: list[str] = []
     first_layer = True
     for block in structure.blocks:
         template = pick_template(templates, block.kind, structure.architectures)
@@ -246,6 +261,9 @@ def plan(
             first_layer = False
         if spec is None:
             continue
+        if block.called is False and isinstance(spec, ModuleShardingSpec) and spec.is_boundary:
+            spec, note = _not_called(block, ctx)
+            uncalled.append(note)
         if not isinstance(spec, ModuleShardingSpec):
             raise PlanningError(
                 f"{block.fqn}: template {template.name!r} returned {type(spec).__name__}, not a "
@@ -290,7 +308,7 @@ def plan(
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
         ep_size=ep_size,
-        notes=[*structure.notes, *notes, *filter(None, [left_out_note(model, call)])],
+        notes=[*structure.notes, *uncalled, *notes, *filter(None, [left_out_note(model, call)])],
         example=call if call.given else None,
     )
     if check_items:

@@ -74,6 +74,10 @@ class Block:
     #: output over whole on tp (and the head reading it takes it whole).
     whole_out: bool = False
     whole_in: bool = False
+    #: Whether its forward ran when the trace ran the model (``None``: not traced). A
+    #: module whose forward never runs (minGPT's MLP is a ModuleDict its parent's code calls
+    #: the children of) cannot be wrapped: a boundary there would never see its data.
+    called: bool | None = None
 
 
 @dataclasses.dataclass
@@ -438,11 +442,16 @@ def _light_trace(model: nn.Module, call: ExampleCall | None) -> FlowTrace | None
 
 def _mark_outputs(blocks: list[Block], flows: FlowTrace | None) -> None:
     """What the blocks' forwards return, and which final norm must hand its output over whole
-    (docs/plans.md: a head fed by model code that reshapes the norm's output)."""
+    (docs/plans.md: a head fed by model code that reshapes the norm's output). A module with
+    no forward of its own (a ModuleDict) is never called, traced or not."""
+    for b in blocks:
+        if type(b.module).forward is nn.Module.forward:
+            b.called = False
     if flows is None:
         return
     for b in blocks:
         b.tuple_out = flows.tuple_outputs.get(b.fqn)
+        b.called = b.called is not False and b.fqn in flows.tuple_outputs
     norms = {b.fqn: b for b in blocks if b.kind == "norm"}
     for b in blocks:
         flow = flows.projections.get(b.fqn)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from hp_core.errors import HpError
 from hp_core.plans.example import ExampleCall, default_call
@@ -40,6 +40,7 @@ __all__ = [
     "FlowTrace",
     "ProjectionFlow",
     "TraceFailedError",
+    "meta_operands",
     "trace",
 ]
 
@@ -80,6 +81,25 @@ _RESHAPE_FUNCS: frozenset[Callable[..., Any]] = frozenset(
 _NORM_FUNCS: frozenset[Callable[..., Any]] = frozenset(
     {F.layer_norm, F.rms_norm, F.group_norm, torch.layer_norm, torch.rms_norm}
 )
+
+
+def meta_operands(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """An op's operands all on meta: a tensor the model holds outside its parameters and
+    buffers (gpt-fast keeps ``freqs_cis`` as a plain attribute) stays where it was built
+    while the meta run's tensors are on meta; it takes part by shape and dtype only."""
+    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if all(t.is_meta for t in leaves) or not any(t.is_meta for t in leaves):
+        return args, kwargs
+
+    def conv(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and not v.is_meta:
+            return torch.empty_like(v, device="meta")
+        return v
+
+    out: tuple[tuple[Any, ...], dict[str, Any]] = tree_map(conv, (args, kwargs))
+    return out
 
 
 class TraceFailedError(HpError, RuntimeError):
@@ -158,6 +178,7 @@ class _Tagger(TorchFunctionMode):
             # Meta tensors hold no values: a data-dependent check (a mask's "all ones?", a
             # packed-sequence test) gets the answer of the ordinary, unpacked batch.
             return META_ANSWERS[func]
+        args, kwargs = meta_operands(args, kwargs)
         out = func(*args, **kwargs)
         leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         owners = [self.owners[id(t)] for t in leaves if id(t) in self.owners]

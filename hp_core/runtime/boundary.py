@@ -18,13 +18,14 @@ A boundary's ``forward`` is replaced by a ``BoundaryForward`` that
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -163,6 +164,7 @@ class BoundaryForward:
         strict: bool = False,
         rng: Any = None,
         fix_match: str | None = None,
+        nested: Mapping[str, Mapping[str, Placement]] | None = None,
     ) -> None:
         self.fqn = fqn
         self.module = module
@@ -208,23 +210,26 @@ class BoundaryForward:
         }
         self.expected_out = {name: to_placements(layout, mesh) for name, layout in out_src.items()}
         self.deferred = [_owner(module, rel) for rel in spec._deferred_bias_params]
-        self.own_params = [
-            _owner(module, rel) for rel in layout_map(spec.params) if rel not in spec._ep_stack
-        ]
+        # The region's parameters: its own and those of parameter-only specs inside it
+        # (``nested``, by path from this module), which local code also meets unwrapped.
+        region = {
+            **{r: n for r, n in layout_map(spec.params).items() if r not in spec._ep_stack},
+            **(nested or {}),
+        }
+        self.own_params = [_owner(module, rel) for rel in region]
         # Validate: local code hides from DTensor whether a replicated parameter's gradient is
         # partial, so the contract says it when the parameter is unwrapped for local code.
         names = list(mesh_axes(mesh))
         self.local_grad_placements = {}
         if mode == "validate":
-            for rel in [
-                *spec._deferred_bias_params,
-                *(r for r in layout_map(spec.params) if r not in spec._ep_stack),
-            ]:
-                named = layout_map(spec.params).get(rel, {})
+            judged = dataclasses.replace(spec, params={r: dict(n) for r, n in region.items()})
+            judged._deferred_bias_params = spec._deferred_bias_params
+            for rel in [*spec._deferred_bias_params, *region]:
+                named = layout_map(judged.params).get(rel, {})
                 if is_expert_param(spec, named):
                     continue
                 partial = (
-                    contract_partial_axes(fqn, spec, rel, names)
+                    contract_partial_axes(fqn, judged, rel, names)
                     if (not self.dispatch or rel in spec._deferred_bias_params)
                     else ()
                 )
@@ -235,10 +240,7 @@ class BoundaryForward:
         self._rel_of = {
             (id(o), n): rel
             for rel, (o, n) in zip(
-                [
-                    *spec._deferred_bias_params,
-                    *(r for r in layout_map(spec.params) if r not in spec._ep_stack),
-                ],
+                [*spec._deferred_bias_params, *region],
                 [*self.deferred, *self.own_params],
                 strict=True,
             )

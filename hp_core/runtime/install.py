@@ -11,7 +11,7 @@ module's own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -46,6 +46,25 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["install", "vocab_axis"]
+
+
+def nested_layouts(plan: ShardingPlan, fqn: str) -> dict[str, Mapping[str, Any]]:
+    """The parameters of the parameter-only specs (``is_boundary: false``) in boundary
+    ``fqn``'s region, by path from it: its code meets them as it meets its own (those inside
+    a nested boundary belong to that one)."""
+    inner = [f for f, s in plan.items() if s.is_boundary and f != fqn and _inside(f, fqn)]
+    out: dict[str, Mapping[str, Any]] = {}
+    for f, spec in plan.items():
+        if spec.is_boundary or not _inside(f, fqn) or any(_inside(f, b) for b in inner):
+            continue
+        for rel, named in layout_map(spec.params).items():
+            full = f"{f}.{rel}" if f else rel
+            out[full[len(fqn) + 1 :] if fqn else full] = named
+    return out
+
+
+def _inside(f: str, fqn: str) -> bool:
+    return f != fqn and (not fqn or f.startswith(fqn + "."))
 
 
 def _tp_group(mesh: DeviceMesh) -> ProcessGroup | None:
@@ -229,6 +248,7 @@ def install(
             strict=strict,
             rng=rng,
             fix_match=fix_match(fqn, plan.modules),
+            nested=nested_layouts(plan, fqn),
         )
         forward: Any = bf
         if guard is not None and fallback is not None:
@@ -243,6 +263,7 @@ def install(
                 strict=strict,
                 rng=rng,
                 fix_match=bf.fix_match,
+                nested=nested_layouts(plan, fqn),
             )
             forward = SequenceSwitch(bf, whole, fallback)
         set_forward(journal, module, forward)

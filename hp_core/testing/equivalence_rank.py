@@ -12,7 +12,6 @@ gathered the same way; and that every parameter with a gradient moved.
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -312,6 +311,25 @@ def _same_everywhere(model: nn.Module, factory: object) -> None:
         )
 
 
+def _another(build: Callable[[], Any], base: nn.Module, device: str, factory: object) -> nn.Module:
+    """One more copy of the model, built by the factory (not ``copy.deepcopy``: a model whose
+    code closes over its own modules, as minGPT's ``mlpf`` lambda does, is not deep-copyable),
+    refused unless it holds exactly the first one's parameters and buffers."""
+    model = build().to(device)
+    mine, first = model.state_dict(), base.state_dict()
+    same = mine.keys() == first.keys() and all(
+        mine[k].dtype == first[k].dtype and torch.equal(mine[k], first[k]) for k in first
+    )
+    if not same:
+        raise EquivalenceFactoryError(
+            f"model factory {factory!r} built another model on its second call than on its "
+            "first: the check builds the reference and each mode's copy with it. Fix: seed the "
+            "factory inside it (torch.manual_seed(0) first), so every call builds the same "
+            "weights."
+        )
+    return model
+
+
 def _unmoved_everywhere(names: list[str]) -> list[str]:
     every: list[list[str] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, names)
@@ -364,9 +382,10 @@ def equivalence_on_rank(
     if plan_hook is not None:
         p = plan_hook(p) or p
     checked = verify(base, p, dmesh)
-    models: dict[str, nn.Module] = {"ref": copy.deepcopy(base)}
+    models: dict[str, nn.Module] = {"ref": _another(build, base, device, model_factory)}
     for mode in run_modes:
-        models[mode] = apply(copy.deepcopy(base), p, dmesh, mode=mode, verify=checked)
+        model = _another(build, base, device, model_factory)
+        models[mode] = apply(model, p, dmesh, mode=mode, verify=checked)
         if after_apply is not None:
             after_apply(models[mode], mode)
     report = EquivalenceReport(str(spec), run_modes, steps, rtol, atol)

@@ -25,7 +25,8 @@ class VerificationError(HpError, ValueError):
 
 
 class ProductionDiffersError(VerificationError):
-    """Production mode (local shards) fails, or produces another shape than validate mode."""
+    """Code run on local shards (production mode, or a local region in either mode) fails
+    where the unsharded model's runs, or produces another shape than validate mode."""
 
 
 class LayoutMismatchError(VerificationError):

@@ -11,6 +11,7 @@ not depend on those answers, for the common path.
 from __future__ import annotations
 
 import copy
+import types
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -109,7 +110,42 @@ def meta_clone(model: nn.Module, shared: Mapping[str, str] | None = None) -> nn.
         for fqn, r in shared.items():
             if r == rep:
                 memo[id(model.get_submodule(fqn))] = memo[id(original)]
-    return copy.deepcopy(model, memo)
+    clone = copy.deepcopy(model, memo)
+    _rebind_closures(clone, memo)
+    return clone
+
+
+def _rebind_closures(clone: nn.Module, memo: Mapping[int, Any]) -> None:
+    """Functions a module holds that close over the model's own objects (minGPT's
+    ``self.mlpf = lambda x: m.c_proj(m.act(m.c_fc(x)))``) call the copy's, not the original's.
+
+    ``copy.deepcopy`` copies a function as itself, so such a lambda would keep running the
+    original model's modules and parameters inside the copy.
+    """
+    for module in clone.modules():
+        for name, value in list(vars(module).items()):
+            cells = getattr(value, "__closure__", None)
+            if not isinstance(value, types.FunctionType) or not cells:
+                continue
+            if not any(id(c.cell_contents) in memo for c in cells if _filled(c)):
+                continue
+            new = tuple(
+                types.CellType(memo.get(id(c.cell_contents), c.cell_contents))
+                if _filled(c)
+                else c
+                for c in cells
+            )
+            module.__dict__[name] = types.FunctionType(
+                value.__code__, value.__globals__, value.__name__, value.__defaults__, new
+            )
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
 
 
 def adapt_for_meta(model: nn.Module) -> None:

@@ -169,14 +169,14 @@ def plain_pass(
 
 
 def validate_pass(
-    model, plan, mesh, pre, repeats, args, kwargs, on_arrival=None
+    model, plan, mesh, pre, repeats, args, kwargs, on_arrival=None, plain=None
 ) -> tuple[dict[str, BoundaryRecord], ShardingPlan]:
     clone, reduced, state = _install_copy(model, plan, mesh, "validate", pre, repeats)
     records: dict[str, BoundaryRecord] = {}
     for fqn, bf in state.forwards.items():
         rec = records[fqn] = BoundaryRecord(fqn, bf.dispatch)
         if not bf.dispatch:
-            opaque_fallback(bf, rec)
+            opaque_fallback(bf, rec, (plain or {}).get(fqn), "validate")
         params = _region_params(clone, reduced, fqn) if bf.dispatch else {}
         bf.module.__dict__["forward"] = ValidateProbe(bf, rec, params, on_arrival)
     _wrap_repeaters(clone, repeats)
@@ -185,14 +185,14 @@ def validate_pass(
 
 
 def production_pass(
-    model, plan, mesh, pre, repeats, args, kwargs, val_records
+    model, plan, mesh, pre, repeats, args, kwargs, val_records, plain=None
 ) -> dict[str, BoundaryRecord]:
     clone, _, state = _install_copy(model, plan, mesh, "production", pre, repeats)
     records: dict[str, BoundaryRecord] = {}
     for fqn, bf in state.forwards.items():
         rec = records[fqn] = BoundaryRecord(fqn, False)
         if not val_records[fqn].dispatching:
-            opaque_fallback(bf, rec)
+            opaque_fallback(bf, rec, (plain or {}).get(fqn), "production")
         bf.module.__dict__["forward"] = ProductionProbe(bf, rec)
     _wrap_repeaters(clone, repeats)
     try:

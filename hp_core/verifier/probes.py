@@ -103,14 +103,20 @@ class BoundaryRecord:
     inputs: list[dict[str, tuple[int, ...]]] = dataclasses.field(default_factory=list)
 
 
-def opaque_fallback(bf: BoundaryForward, record: BoundaryRecord) -> None:
+def opaque_fallback(
+    bf: BoundaryForward, record: BoundaryRecord, plain: BoundaryRecord | None, mode: str
+) -> None:
     """A local region whose code cannot run on meta tensors passes its first input through.
 
     Such code is opaque to DTensor anyway (its gradients follow the contract); what the
-    verifier still needs from it is an output of the right shape for what comes after.
+    verifier still needs from it is an output of the right shape for what comes after. Only
+    a meta-device limitation earns the pass: when the unsharded model ran the same region's
+    code on meta (``plain``, the unsharded pass's record of it), a failure on the planned
+    layouts is the plan's, and is refused.
     """
     compute = bf.compute
     n_out = max(1, len(bf.out_names))
+    ran_whole = plain is not None and plain.skipped is None and bool(plain.shapes)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -119,12 +125,21 @@ def opaque_fallback(bf: BoundaryForward, record: BoundaryRecord) -> None:
             raise  # a finding inside (a nested boundary's), not a meta limitation
         except Exception as e:
             x = next((t for t in tensors_in((args, kwargs)) if t.is_floating_point()), None)
+            first = str(e).splitlines()[0][:200] if str(e) else ""
+            if ran_whole:
+                raise ProductionDiffersError(
+                    f"{bf.fqn} ({type(bf.module).__name__}): in {mode} mode this region's code "
+                    f"fails on this rank's local shards ({type(e).__name__}: {first}), while the "
+                    "unsharded model runs the same code on meta tensors: not a meta-device "
+                    "limitation, the layouts the plan gives it do not fit its code (e.g. a table "
+                    "of the whole sequence meeting a sequence shard, or a head count not made "
+                    "local).\nFix: plan with sequence_parallel=False, or hand the region whole "
+                    "inputs and keep it whole on tp:\n"
+                    + keep_whole_yaml(bf.fqn, bf.spec, match=bf.fix_match)
+                ) from e
             if x is None:
                 raise
-            record.skipped = (
-                f"its code does not run on meta tensors ({type(e).__name__}: "
-                f"{str(e).splitlines()[0][:120] if str(e) else ''})"
-            )
+            record.skipped = f"its code does not run on meta tensors ({type(e).__name__}: {first})"
             return x if n_out == 1 else (x, *([None] * (n_out - 1)))
 
     bf.compute = run

@@ -132,9 +132,9 @@ def verify(
                     else None
                 )
                 val, reduced = validate_pass(
-                    model, plan, dmesh, vpre, repeats, args, kwargs, arrival
+                    model, plan, dmesh, vpre, repeats, args, kwargs, arrival, plain
                 )
-                prod = production_pass(model, plan, dmesh, vpre, repeats, args, kwargs, val)
+                prod = production_pass(model, plan, dmesh, vpre, repeats, args, kwargs, val, plain)
         except HpError:
             # A finding (VerificationError, AmbiguousGradientError, PlacementMismatchError, ...).
             raise

@@ -2,23 +2,20 @@
 
 Run from the repository root: ``python -m tests.zoo.survey [--steps 3] [--only NAME ...]
 [--json PATH]``. For every zoo entry and ``sequence_parallel`` in (True, False) it plans on
-``tp=2`` with no overrides; when that plans, it runs
-:func:`hp_core.testing.check_equivalence` (both modes, ``--steps`` AdamW steps) on a
-2-rank gloo world. Each run's outcome is one of ``match``, ``refused at plan: ...``,
-``refused at apply: ...``, ``crashed: ...``, ``mismatch: ...`` (the error's class and
-first line), with whether the attention block's parameters are tp-sharded or kept whole.
+``tp=2`` with no overrides, on the training call (``example_inputs``: step 0's batch);
+when that plans, it runs :func:`hp_core.testing.check_equivalence` (both modes,
+``--steps`` AdamW steps) on a 2-rank gloo world. Each run's outcome is one of ``match``,
+``refused at plan: ...``, ``refused at apply: ...``, ``crashed: ...``, ``mismatch: ...``
+(the error's class and first line), with whether the attention block's parameters are
+tp-sharded or kept whole.
 
 A refusal whose message prints an override to paste (hp's ``Fix:`` YAML, e.g. a
 keep-whole ``params:`` entry or ``is_boundary: false``) is then *followed*: the printed
 entries are added to the overrides and the entry is planned again (a new refusal with
 another printed entry adds that one too, up to :data:`MAX_FIX_ROUNDS`), and the result is
-checked like the zero-config run: a ``+fix`` row. Two diagnostics follow:
-
-* ``+manual``: where a refusal prints no override (minGPT), the override a user would try
-  (:data:`MANUAL_FIXES`, written here, not by hp), then hp's printed ones as above;
-* ``+fix, verify on batch``: where the fixed plan is refused at apply by the verifier, the
-  same check with hp's verify given the training call's inputs (the check itself verifies
-  with ``forward(ids)`` only), to tell whether that is the only blocker.
+checked like the zero-config run: a ``+fix`` row. ``+manual``: where a refusal prints
+no override (minGPT), the override a user would try (:data:`MANUAL_FIXES`, written here,
+not by hp), then hp's printed ones as above.
 
 ``mingpt_copyable`` is a diagnostic entry, not a zoo model: minGPT with its ``mlpf`` lambda
 replaced by a ``partial`` that ``copy.deepcopy`` follows (the check deep-copies the model;
@@ -47,15 +44,10 @@ from hp_core import HpError, ShardingPlan
 from hp_core.testing import (
     EquivalenceError,
     EquivalenceInputError,
-    EquivalenceReport,
     EquivalenceRunError,
     WorldError,
-    WorldTaskError,
     WorldTimeoutError,
     check_equivalence,
-    equivalence_on_rank,
-    equivalence_rank,
-    get_world,
     shutdown_worlds,
 )
 from tests.zoo import gpt_fast, litgpt, mingpt, nanogpt, torchtitan_llama
@@ -195,62 +187,29 @@ def plan_once(
     entry: Entry, sp: bool, overrides: list[dict[str, Any]]
 ) -> tuple[ShardingPlan | None, BaseException | None]:
     try:
-        return hp_core.plan(entry.factory(), MESH, sequence_parallel=sp, overrides=overrides), None
+        model = entry.factory()
+        return hp_core.plan(model, MESH, overrides=overrides, **_plan_kwargs(entry, sp)), None
     except HpError as e:
         return None, e
 
 
-def _verify_on_batch_rank(
-    name: str, sp: bool, overrides: list[dict[str, Any]], steps: int
-) -> EquivalenceReport:
-    """The rank side of the check, with hp's verify given step 0's training inputs."""
-    entry = BY_NAME[name]
-    batch = entry.batch(0)
-    original = equivalence_rank.verify
-
-    def verify_on_batch(model: nn.Module, p: ShardingPlan, mesh: Any) -> Any:
-        return original(model, p, mesh, inputs=((), batch))
-
-    equivalence_rank.verify = verify_on_batch  # type: ignore[assignment]
-    try:
-        return equivalence_on_rank(
-            entry.factory, entry.batch, MESH, overrides=overrides or None,
-            plan_kwargs={"sequence_parallel": sp}, steps=steps, loss_fn=entry.loss_fn,
-            raise_on_failure=False,
-        )  # fmt: skip
-    finally:
-        equivalence_rank.verify = original  # the world's processes run later tasks too
+def _plan_kwargs(entry: Entry, sp: bool) -> dict[str, Any]:
+    return {"sequence_parallel": sp, "example_inputs": entry.batch(0)}
 
 
-def _checked(
-    entry: Entry, sp: bool, overrides: list[dict[str, Any]], steps: int, on_batch: bool
-) -> EquivalenceReport:
-    if not on_batch:
-        return check_equivalence(
-            entry.factory, entry.batch, MESH, overrides=overrides or None,
-            plan_kwargs={"sequence_parallel": sp}, steps=steps, loss_fn=entry.loss_fn,
-            timeout=600,
-        )  # fmt: skip
-    try:
-        reports = get_world(2).run(
-            _verify_on_batch_rank, entry.name, sp, overrides, steps, timeout=600
-        )
-    except WorldTaskError as e:  # as check_equivalence does: the ranks' own error
-        cause = next((x for x in e.exceptions.values() if isinstance(x, HpError)), None)
-        raise (cause or e) from e
-    for report in reports:
-        if not report.passed:
-            raise EquivalenceError(report)
-    first: EquivalenceReport = reports[0]
-    return first
+def _checked(entry: Entry, sp: bool, overrides: list[dict[str, Any]], steps: int) -> Any:
+    return check_equivalence(
+        entry.factory, entry.batch, MESH, overrides=overrides or None,
+        plan_kwargs=_plan_kwargs(entry, sp), steps=steps, loss_fn=entry.loss_fn, timeout=600,
+    )  # fmt: skip
 
 
 def equivalence(
-    entry: Entry, sp: bool, overrides: list[dict[str, Any]], steps: int, on_batch: bool = False
+    entry: Entry, sp: bool, overrides: list[dict[str, Any]], steps: int
 ) -> tuple[str, str]:
     """``(outcome, whole message)`` of the equivalence check."""
     try:
-        report = _checked(entry, sp, overrides, steps, on_batch)
+        report = _checked(entry, sp, overrides, steps)
     except EquivalenceRunError as e:
         return f"crashed: {first_line(e)}", f"{e}\n--- cause ---\n{e.__cause__}"
     except EquivalenceError as e:
@@ -275,7 +234,6 @@ def run_variant(
     overrides: list[dict[str, Any]],
     steps: int,
     variant: str = "zero-config",
-    on_batch: bool = False,
 ) -> Row:
     """Plan with ``overrides`` and check; unless zero-config, keep following the refusals'
     printed fixes (at plan and at apply) until one plans, or none is printed."""
@@ -295,7 +253,7 @@ def run_variant(
                 overrides=overrides, error=str(err), seconds=time.monotonic() - start,
             )  # fmt: skip
         notes = [n.splitlines()[0] for n in p.notes]
-        outcome, message = equivalence(entry, sp, overrides, steps, on_batch)
+        outcome, message = equivalence(entry, sp, overrides, steps)
         more = [o for o in suggested_overrides(message) if o not in overrides]
         if follow and outcome.startswith("refused at apply") and more:
             overrides += more
@@ -329,14 +287,8 @@ def survey(entries: tuple[Entry, ...], steps: int) -> list[Row]:
             elif row.outcome.startswith("refused") and entry.name in MANUAL_FIXES:
                 manual = MANUAL_FIXES[entry.name]
                 fixed = _report(run_variant(entry, sp, manual, steps, "+manual"), "  ")
-            if fixed is None:
-                continue
-            rows.append(fixed)
-            if fixed.outcome.startswith("refused at apply"):
-                again = run_variant(
-                    entry, sp, fixed.overrides, steps, f"{fixed.variant}, verify on batch", True
-                )
-                rows.append(_report(again, "  "))
+            if fixed is not None:
+                rows.append(fixed)
     return rows
 
 
