@@ -28,7 +28,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hp_core.collectives import grad_is_partial
@@ -432,7 +431,6 @@ class BoundaryForward:
             with (
                 self._detached_biases(),
                 implicit_replication(),
-                sdpa_kernel([SDPBackend.MATH]),
                 self.declared_only(),
                 _LegacyEmptyCat(),
                 self._random(),

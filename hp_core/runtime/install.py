@@ -21,6 +21,7 @@ from hp_core.injection import InjectionBindingError, check_forward_compatible
 from hp_core.plans.model import ShardingPlan
 from hp_core.runtime.applied import AppliedModel, InnerWrap
 from hp_core.runtime.boundary import BoundaryForward, InnerOutputCheck
+from hp_core.runtime.dtensor_strategies import register_missing_strategies
 from hp_core.runtime.experts import expert_grad_reductions
 from hp_core.runtime.fixes import fix_match
 from hp_core.runtime.fused import set_local_attr
@@ -194,6 +195,8 @@ def install(
     In validate mode every dispatching region refuses an implicit DTensor redistribution:
     communication the contract does not declare.
     """
+    if mode == "validate":  # its regions run on DTensors: the kernels they dispatch need strategies
+        register_missing_strategies()
     # Every collective of the install comes first, before the model is touched: after them
     # the install is local, so a rank failing there cannot leave another waiting in one.
     journal.phase("communication")
