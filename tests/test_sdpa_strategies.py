@@ -15,6 +15,8 @@ Three layers of evidence:
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -259,3 +261,13 @@ def test_titan_llama_with_sdpa_matches_one_device_in_both_modes(factory, sp):
         steps=1,
     )
     assert report.passed, report.summary()
+
+
+def test_validate_keeps_to_the_math_kernel_off_cpu() -> None:
+    """CPU: the default kernel (hp's strategies cover it); elsewhere: math only."""
+    with strategies.validate_attention_kernels(SimpleNamespace(device_type="cpu")):
+        assert torch.backends.cuda.flash_sdp_enabled()
+    with strategies.validate_attention_kernels(SimpleNamespace(device_type="cuda")):
+        assert not torch.backends.cuda.flash_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.flash_sdp_enabled()

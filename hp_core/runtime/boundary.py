@@ -35,6 +35,7 @@ from hp_core.errors import HpError
 from hp_core.mesh import mesh_axes
 from hp_core.planner.lints import is_conv1d
 from hp_core.runtime.broadcast import BroadcastToShards
+from hp_core.runtime.dtensor_strategies import validate_attention_kernels
 from hp_core.runtime.fixes import keep_whole_yaml
 from hp_core.runtime.fused_views import zero_bias
 from hp_core.runtime.layouts import Redistribution, same_placement, to_placements
@@ -431,6 +432,7 @@ class BoundaryForward:
             with (
                 self._detached_biases(),
                 implicit_replication(),
+                validate_attention_kernels(self.mesh),
                 self.declared_only(),
                 _LegacyEmptyCat(),
                 self._random(),

@@ -33,6 +33,7 @@ Dropout needs no case: the CPU flash kernel refuses ``dropout_p > 0``, and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -40,11 +41,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hp_core.errors import HpError
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 __all__ = [
@@ -53,6 +56,7 @@ __all__ = [
     "AttentionMaskPlacementError",
     "has_strategy",
     "register_missing_strategies",
+    "validate_attention_kernels",
 ]
 
 _aten = torch.ops.aten
@@ -192,3 +196,16 @@ def register_missing_strategies() -> tuple[OpOverload, ...]:
         infos[op] = dataclasses.replace(infos[op], static_kwargkey=["attn_mask"])
         registered.append(op)
     return tuple(registered)
+
+
+def validate_attention_kernels(mesh: DeviceMesh) -> contextlib.AbstractContextManager[None]:
+    """The attention kernels a dispatching region may use in validate mode.
+
+    On CPU, the platform's default: its flash kernel has the strategies above. Elsewhere the
+    math kernel, whose ops DTensor shards exactly: torch's strategies for the fused GPU
+    kernels have not been run against hp's strict regions (a masked call may need a
+    redistribution a strict region refuses), so validate keeps to what runs everywhere.
+    """
+    if mesh.device_type == "cpu":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.MATH])

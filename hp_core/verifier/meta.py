@@ -130,9 +130,7 @@ def _rebind_closures(clone: nn.Module, memo: Mapping[int, Any]) -> None:
             if not any(id(c.cell_contents) in memo for c in cells if _filled(c)):
                 continue
             new = tuple(
-                types.CellType(memo.get(id(c.cell_contents), c.cell_contents))
-                if _filled(c)
-                else c
+                types.CellType(memo.get(id(c.cell_contents), c.cell_contents)) if _filled(c) else c
                 for c in cells
             )
             module.__dict__[name] = types.FunctionType(
