@@ -40,7 +40,11 @@ def _round_trip_holds(results, mode):
         assert r["specs"][tasks.O_PROJ] == (("dp", "tp"), "(Shard(dim=0), Shard(dim=1))")
         norm_mesh = ("dp",) if mode == "production" else ("dp", "tp")
         assert r["specs"][tasks.NORM][0] == norm_mesh, r["specs"]
-        assert r["trained"] <= 1e-5 and r["logits_vs_ref"] <= 1e-5, r  # = one device's
+        # = one device's. Validate runs the CPU flash attention kernel on DTensors (hp's
+        # strategies): its float32 rounding differs from the reference's by up to ~1.3e-5
+        # after the training steps (measured), production's by less than 1e-5.
+        trained_tol = 1e-5 if mode == "production" else 2e-5
+        assert r["trained"] <= trained_tol and r["logits_vs_ref"] <= 1e-5, r
         assert r["scrambled"] > 0.5  # negative control: the scramble changed every rank
         assert r["restored"] <= TOL and r["logits"] <= TOL, r
 
