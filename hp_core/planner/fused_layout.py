@@ -186,6 +186,27 @@ def derive(block: nn.Module, rel: str, role: Role, param: torch.Tensor, config: 
     return _qkv(block, config, n_out, dim)
 
 
+def _unread(
+    block: nn.Module, rel: str, role: Role, param: torch.Tensor, config: Any, force: bool = False
+) -> FusedLayout:
+    """A fused q/k/v layout whose units no attribute gives (0: read off the forward by
+    ``hp_core.planner.fused_proof``); the derivation's refusal for anything else."""
+    path = rel.rpartition(".")[0]
+    owner = block.get_submodule(path) if path else block
+    if role is not Role.FUSED_QKV:
+        if not force:
+            return derive(block, rel, role, param, config)
+    dim = 1 if is_conv1d(owner) and param.dim() == 2 else 0
+    return FusedLayout("concatenated", dim, (int(param.shape[dim]),), (0,), ("qkv",))
+
+
+def _kv_read(block: nn.Module, config: Any) -> bool:
+    """Whether the derivation read a key/value head count (else it assumed one per head)."""
+    config = getattr(block, "config", None) or config
+    names = ("num_key_value_heads", "num_kv_heads", "multi_query")
+    return any(getattr(o, n, None) is not None for o in (block, config) for n in names)
+
+
 def local_region(block: nn.Module, roles: Mapping[str, Role], tp: int) -> bool:
     """Whether a block's fused parameters are re-arranged (so its region runs on local shards).
 
@@ -234,10 +255,21 @@ def fused_layouts(
             continue
         param = block.get_parameter(rel)
         where = f"{fqn}.{rel}" if fqn else rel
+        config = getattr(model, "config", None)
         try:
-            layout = derive(block, rel, role, param, getattr(model, "config", None))
+            try:
+                layout = derive(block, rel, role, param, config)
+            except FusedProjectionError:
+                layout = _unread(block, rel, role, param, config)
             if placement.dim != layout.dim:
                 continue  # not split along the fused dim: each rank holds all parts of a slice
+            if not all(layout.units):  # the proof reads the units off the forward
+                out[rel] = layout.to_data()
+                continue
+            if layout.size() != param.shape[layout.dim] and not _kv_read(block, config):
+                # The kv count was a guess (no attribute holds it): the forward tells.
+                out[rel] = _unread(block, rel, role, param, config, force=True).to_data()
+                continue
             if layout.size() != param.shape[layout.dim]:
                 raise FusedProjectionError(
                     f"fused projection of shape {tuple(param.shape)}, but its config gives "
