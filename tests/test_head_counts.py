@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import hp_core
+from hp_core.artifact import freeze, rebuild
 from hp_core.planner import head_search
 from hp_core.planner.local_width import INPUT_WIDTH, present_local
 from hp_core.testing import check_equivalence, get_world
@@ -139,3 +140,14 @@ def test_negative_control_without_the_search_production_is_refused_or_wrong(name
     refused = outcome.get("refused")
     worst = outcome.get("production:logits", 0.0)
     assert refused is not None or float(worst) > 1e-3, outcome  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["config_fused", "width_fused"])
+def test_a_frozen_plan_re_derives_what_the_search_found(name: str) -> None:
+    """An artifact keeps no tp-local attribute plan; it is re-derived from the model, and
+    the search's result, recorded in ``tp_divide_attrs``, comes back with it."""
+    model = _meta(name)
+    found = hp_core.plan(model, "tp=2")
+    back = rebuild(freeze(found), model=model)
+    assert back[BLOCK]._tp_local_attr_plan == found[BLOCK]._tp_local_attr_plan
+    assert back[BLOCK]._tp_local_attr_plan == EXPECTED[name][2]

@@ -13,14 +13,16 @@ output:
 2. the local program production runs: the clone with each tp-sharded parameter at its
    local shape and the tp-local attributes the plan sets (``compute_tp_local_attrs``).
 
-The layout is read off the global program: the first ops on the fused output either cut
-its last dim into contiguous parts (concatenated ``[Q; K; V]``, ``[gate; up]``) or view it
-as ``(units, width)`` (per-head interleaved, per-group). It is accepted only when the local
-program is the global one op by op, with unit counts divided by tp and every per-unit
-width unchanged. Anything else (a constant group count, a different path, a forward that
-does not run on meta) is a ``FusedProjectionError`` naming the op and both shapes, raised
-at plan time, before any collective. Each distinct block (class, shapes, attributes,
-placements) is proven once, so planning stays linear in depth.
+The layout is read off the global program: the first ops on the fused output either cut its
+last dim into contiguous parts (concatenated ``[Q; K; V]``, ``[gate; up]``) or view it as
+``(units, width)`` (per-head interleaved, per-group). It is accepted only when the local
+program is the global one op by op, with unit counts divided by tp and every per-unit width
+unchanged (the values it divides are searched for, as by the local-program gate, when the
+known names do not suffice; a layout with no head count anywhere takes each part's from the
+view that splits it into heads). Anything else (a constant group count, a different path, a
+forward that does not run on meta) is a ``FusedProjectionError`` naming the op and both
+shapes, raised at plan time, before any collective. Each distinct block (class, shapes,
+attributes, placements) is proven once, so planning stays linear in depth.
 """
 
 from __future__ import annotations

@@ -8,15 +8,17 @@ production program shows that, so it is checked here, at plan time, on the meta 
 
 Each distinct attention block whose projections are column-sharded on tp is traced twice
 with :mod:`hp_core.planner.fused_proof`'s recorder: the global program, and the local one
-production runs (local parameter shapes, the plan's tp-local attributes). The shape-changing
-ops on what derives from each column-sharded projection must be the same ops, with exactly
-one dim divided by tp and never a per-head width. Otherwise the plan is refused, naming the
-op and both shapes, before any collective. A local program that fails outright is loud, not
-silent: the verifier's meta run of production refuses it at apply (ProductionDiffersError),
-so it is left to that. A block whose forward is replaced by an inner
-wrapper or a compute (CP attention, BLOOM's ALiBi rows, experts) is its wrapper's contract
-and is not traced; a block the model's forward does not reach on meta is left to the
-verifier, as before.
+production runs (local parameter shapes, the plan's tp-local attributes). The shape-
+changing ops on what derives from each column-sharded projection must be the same ops, with
+exactly one dim divided by tp and never a per-head width. When the known head-count names
+do not make it so, :mod:`hp_core.planner.head_search` finds the values that do (the block's
+and its config's integer attributes, the input's width) and records them. Otherwise the
+plan is refused, naming the op and both shapes, before any collective. A local program that
+fails outright is loud, not silent: the verifier's meta run of production refuses it at
+apply (ProductionDiffersError), so it is left to that. A block whose forward is replaced by
+an inner wrapper or a compute (CP attention, BLOOM's ALiBi rows, experts) is its wrapper's
+contract and is not traced; a block the model's forward does not reach on meta is left to
+the verifier, as before.
 """
 
 from __future__ import annotations
