@@ -46,7 +46,7 @@ class KnownCount(_Renamed):
 
 
 class OwnCount(_Renamed):
-    """The head count under a name of its own (``width_groups``): refused unless declared."""
+    """The head count under a name of its own (``width_groups``): found by the search."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -54,6 +54,18 @@ class OwnCount(_Renamed):
 
     def heads(self) -> int:
         return self.width_groups
+
+
+class ConstantCount(_Renamed):
+    """The head count a module constant (``n_head`` is there, unused): no attribute fixes
+    the local program, so the search finds nothing and the block is refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_head = HEADS
+
+    def heads(self) -> int:
+        return HEADS
 
 
 class NotOnMeta(nn.Module):
@@ -84,6 +96,10 @@ def known_count() -> Net:
 
 def own_count() -> Net:
     return fe.seeded_net(OwnCount)
+
+
+def constant_count() -> Net:
+    return fe.seeded_net(ConstantCount)
 
 
 def not_on_meta() -> Net:

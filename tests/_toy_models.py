@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hp_core.testing.external_models import NanoGPT
+
 HIDDEN = 64
 HEADS = 4
 KV_HEADS = 2
@@ -297,3 +299,27 @@ class LearnedActivationMLP(MLP):
 
 def learned_activation_lm() -> ToyCausalLM:
     return ToyCausalLM([Layer(HeadAttention(), LearnedActivationMLP(), "mlp")])
+
+
+class OneHeadAttention(nn.Module):
+    """nanoGPT's fused ``c_attn`` attending with one head: no view splits q, k or v into
+    heads, so nothing (module, config or forward) says where tp could cut whole heads."""
+
+    def __init__(self, hidden: int = HIDDEN) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(hidden, 3 * hidden)
+        self.c_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.c_attn(x).split(x.shape[-1], dim=2)
+        return self.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+class OneHeadNanoGPT(NanoGPT):
+    """``hp_core.testing.external_models.NanoGPT`` with one-head attention: its fused q/k/v
+    is refused (the role report's and the CLI's refusal case)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for block in self.transformer["h"].children():
+            block.attn = OneHeadAttention(block.attn.c_proj.in_features)

@@ -40,8 +40,17 @@ def test_codegen_groups_are_read_off_its_forward():
     assert spec._tp_local_attr_plan["num_attention_heads"] == (4, 2)
 
 
+def test_a_group_count_attribute_is_found_by_the_search():
+    """``groups`` is no head-count name: the search finds the forward reads it, and the proof
+    that dividing it makes the local program the global one scaled is why it is chosen."""
+    spec = hp_core.plan(tasks.toy(groups=4), {"tp": 2}, sequence_parallel=False)
+    attn = spec["layers.0.self_attn"]
+    assert attn._tp_local_attr_plan == {"num_heads": (4, 2), "groups": (4, 2)}
+    assert attn.tp_divide_attrs == ["groups"]
+
+
 def test_a_hard_coded_group_count_is_refused_at_plan_time():
-    model = tasks.toy(groups=4)
+    model = tasks.toy(groups="constant")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(FusedProjectionError) as e:
         hp_core.plan(model, {"tp": 2}, sequence_parallel=False)

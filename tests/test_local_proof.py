@@ -31,12 +31,18 @@ def test_a_known_head_count_is_made_local_whatever_the_projections_are_called() 
     assert block._tp_local_attr_plan == {"n_head": (4, 2)}
 
 
-def test_a_head_count_of_its_own_is_refused_naming_the_block_the_op_and_the_fix() -> None:
-    model = _meta(models.own_count)
+def test_a_head_count_of_its_own_is_found_by_the_search() -> None:
+    p = hp_core.plan(_meta(models.own_count), "tp=2")
+    assert p["layers.0.block"]._tp_local_attr_plan == {"width_groups": (4, 2)}
+    assert p["layers.0.block"].tp_divide_attrs == ["width_groups"]
+
+
+def test_a_constant_head_count_is_refused_naming_the_block_the_op_and_the_fix() -> None:
+    model = _meta(models.constant_count)
     with pytest.raises(hp_core.LocalProgramError) as err:
         hp_core.plan(model, "tp=2")
     msg = str(err.value)
-    assert msg.startswith("layers.0.block: OwnCount's forward")
+    assert msg.startswith("layers.0.block: ConstantCount's forward")
     assert (
         "after wq: view (1, 4, 32) -> (1, 4, 4, 8) becomes view (1, 4, 16) -> (1, 4, 4, 4)" in msg
     )

@@ -14,7 +14,10 @@ by contiguous ``Shard``: its ``index`` is None. A layout of several parts (conca
 
 ``derive`` reads the layout off the model (its config: head counts, head_dim, intermediate
 size; its family's way of splitting the output) and refuses, naming the module, the layout,
-the counts and the fix, what tp cannot split into whole units.
+the counts and the fix, what tp cannot split into whole units. A fused q/k/v whose head
+count neither the module nor its config gives (or whose guessed kv count does not add up)
+is left to the proof, with its units unknown (0): ``hp_core.planner.fused_proof`` reads them
+off the forward's views into heads, or refuses.
 """
 
 from __future__ import annotations
@@ -186,6 +189,22 @@ def derive(block: nn.Module, rel: str, role: Role, param: torch.Tensor, config: 
     return _qkv(block, config, n_out, dim)
 
 
+def _unread(block: nn.Module, rel: str, param: torch.Tensor) -> FusedLayout:
+    """A fused q/k/v layout whose units no attribute gives: 0, read off the forward by
+    ``hp_core.planner.fused_proof`` (which refuses it when no view there gives them)."""
+    path = rel.rpartition(".")[0]
+    owner = block.get_submodule(path) if path else block
+    dim = 1 if is_conv1d(owner) and param.dim() == 2 else 0
+    return FusedLayout("concatenated", dim, (int(param.shape[dim]),), (0,), ("qkv",))
+
+
+def _kv_read(block: nn.Module, config: Any) -> bool:
+    """Whether the derivation read a key/value head count (else it assumed one per head)."""
+    config = getattr(block, "config", None) or config
+    names = ("num_key_value_heads", "num_kv_heads", "multi_query")
+    return any(getattr(o, n, None) is not None for o in (block, config) for n in names)
+
+
 def local_region(block: nn.Module, roles: Mapping[str, Role], tp: int) -> bool:
     """Whether a block's fused parameters are re-arranged (so its region runs on local shards).
 
@@ -234,10 +253,21 @@ def fused_layouts(
             continue
         param = block.get_parameter(rel)
         where = f"{fqn}.{rel}" if fqn else rel
+        config = getattr(model, "config", None)
         try:
-            layout = derive(block, rel, role, param, getattr(model, "config", None))
+            try:
+                layout = derive(block, rel, role, param, config)
+            except FusedProjectionError:  # no head count on the module or its config
+                layout = _unread(block, rel, param)
             if placement.dim != layout.dim:
                 continue  # not split along the fused dim: each rank holds all parts of a slice
+            if not all(layout.units):  # the proof reads the units off the forward
+                out[rel] = layout.to_data()
+                continue
+            if layout.size() != param.shape[layout.dim] and not _kv_read(block, config):
+                # The kv count was a guess (no attribute holds it): the forward tells.
+                out[rel] = _unread(block, rel, param).to_data()
+                continue
             if layout.size() != param.shape[layout.dim]:
                 raise FusedProjectionError(
                     f"fused projection of shape {tuple(param.shape)}, but its config gives "

@@ -13,14 +13,16 @@ output:
 2. the local program production runs: the clone with each tp-sharded parameter at its
    local shape and the tp-local attributes the plan sets (``compute_tp_local_attrs``).
 
-The layout is read off the global program: the first ops on the fused output either cut
-its last dim into contiguous parts (concatenated ``[Q; K; V]``, ``[gate; up]``) or view it
-as ``(units, width)`` (per-head interleaved, per-group). It is accepted only when the local
-program is the global one op by op, with unit counts divided by tp and every per-unit
-width unchanged. Anything else (a constant group count, a different path, a forward that
-does not run on meta) is a ``FusedProjectionError`` naming the op and both shapes, raised
-at plan time, before any collective. Each distinct block (class, shapes, attributes,
-placements) is proven once, so planning stays linear in depth.
+The layout is read off the global program: the first ops on the fused output either cut its
+last dim into contiguous parts (concatenated ``[Q; K; V]``, ``[gate; up]``) or view it as
+``(units, width)`` (per-head interleaved, per-group). It is accepted only when the local
+program is the global one op by op, with unit counts divided by tp and every per-unit width
+unchanged (the values it divides are searched for, as by the local-program gate, when the
+known names do not suffice; a layout with no head count anywhere takes each part's from the
+view that splits it into heads). Anything else (a constant group count, a different path, a
+forward that does not run on meta) is a ``FusedProjectionError`` naming the op and both
+shapes, raised at plan time, before any collective. Each distinct block (class, shapes,
+attributes, placements) is proven once, so planning stays linear in depth.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
-import itertools
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn
@@ -41,13 +42,16 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from hp_core.mesh import MeshSpec
+from hp_core.planner import head_search
 from hp_core.planner.fused_layout import FusedLayout, keep_whole
-from hp_core.planner.lints import FusedProjectionError, compute_tp_local_attrs
+from hp_core.planner.lints import FusedProjectionError, compute_tp_local_attrs, input_width
+from hp_core.planner.local_width import INPUT_WIDTH, present_local
+from hp_core.planner.program_reading import _compare, _layout_of, _Op, _units_from_views
 from hp_core.planner.trace import META_ANSWERS, meta_operands
 from hp_core.plans.example import ExampleCall, default_call
 from hp_core.spec.module_spec import ModuleShardingSpec
 
-__all__ = ["prove_fused_layouts"]
+__all__ = ["local_call", "prove_fused_layouts", "record_found"]
 
 _STRUCTURAL = frozenset(
     {
@@ -69,19 +73,6 @@ _STRUCTURAL = frozenset(
 
 #: Per-layer indices (the cache slot a layer writes) that do not change the program.
 _INDEX_NAMES = ("layer_idx", "layer_id", "layer_number", "block_idx", "layer_index")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Op:
-    name: str
-    direct: bool  # applied to the fused output itself (or a same-shape copy of it)
-    in_shape: tuple[int, ...]
-    outs: tuple[tuple[int, ...], ...]
-    starts: tuple[int, ...]  # along the last dim, for cuts of the fused output
-
-    def show(self) -> str:
-        outs = ", ".join(str(s) for s in self.outs)
-        return f"{self.name} {self.in_shape} -> {outs}"
 
 
 class _Recorder(TorchFunctionMode):
@@ -132,7 +123,7 @@ class _Recorder(TorchFunctionMode):
         starts = tuple(at + s for s in starts)
         if name in _STRUCTURAL:
             shapes = tuple(tuple(t.shape) for t in outs)
-            self.ops[rel].append(_Op(name, direct, tuple(src.shape), shapes, starts))
+            self.ops[rel].append(_Op(name, direct, tuple(src.shape), shapes, starts, at))
         for i, t in enumerate(outs):
             # A same-shape op (clamp, dropout, a cast) of the fused output is still it, and a
             # cut of it is a contiguous piece of the fused dim (which may be cut again).
@@ -195,78 +186,6 @@ def _run(
     return rec.ops
 
 
-def _cuts(ops: list[_Op]) -> list[tuple[int, int]]:
-    """``(start, width)`` of each cut of the fused output's last dim (cuts of cuts included)."""
-    out: set[tuple[int, int]] = set()
-    for op in ops:
-        if op.direct and op.starts:
-            out |= {(s, o[-1]) for s, o in zip(op.starts, op.outs, strict=True)}
-    return sorted(out)
-
-
-def _tiling(cuts: list[tuple[int, int]], n: int) -> tuple[int, ...] | None:
-    """The finest parts every cut is made of, when the cuts cover ``[0, n)`` (else None)."""
-    bounds = sorted({0, n, *(s for s, _ in cuts), *(s + w for s, w in cuts)})
-    if bounds[0] < 0 or bounds[-1] > n:
-        return None
-    pieces = list(itertools.pairwise(bounds))
-    if any(not any(s <= a and b <= s + w for s, w in cuts) for a, b in pieces):
-        return None
-    return tuple(b - a for a, b in pieces)
-
-
-def _layout_of(ops: list[_Op], hint: FusedLayout, n: int) -> FusedLayout | str:
-    """The layout the global program's ops show, or why none can be read.
-
-    Every boundary of every cut (a cut of a cut too: ``q, kv = split(...)`` then
-    ``kv.chunk(2)``) is a part boundary: each rank must hold its rows of each piece.
-    """
-    direct = [op for op in ops if op.direct]
-    if not direct:
-        return "its forward applies no split, slice or view to the fused output"
-    cuts = _cuts(ops)
-    if cuts and direct[0].starts:
-        tiled = _tiling(cuts, n)
-        if tiled is None:
-            return f"the forward's cuts {cuts} do not tile the fused dim of {n}"
-        parts = tiled
-        if parts == hint.parts:
-            return hint
-        per = sum(hint.units) if len(hint.parts) > 1 else hint.units[0] * len(parts)
-        unit = n // per if per and n % per == 0 else 0
-        units = tuple(w // unit if unit and w % unit == 0 else 0 for w in parts)
-        same = len(hint.names) == len(parts)
-        names = hint.names if same else tuple(f"part{i}" for i in range(len(parts)))
-        kind = "gate_up" if hint.kind == "gate_up" else "concatenated"
-        return FusedLayout(kind, hint.dim, parts, units, names)
-    op = direct[0]
-    if op.name in ("view", "reshape", "unflatten") and len(op.outs) == 1:
-        shape, lead = op.outs[0], op.in_shape[:-1]
-        if len(shape) > len(op.in_shape) and shape[: len(lead)] == lead:
-            groups = shape[len(lead)]
-            per_head = groups == hint.units[0] and hint.kind != "grouped"
-            kind = "interleaved" if per_head else "grouped"
-            return FusedLayout(kind, hint.dim, (n,), (groups,), ("qkv",))
-    return f"the first op on the fused output, {op.show()}, neither cuts nor groups its last dim"
-
-
-def _compare(g_ops: list[_Op], l_ops: list[_Op], tp: int) -> str | None:
-    """Why the local program is not the global one scaled by tp units (None: it is)."""
-    if [o.name for o in g_ops] != [o.name for o in l_ops]:
-        names = [o.name for o in g_ops]
-        return f"the local program applies the ops {[o.name for o in l_ops]}, the global {names}"
-    for g, loc in zip(g_ops, l_ops, strict=True):
-        if len(g.outs) != len(loc.outs):
-            return f"{g.show()} gives {len(loc.outs)} outputs locally ({loc.show()})"
-        grows = g.name in ("view", "reshape", "unflatten") and len(g.outs[0]) > len(g.in_shape)
-        for gs, ls in zip(g.outs, loc.outs, strict=True):
-            differ = [i for i, (a, b) in enumerate(zip(gs, ls, strict=False)) if a != b]
-            scaled = len(gs) == len(ls) and all(gs[i] == ls[i] * tp for i in differ)
-            if not scaled or len(differ) > 1 or (grows and differ == [len(gs) - 1]):
-                return f"{g.show()} becomes {loc.show()} on tp={tp}"
-    return None
-
-
 def _local_clone(
     block: nn.Module, spec: ModuleShardingSpec, tp: int, attrs: Mapping[str, tuple[int, int]]
 ) -> nn.Module:
@@ -286,12 +205,26 @@ def _local_clone(
         shape[placement.dim] //= tp
         owner._parameters[leaf] = _meta_param(old, tuple(shape))
     for attr, (_, local) in attrs.items():
+        if attr == INPUT_WIDTH:  # no attribute: the call's input is shown local instead
+            continue
         path, _, leaf = attr.rpartition(".")
-        target: Any = (
-            clone if not path else (clone.config if path == "config" else clone.get_submodule(path))
-        )
-        setattr(target, leaf, local)  # the clone's config is its own deep copy
+        target: Any = clone
+        if path:  # a child's attribute, or a plain object's (the clone's own deep copy of it)
+            held = "." not in path and path not in clone._modules
+            target = getattr(clone, path) if held else clone.get_submodule(path)
+        setattr(target, leaf, local)
     return clone
+
+
+def local_call(
+    call: tuple[tuple[Any, ...], dict[str, Any]], attrs: Mapping[str, tuple[int, int]], tp: int
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call production makes of a block: with the region's input width shown local
+    where the plan says so (``INPUT_WIDTH``), as the boundary's forward does."""
+    width = attrs.get(INPUT_WIDTH)
+    if width is None:
+        return call
+    return present_local(call[0], dict(call[1]), width[0], tp)
 
 
 def _capture(
@@ -372,9 +305,10 @@ def _prove(
     mesh: MeshSpec,
     call: tuple[tuple[Any, ...], dict[str, Any]] | None,
     match: str = "",
-) -> dict[str, dict[str, Any]]:
-    """The proven layouts of boundary ``fqn`` (see the module docstring), or a refusal
-    (whose override matches ``match``: every block like it)."""
+) -> tuple[dict[str, dict[str, Any]], dict[str, tuple[int, int]]]:
+    """The proven layouts of boundary ``fqn`` (see the module docstring) and the attributes
+    the search found local beyond the known ones, or a refusal (whose override matches
+    ``match``: every block like it)."""
     tp = mesh.size("tp")
     block = model.get_submodule(fqn) if fqn else model
     hints = {r: FusedLayout.from_data(d) for r, d in spec._fused_layouts.items()}
@@ -404,6 +338,16 @@ def _prove(
         if isinstance(layout, str):
             _refuse(fqn, spec, block, tp, f"{path}: {layout}", match)
         layout = dataclasses.replace(layout, dim=hint.dim)
+        if not all(layout.units):  # no head count was read: the forward's views give it
+            layout = _units_from_views(global_ops.get(path, []), layout)
+            if not all(layout.units):
+                raise FusedProjectionError(
+                    f"{fqn}.{rel}: {type(block).__name__}: cannot read the head count and "
+                    "head_dim of this fused q/k/v projection from the module, its config or its "
+                    "forward (no view of each part into heads).\nFix: keep the boundary whole on "
+                    f"tp (an override replicating its parameters), or add a plugin template for "
+                    f"it.{keep_whole(match or fqn, spec)}"
+                )
         shape = tuple(block.get_parameter(rel).shape)
         try:
             layout.check("", shape, tp)
@@ -414,8 +358,25 @@ def _prove(
         proven[rel] = layout.to_data()
     spec.with_derived(fused_layouts=proven)
     attrs = compute_tp_local_attrs(model, fqn, spec, mesh) or {}
+    paths = {p: p for p in owners}
+
+    def attempt(trial: dict[str, tuple[int, int]]) -> bool:
+        try:
+            ops = _run(_local_clone(block, spec, tp, trial), paths, local_call(call, trial, tp))
+        except Exception:  # this set does not even run: not the one
+            return False
+        return all(_compare(global_ops.get(p, []), ops.get(p, []), tp) is None for p in owners)
+
+    if attempt(attrs):
+        return proven, {}
+    # The known names do not make the program local: find what does, and prove it.
+    shown = head_search.shapes_shown(global_ops)
+    width = input_width(block, spec)
+    found = head_search.search_local_attrs(block, tp, shown, attrs, attempt, width=width)
+    if found is not None:
+        return proven, {a: v for a, v in found.items() if a not in attrs}
     try:
-        local_ops = _run(_local_clone(block, spec, tp, attrs), {p: p for p in owners}, call)
+        local_ops = _run(_local_clone(block, spec, tp, attrs), paths, call)
     except Exception as e:  # a local program that cannot run is refused
         _refuse(
             fqn,
@@ -429,7 +390,23 @@ def _prove(
         why = _compare(global_ops.get(path, []), local_ops.get(path, []), tp)
         if why is not None:
             _refuse(fqn, spec, block, tp, f"{path}: {why}", match)
-    return proven
+    return proven, {}  # pragma: no cover - the known names failed, so the above refused
+
+
+def record_found(
+    spec: ModuleShardingSpec,
+    found: Mapping[str, tuple[int, int]],
+    base: Mapping[str, tuple[int, int]] | None = None,
+) -> None:
+    """Record the attributes the search proved local: in the spec's ``tp_divide_attrs`` (so
+    a saved or frozen plan re-derives them) and its tp-local attribute plan."""
+    declared = list(spec.tp_divide_attrs) if isinstance(spec.tp_divide_attrs, list) else []
+    extra = [a for a in found if a not in (base or {}) and a not in declared]
+    if extra:
+        spec.tp_divide_attrs = [*declared, *extra]
+    plan = dict(spec._tp_local_attr_plan or {})
+    plan.update(found)
+    spec.with_derived(tp_local_attr_plan=plan)
 
 
 def _glob(
@@ -472,9 +449,16 @@ def prove_fused_layouts(
         for key, fqn in reps.items()
     }
     for fqn, spec in todo.items():
-        layouts = {r: dict(d) for r, d in proven[keys[fqn]].items()}
+        layouts = {r: dict(d) for r, d in proven[keys[fqn]][0].items()}
         spec.with_derived(fused_layouts=layouts)
-        if (
+        if proven[keys[fqn]][1]:
+            record_found(spec, proven[keys[fqn]][1])
+        split = any(len(d["parts"]) > 1 for d in layouts.values())
+        if split and not moved[fqn] and spec.region_dispatch is None:
+            # Read off the forward (no head count to derive it from): re-arranged all the same,
+            # so the region runs on the local [Q_r; K_r; V_r], as a derived layout's does.
+            spec.region_dispatch = False
+        elif (
             spec.region_dispatch is False
             and moved
             and all(len(d["parts"]) == 1 for d in layouts.values())

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from hp_core.mesh import MeshSpec, MeshSpecError
+from hp_core.planner.local_width import INPUT_WIDTH
 from hp_core.planner.templates.roles import Role
 from hp_core.plans.errors import ArgumentTypeError, PlanError
 from hp_core.spec.axes import CANONICAL_AXES
@@ -34,6 +35,7 @@ __all__ = [
     "attr_value",
     "compute_deferred_biases",
     "compute_tp_local_attrs",
+    "input_width",
     "is_conv1d",
     "lint_plan",
 ]
@@ -266,6 +268,20 @@ def _conv1d_widths(module: nn.Module, spec: ModuleShardingSpec) -> list[str]:
     return out
 
 
+def input_width(module: nn.Module, spec: ModuleShardingSpec) -> int | None:
+    """The hidden width of a region's input: what its column-sharded projections take in."""
+    params = spec.params if isinstance(spec.params, dict) else {}
+    for rel, named in params.items():
+        path, _, leaf = rel.rpartition(".")
+        owner, tp = (_module(module, path) if path else None), named.get("tp")
+        weight = owner._parameters.get("weight") if owner is not None else None
+        if leaf == "weight" and isinstance(tp, Shard) and weight is not None and weight.dim() == 2:
+            conv = is_conv1d(owner)  # type: ignore[arg-type]
+            if tp.dim == (1 if conv else 0):
+                return int(weight.shape[0 if conv else 1])
+    return None
+
+
 def compute_tp_local_attrs(
     model: nn.Module,
     fqn: str,
@@ -299,6 +315,15 @@ def compute_tp_local_attrs(
     names += _conv1d_widths(module, spec)
     extra = spec.tp_divide_attrs if isinstance(spec.tp_divide_attrs, list) else []
     for attr in extra:
+        # The input's width (planner/local_width.py), or a held object's (``config.n_head``).
+        if attr == INPUT_WIDTH or "." in attr:
+            if attr != INPUT_WIDTH and attr_value(module, attr) is None:
+                raise PlanningError(
+                    f"{fqn}.tp_divide_attrs: {type(module).__name__}.{attr} is not an integer "
+                    "attribute; only integer attributes can be divided by the tp size."
+                )
+            names += [attr] if attr not in names else []
+            continue
         if not hasattr(module, attr):
             public = [
                 n for n, v in vars(module).items() if isinstance(v, int) and not n.startswith("_")
@@ -321,7 +346,7 @@ def compute_tp_local_attrs(
         return None
     plan: dict[str, tuple[int, int]] = {}
     for attr in names:
-        value = attr_value(module, attr)
+        value = input_width(module, spec) if attr == INPUT_WIDTH else attr_value(module, attr)
         if value is None:  # pragma: no cover - names holds integer attributes only
             continue
         if value % tp:

@@ -8,19 +8,22 @@ production program shows that, so it is checked here, at plan time, on the meta 
 
 Each distinct attention block whose projections are column-sharded on tp is traced twice
 with :mod:`hp_core.planner.fused_proof`'s recorder: the global program, and the local one
-production runs (local parameter shapes, the plan's tp-local attributes). The shape-changing
-ops on what derives from each column-sharded projection must be the same ops, with exactly
-one dim divided by tp and never a per-head width. Otherwise the plan is refused, naming the
-op and both shapes, before any collective. A local program that fails outright is loud, not
-silent: the verifier's meta run of production refuses it at apply (ProductionDiffersError),
-so it is left to that. A block whose forward is replaced by an inner
-wrapper or a compute (CP attention, BLOOM's ALiBi rows, experts) is its wrapper's contract
-and is not traced; a block the model's forward does not reach on meta is left to the
-verifier, as before.
+production runs (local parameter shapes, the plan's tp-local attributes). The shape-
+changing ops on what derives from each column-sharded projection must be the same ops, with
+exactly one dim divided by tp and never a per-head width. When the known head-count names
+do not make it so, :mod:`hp_core.planner.head_search` finds the values that do (the block's
+and its config's integer attributes, the input's width) and records them. Otherwise the
+plan is refused, naming the op and both shapes, before any collective. A local program that
+fails outright is loud, not silent: the verifier's meta run of production refuses it at
+apply (ProductionDiffersError), so it is left to that. A block whose forward is replaced by
+an inner wrapper or a compute (CP attention, BLOOM's ALiBi rows, experts) is its wrapper's
+contract and is not traced; a block the model's forward does not reach on meta is left to
+the verifier, as before.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,9 +31,19 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from hp_core.mesh import MeshSpec
+from hp_core.planner import head_search
 from hp_core.planner.fused_layout import keep_whole
-from hp_core.planner.fused_proof import _capture, _clone, _compare, _key, _local_clone, _run
-from hp_core.planner.lints import PlanningError, is_conv1d
+from hp_core.planner.fused_proof import (
+    _capture,
+    _clone,
+    _compare,
+    _key,
+    _local_clone,
+    _run,
+    local_call,
+    record_found,
+)
+from hp_core.planner.lints import PlanningError, input_width, is_conv1d
 from hp_core.plans.example import ExampleCall
 from hp_core.spec.module_spec import ModuleShardingSpec
 
@@ -74,6 +87,27 @@ def _refuse(fqn: str, spec: ModuleShardingSpec, block: nn.Module, tp: int, why: 
     )
 
 
+def _scaled(
+    block: nn.Module,
+    spec: ModuleShardingSpec,
+    tp: int,
+    owners: list[str],
+    call: tuple[tuple[Any, ...], dict[str, Any]],
+    global_ops: Mapping[str, list[Any]],
+    trial: dict[str, tuple[int, int]],
+) -> bool:
+    """Whether the local program with ``trial`` local is the global program scaled."""
+    try:
+        ops = _run(
+            _local_clone(block, spec, tp, trial),
+            {p: p for p in owners},
+            local_call(call, trial, tp),
+        )
+    except Exception:  # this set does not even run: not the one
+        return False
+    return all(_compare(global_ops.get(p, []), ops.get(p, []), tp) is None for p in owners)
+
+
 def prove_local_programs(
     model: nn.Module,
     modules: Mapping[str, ModuleShardingSpec],
@@ -112,7 +146,19 @@ def prove_local_programs(
             global_ops = _run(_clone(block), paths, args)
         except Exception:  # user code that does not run on meta: nothing to compare
             continue
-        attrs = spec._tp_local_attr_plan or {}
+        attrs = dict(spec._tp_local_attr_plan or {})
+
+        attempt = functools.partial(_scaled, block, spec, tp, owners, args, global_ops)
+        if attempt(attrs):
+            continue
+        # The known names do not make the program local: find what does, and prove it.
+        shown = head_search.shapes_shown(global_ops)
+        width = input_width(block, spec)
+        found = head_search.search_local_attrs(block, tp, shown, attrs, attempt, width=width)
+        if found is not None:
+            for other in (f for f, k in keys.items() if k == keys[fqn]):
+                record_found(modules[other], found, attrs)
+            continue
         try:
             local_ops = _run(_local_clone(block, spec, tp, attrs), paths, args)
         except Exception:  # a loud failure, not a silent one: the verifier names it at apply

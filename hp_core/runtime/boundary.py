@@ -34,6 +34,7 @@ from hp_core.collectives import grad_is_partial
 from hp_core.errors import HpError
 from hp_core.mesh import mesh_axes
 from hp_core.planner.lints import is_conv1d
+from hp_core.planner.local_width import INPUT_WIDTH, present_local
 from hp_core.runtime.broadcast import BroadcastToShards
 from hp_core.runtime.dtensor_strategies import validate_attention_kernels
 from hp_core.runtime.fixes import keep_whole_yaml
@@ -185,6 +186,10 @@ class BoundaryForward:
         self.rng = rng if sharded and rng is not None and rng.active else None
         self.__signature__ = inspect.signature(self.original)
         self._pos = positions(self.original)
+        # A forward that reads its widths off its (whole) input sees them local, where the
+        # planner proved it needs that (planner/local_width.py): (global width, tp).
+        width = (spec._tp_local_attr_plan or {}).get(INPUT_WIDTH)
+        self.local_width = (width[0], width[0] // width[1]) if width and width[1] else None
         in_src, in_dst = layout_map(spec.in_src), layout_map(spec.in_dst)
         partial_axes = [a for a in mesh_axes(mesh) if grad_is_partial(spec, a)]
         self.inputs = {
@@ -212,10 +217,8 @@ class BoundaryForward:
         self.deferred = [_owner(module, rel) for rel in spec._deferred_bias_params]
         # The region's parameters: its own and those of parameter-only specs inside it
         # (``nested``, by path from this module), which local code also meets unwrapped.
-        region = {
-            **{r: n for r, n in layout_map(spec.params).items() if r not in spec._ep_stack},
-            **(nested or {}),
-        }
+        own = {r: n for r, n in layout_map(spec.params).items() if r not in spec._ep_stack}
+        region = {**own, **(nested or {})}
         self.own_params = [_owner(module, rel) for rel in region]
         # Validate: local code hides from DTensor whether a replicated parameter's gradient is
         # partial, so the contract says it when the parameter is unwrapped for local code.
@@ -409,6 +412,11 @@ class BoundaryForward:
 
         return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
 
+    def _local_width(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The region's hidden-width plain-tensor inputs shown local to its forward."""
+        w = self.local_width
+        return (args, kwargs) if w is None else present_local(args, kwargs, w[0], w[1])
+
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         """Validate: a plain tensor the region's backward will need, as the replicated DTensor
         that ``implicit_replication`` made of it in forward (backward runs outside that mode)."""
@@ -423,7 +431,7 @@ class BoundaryForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.mode == "production":
-            args, kwargs = self._convert_inputs(args, kwargs, "local")
+            args, kwargs = self._local_width(*self._convert_inputs(args, kwargs, "local"))
             with self._detached_biases(), self._random():
                 out = self.compute(*args, **kwargs)
             return self._exit(out, "local")
@@ -440,7 +448,7 @@ class BoundaryForward:
             ):
                 out = self.compute(*args, **kwargs)
             return self._exit(out, "check")
-        args, kwargs = self._convert_inputs(args, kwargs, "via")
+        args, kwargs = self._local_width(*self._convert_inputs(args, kwargs, "via"))
         with self._detached_biases(), self._local_params(), self._random():
             out = self.compute(*args, **kwargs)
         return self._exit(out, "rewrap")

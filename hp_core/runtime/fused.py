@@ -77,17 +77,19 @@ def set_local_attr(journal: Journal, module: nn.Module, attr: str, value: int) -
     private shallow copy of the module's config (made once, journaled), so the model's
     shared config stays global."""
     path, _, leaf = attr.rpartition(".")
-    if path and path != "config":  # a child's attribute (GPT-2 Conv1D's output width ``nf``)
+    if path and ("." in path or path in module._modules):  # a child's (Conv1D's ``nf``)
         journal.set_attr(module.get_submodule(path), leaf, value)
         return
     if not path:
         journal.set_attr(module, attr, value)
         return
-    config = module.config
-    if not getattr(module, "_hp_private_config", False):
+    # A plain object the module holds (its config, a dataclass): the same, on a private copy.
+    config = getattr(module, path)
+    flag = f"_hp_private_{path}"
+    if not getattr(module, flag, False):
         config = copy.copy(config)
-        journal.set_attr(module, "config", config)
-        journal.set_attr(module, "_hp_private_config", True)
+        journal.set_attr(module, path, config)
+        journal.set_attr(module, flag, True)
     # setattr, not the instance dict: a config maps aliases (GPT-2's n_head) through it. The
     # copy is private, and the journal puts the module's own config back on rollback.
     setattr(config, attr.partition(".")[2], value)

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from hp_core.injection import InjectionBindingError, check_forward_compatible
+from hp_core.planner.local_width import INPUT_WIDTH
 from hp_core.plans.model import ShardingPlan
 from hp_core.runtime.applied import AppliedModel, InnerWrap
 from hp_core.runtime.boundary import BoundaryForward, InnerOutputCheck
@@ -278,7 +279,8 @@ def install(
             journal.at(fqn)
             module = model.get_submodule(fqn) if fqn else model
             for attr, (_glob, local) in (spec._tp_local_attr_plan or {}).items():
-                set_local_attr(journal, module, attr, local)
+                if attr != INPUT_WIDTH:  # no attribute: the boundary's forward shows it local
+                    set_local_attr(journal, module, attr, local)
     journal.phase("gradient reductions")
     entries = [*reductions, *expert_grad_reductions(plan, pre.experts)]
     reducer = (

@@ -23,6 +23,7 @@ from hp_core.injection import InjectionBindingError, Target, check_forward_compa
 from hp_core.mesh import MeshSpec
 from hp_core.plan_items import resolve_value
 from hp_core.planner.lints import PlanningError, attr_value, lint_plan
+from hp_core.planner.local_width import INPUT_WIDTH
 from hp_core.planner.structure import model_architectures
 from hp_core.plans.model import ShardingPlan
 from hp_core.plugins import INNER_WRAPPER_REGISTRY, suggest_compute_factory
@@ -273,6 +274,8 @@ def _registry_meta(value: Any) -> dict[str, Any]:
 def _check_attrs(model: nn.Module, plan: ShardingPlan) -> None:
     for fqn, spec in plan.items():
         for attr, (glob, _local) in (spec._tp_local_attr_plan or {}).items():
+            if attr == INPUT_WIDTH:  # the input's width, no attribute: checked as it runs
+                continue
             module = model.get_submodule(fqn) if fqn else model
             value = attr_value(module, attr)
             if value != glob:
