@@ -454,9 +454,9 @@ def prove_fused_layouts(
         if proven[keys[fqn]][1]:
             record_found(spec, proven[keys[fqn]][1])
         split = any(len(d["parts"]) > 1 for d in layouts.values())
-        if split and not moved[fqn] and spec.region_dispatch is None:
-            # Read off the forward (no head count to derive it from): re-arranged all the same,
-            # so the region runs on the local [Q_r; K_r; V_r], as a derived layout's does.
+        if split and spec.region_dispatch is None:
+            # Re-arranged (read off the forward, or derived where the template could not
+            # tell): the region runs on the local [Q_r; K_r; V_r], as a derived layout's does.
             spec.region_dispatch = False
         elif (
             spec.region_dispatch is False
