@@ -13,6 +13,7 @@ import yaml
 from torch import nn
 
 from hp_core import HpError, ModuleShardingSpec, plan, verify
+from hp_core.planner import head_search
 from hp_core.runtime.partial import AmbiguousGradientError
 from hp_core.runtime.vocab import VocabLookupError
 from hp_core.testing.families import build_family
@@ -197,9 +198,15 @@ def test_dropout_on_a_partial_sum_is_refused_and_p_zero_is_not():
     verify(m0, plan(m0, "tp=2"))
 
 
-def test_a_width_the_plan_does_not_divide_fails_in_production_and_is_refused():
+def test_a_width_the_plan_does_not_divide_fails_in_production_and_is_refused(monkeypatch):
     with torch.device("meta"):
         m = toys.local_width_lm()
+    # The planner's head search finds the width (and the verifier agrees) ...
+    found = plan(m, "tp=2")
+    assert "inner_width" in found["model.layers.0.self_attn"]._tp_local_attr_plan
+    verify(m, found)
+    # ... without it, production's program fails on the shards and the verifier refuses it.
+    monkeypatch.setattr(head_search, "search_local_attrs", lambda *a, **k: None)
     with pytest.raises(
         ProductionDiffersError,
         match=r"(?s)model\.layers\.0\.self_attn \(LocalWidthAttention\).*tp_divide_attrs",
