@@ -31,7 +31,7 @@ from hp_core.planner.templates.mixers import kept_whole_note
 from hp_core.planner.templates.module_rules import ModuleRule
 from hp_core.planner.templates.roles import BoundaryTemplate, RoleRule
 from hp_core.plans.errors import ArgumentTypeError, PlanError
-from hp_core.plans.example import check_call, default_call, example_call, left_out_note
+from hp_core.plans.example import left_out_note, training_call
 from hp_core.plans.model import ShardingPlan
 from hp_core.plans.overrides import OverridesLike, resolve_overrides
 from hp_core.plugins import TEMPLATE_REGISTRY
@@ -232,8 +232,7 @@ def plan(
     ms = check_plan_args(model, mesh, sequence_parallel, loss_parallel, ep_size)
     if not isinstance(check_items, bool):
         raise PlanningError(f"plan(): check_items must be True or False, got {check_items!r}")
-    call = default_call(model) if example_inputs is None else example_call(example_inputs)
-    check_call(model, call)
+    call = training_call(model, example_inputs)
     rules, templates = _registered()
     structure = analyse(model, rules, _module_rules(), call)
     derived: dict[str, ModuleShardingSpec] = {}

@@ -27,7 +27,7 @@ from hp_core.planner.fused_layout import FusedLayout
 from hp_core.planner.plan import check_plan_args, pick_template, plan, registered_rules
 from hp_core.planner.structure import ModelStructure, analyse
 from hp_core.planner.templates.roles import Role, RoleSource
-from hp_core.plans.example import check_call, default_call, example_call
+from hp_core.plans.example import training_call
 from hp_core.plans.model import ShardingPlan
 from hp_core.plans.overrides import OverridesLike, compile_glob, is_glob, load_overrides
 from hp_core.plugins import TEMPLATE_REGISTRY
@@ -197,8 +197,7 @@ def explain_roles(
     is reported in :attr:`RoleReport.refusal` instead of raised.
     """
     ms = check_plan_args(model, mesh, sequence_parallel, loss_parallel, ep_size)
-    call = default_call(model) if example_inputs is None else example_call(example_inputs)
-    check_call(model, call)
+    call = training_call(model, example_inputs)
     rules, module_rules, templates = registered_rules()
     structure = analyse(model, rules, module_rules, call)
     active = set(

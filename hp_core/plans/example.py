@@ -35,6 +35,7 @@ __all__ = [
     "failed_call_error",
     "left_out_note",
     "parse_example_texts",
+    "training_call",
 ]
 
 #: What ``plan(example_inputs=...)`` takes, in words (every message shows it).
@@ -304,6 +305,14 @@ def check_call(model: nn.Module, call: ExampleCall) -> None:
                 f"plan(): {fwd} needs its argument {p.name!r}, which {_supply(call)} leaves out, "
                 f"so hp cannot run the forward to plan it. {fix}"
             )
+
+
+def training_call(model: nn.Module, example_inputs: Any) -> ExampleCall:
+    """The call to plan ``model`` on: ``example_inputs`` recorded (hp's default call when it is
+    None), checked against the forward's signature."""
+    call = default_call(model) if example_inputs is None else example_call(example_inputs)
+    check_call(model, call)
+    return call
 
 
 def failed_call_error(
