@@ -24,6 +24,7 @@ from torch.distributed.fsdp import fully_shard
 
 import hp_core
 from hp_core import HpError
+from hp_core.runtime.state_dict import ShardedStateDict
 from hp_core.testing.families import build_family, family_batch
 from tests.dist_tasks_matrix import proposed_overrides
 
@@ -59,7 +60,12 @@ def _one(family: str, root: str, mesh: Any, modes: tuple[str, ...]) -> dict[str,
         want = reference(input_ids=ids, use_cache=False).logits
     saved = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     prompt = ids[:1, :8]
-    tokens = reference.generate(prompt, max_new_tokens=4, do_sample=False)
+    # Greedy tokens through the KV cache: only the production pass decodes.
+    tokens = (
+        reference.generate(prompt, max_new_tokens=4, do_sample=False)
+        if "production" in modes
+        else None
+    )
     if dist.get_rank() == 0:
         reference.save_pretrained(path)
     dist.barrier()
@@ -72,10 +78,35 @@ def _one(family: str, root: str, mesh: Any, modes: tuple[str, ...]) -> dict[str,
             out[mode] = {"refused": refused}
             continue
         out[mode] = _loaded(model, path, ids, want, saved, mode)
+        if mode == "production":
+            out[mode]["signature"] = layout_signature(model)
         if mode == "production" and "load_error" not in out[mode]:  # KV-cache decoding
             got = model.generate(prompt, max_new_tokens=4, do_sample=False)
             out[mode]["generate"] = bool(torch.equal(got, tokens))
     return out
+
+
+def layout_signature(model: Any) -> list[str]:
+    """What loading into ``model`` under FSDP2 depends on, per parameter, in words: its rank
+    (ndim), its tp placements, whether a fused re-arrangement moves rows (and along which
+    dim), and whether its local shard's first dim (the one ``fully_shard`` splits) divides
+    by dp=2. Names are left out: two families with the same descriptors exercise the same
+    slicing of FSDP's piece, whatever their parameters are called."""
+    hooks = [getattr(h, "__self__", None) for h in model._state_dict_hooks.values()]
+    sharded = next((h for h in hooks if isinstance(h, ShardedStateDict)), None)
+    layouts = sharded.layouts if sharded is not None else {}
+    out = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        layout = layouts.get(name)
+        if layout is None:
+            out.add(f"{p.dim()}d replicated even={p.shape[0] % 2 == 0 if p.dim() else True}")
+            continue
+        moves = layout.fused is not None and layout.fused.moves
+        fused = f" fused-dim{layout.fused.layout.dim}" if moves and layout.fused else ""
+        placements = ",".join(repr(x) for x in layout.placements)
+        out.add(f"{p.dim()}d {placements}{fused} even={p.shape[0] % 2 == 0 if p.dim() else True}")
+    tied = len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters()))
+    return sorted(out | ({"tied"} if tied else set()))
 
 
 def _dcp_to_one_process(model: Any, family: str, path: str, saved: dict[str, Any]) -> float | None:

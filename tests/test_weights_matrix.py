@@ -6,7 +6,9 @@ the meta device, planned and applied at tp=2 (production and validate) and fille
 ``generate()`` gives its tokens (production), and
 ``hp_core.full_state_dict`` gives back exactly what was saved, and so does its DCP
 checkpoint loaded into one whole model in one process. The same runs at dp=2 x tp=2 under
-FSDP2 (``fully_shard`` before the load). A family the planner (or the
+FSDP2 (``fully_shard`` before the load) on every parameter layout the tp=2 pass met: the
+first family that brings a layout no earlier one had (see :func:`fsdp2_families`). A family
+the planner (or the
 verifier) refuses is skipped here and counted: refusing is the planner's job (the training
 matrix checks it); loading and exporting everything it takes is this test's.
 """
@@ -34,7 +36,26 @@ def matrix(tmp_path_factory):
     return get_world(2).run(tasks.weights_matrix, root, list(FAMILY_NAMES), MODES)
 
 
-def _check(results: list[dict], modes: tuple[str, ...]) -> None:
+def fsdp2_families(matrix: list[dict]) -> list[str]:
+    """The families whose FSDP2 load covers every parameter layout of the tp=2 pass.
+
+    Loading under FSDP2 slices FSDP's piece of each local tp shard; what that depends on is
+    the parameter's layout (its descriptor in ``layout_signature``: rank, placements, fused
+    re-arrangement, even split, tied weights), not its family. Each family's key names and
+    export are checked at tp=2 above. Walking the matrix in order, a family is taken when it
+    brings a descriptor no family taken before had, so a new family with a new layout is
+    taken automatically."""
+    covered: set[str] = set()
+    taken = []
+    for family, by_mode in matrix[0].items():
+        signature = set(by_mode.get("production", {}).get("signature", ()))
+        if signature - covered:
+            taken.append(family)
+            covered |= signature
+    return taken
+
+
+def _check(results: list[dict], modes: tuple[str, ...], at_least: int = AT_LEAST) -> None:
     for rank_result in results:
         loaded = 0
         for family, by_mode in rank_result.items():
@@ -51,18 +72,37 @@ def _check(results: list[dict], modes: tuple[str, ...]) -> None:
                 assert r["export_values"] == 0.0, (family, mode, r)
                 if r["dcp"] is not None:  # rank 0 loaded the DCP checkpoint in one process
                     assert r["dcp"] == 0.0, (family, mode, r)
-        assert loaded >= AT_LEAST * len(modes), loaded
+        assert loaded >= at_least * len(modes), loaded
 
 
 def test_every_family_the_planner_takes_loads_and_exports_exactly(matrix):
     _check(matrix, MODES)
 
 
-def test_under_fsdp2_on_dp_every_family_loads_after_fully_shard(tmp_path):
+def test_under_fsdp2_on_dp_every_layout_loads_after_fully_shard(matrix, tmp_path):
     """dp=2 x tp=2, production, ``fully_shard`` on dp before ``load_pretrained``: each rank
-    reads FSDP's piece; logits, the export and the DCP copy equal one device's."""
+    reads FSDP's piece; logits, the export and the DCP copy equal one device's, for a family
+    of each parameter layout the tp=2 pass met."""
+    families = fsdp2_families(matrix)
+    every = set().union(*(set(r["production"].get("signature", ())) for r in matrix[0].values()))
+    assert len(every) >= 12 and len(families) >= 6, (families, sorted(every))
     modes = (tasks.FSDP2,)
-    _check(get_world(4).run(tasks.weights_matrix, str(tmp_path), list(FAMILY_NAMES), modes), modes)
+    results = get_world(4).run(tasks.weights_matrix, str(tmp_path), families, modes)
+    _check(results, modes, at_least=len(families))
+
+
+def test_the_fsdp2_selection_takes_a_family_with_a_new_layout():
+    """Negative control of the selection: a family whose layout no earlier one has is taken,
+    one whose every descriptor is covered is not."""
+    matrix = [
+        {
+            "a": {"production": {"signature": ["1d replicated even=True", "2d Shard(dim=0)"]}},
+            "b": {"production": {"signature": ["2d Shard(dim=0)"]}},
+            "c": {"production": {"signature": ["2d Shard(dim=1) fused-dim0"]}},
+            "d": {"production": {"refused": "PlanningError: ..."}},
+        }
+    ]
+    assert fsdp2_families(matrix) == ["a", "c"]
 
 
 def test_the_two_modes_plan_the_same_families(matrix):
