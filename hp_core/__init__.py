@@ -48,8 +48,6 @@ from hp_core.mesh import MeshSpec
 from hp_core.planner.builtin_templates import builtin_template
 from hp_core.planner.lints import MeshTypeError, TemplateBuildError
 from hp_core.planner.local_proof import LocalProgramError
-from hp_core.planner.plan import plan
-from hp_core.planner.role_report import RoleReport, explain_roles
 from hp_core.planner.templates.context import TemplateContext
 from hp_core.planner.templates.module_rules import ModuleRule
 from hp_core.planner.templates.roles import (
@@ -75,6 +73,7 @@ from hp_core.plugins import (
     register_template,
     register_training_adapter,
 )
+from hp_core.role_report import RoleReport, explain_roles
 from hp_core.runtime.applied import AppliedModel, applied, finalize_grads
 from hp_core.runtime.clip import clip_grad_norm_
 from hp_core.runtime.fsdp_views import FsdpViewError
@@ -95,6 +94,7 @@ from hp_core.spec.placements import (
     resolve_placements,
 )
 from hp_core.verifier import VerificationError, VerifyReport, verify
+from hp_core.verifier.advice import plan
 from hp_core.version import __version__
 
 __all__ = [

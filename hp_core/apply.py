@@ -33,10 +33,11 @@ from hp_core.runtime.verdict import (
     failures,
     resolve_timeout,
 )
+from hp_core.verifier.advice import verify as run_verifier
 from hp_core.verifier.meta import meta_clone
 from hp_core.verifier.repeats import find_repeats
 from hp_core.verifier.report import VerifyReport
-from hp_core.verifier.runner import verify as run_verifier
+from hp_core.verifier.runner import prove
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -207,4 +208,4 @@ def _sequence_fallback(
     if ctx is None or not ctx.sequence_parallel:
         return None
     copy = meta_clone(model, find_repeats(model, plan.modules))
-    return SequenceFallback(plan, lambda variant: run_verifier(copy, variant, mesh))
+    return SequenceFallback(plan, lambda variant: prove(copy, variant, mesh))

@@ -10,10 +10,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import hp_core.runtime.install as R
+from hp_core import plan as make_plan
 from hp_core.apply import apply
 from hp_core.injection import inner_wrapper, local_compute
 from hp_core.mesh import MeshSpec
-from hp_core.planner.plan import plan as make_plan
 from hp_core.presets import build_model
 from hp_core.verifier import verify
 from tests._snapshots import differences, snapshot

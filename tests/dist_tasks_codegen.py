@@ -7,9 +7,9 @@ import copy
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from hp_core import plan as make_plan
 from hp_core.apply import apply
 from hp_core.artifact import dumps_artifact, loads_artifact, make_artifact, plan_differences
-from hp_core.planner.plan import plan as make_plan
 from hp_core.testing.compare import gather_full_grads, max_abs_diff, nan_safe_max
 from hp_core.testing.families import family_model
 

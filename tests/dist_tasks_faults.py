@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import hp_core.runtime.verdict as V
+from hp_core import plan as make_plan
 from hp_core.apply import apply
-from hp_core.planner.plan import plan as make_plan
 from hp_core.presets import build_model
 from hp_core.runtime.journal import Journal
 from hp_core.verifier import verify

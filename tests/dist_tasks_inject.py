@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from hp_core import applied
+from hp_core import plan as make_plan
 from hp_core.apply import apply
 from hp_core.injection import Target, inner_wrapper, local_compute
-from hp_core.planner.plan import plan as make_plan
 from hp_core.testing.compare import allclose_excess, gather_full_grads, max_abs_diff, nan_safe_max
 from hp_core.testing.families import family_model
 

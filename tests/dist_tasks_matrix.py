@@ -11,12 +11,10 @@ further proposal.
 from __future__ import annotations
 
 import copy
-import re
 import time
 from typing import Any
 
 import torch
-import yaml
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
 
@@ -32,6 +30,7 @@ from hp_core.testing.compare import (
 )
 from hp_core.testing.families import build_family, family_batch
 from hp_core.testing.fused import restore_fused
+from hp_core.testing.printed_fix import printed_fix
 from hp_core.testing.probe import CollectiveCounter
 
 RTOL = 1e-5
@@ -39,25 +38,16 @@ STEPS = 2
 
 
 def proposed_overrides(message: str) -> list[dict[str, Any]] | None:
-    """The override entries a refusal proposes (a YAML list after 'overrides:' or '- match:')."""
-    start = message.find("overrides:\n")
-    text = message[start:] if start >= 0 else None
-    if text is None:
-        m = re.search(r"^( *)- match:", message, flags=re.M)
-        if m is None:
-            return None
-        lines = []
-        for line in message[m.start() :].splitlines():
-            if line.strip() and not line.startswith(m.group(1)):
-                break
-            lines.append(line[len(m.group(1)) :])
-        text = "overrides:\n" + "\n".join(lines)
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return None
-    entries = doc.get("overrides") if isinstance(doc, dict) else None
-    return entries if isinstance(entries, list) and entries else None
+    """The override entries of the fix a refusal prints (None: it prints none, or its fix is
+    only turning sequence parallelism off, which a case at a fixed setting cannot follow)."""
+    fix = printed_fix(message)
+    return fix.overrides if fix is not None and fix.overrides else None
+
+
+def proposed_flags(message: str) -> dict[str, Any]:
+    """The ``plan()`` flags of the fix a refusal prints (``sequence_parallel=False``)."""
+    fix = printed_fix(message)
+    return fix.flags if fix is not None else {}
 
 
 def _train(models: dict[str, Any], family: str, mesh: Any, batch: Any = None) -> dict[str, Any]:
@@ -161,7 +151,8 @@ def run_case(
 
 
 def family_case(family: str, sp: bool, control: str | None = None, ep: int = 1) -> dict[str, Any]:
-    """A case and the chain of fixes its refusals propose, each tried (at most 4 rounds)."""
+    """A case and the fixes its refusals print, each followed as a user would (its overrides
+    added, sequence parallelism turned off where the fix says so; at most 4 rounds)."""
     t0 = time.perf_counter()
     overrides: list[dict[str, Any]] = []
     rounds = []
@@ -176,11 +167,18 @@ def family_case(family: str, sp: bool, control: str | None = None, ep: int = 1) 
         )
         if "refused" not in r:
             break
-        fix = proposed_overrides(r["message"])
-        if fix is None or all(e in overrides for e in fix):
+        fix = printed_fix(r["message"])
+        if fix is None:
             break
-        overrides += [e for e in fix if e not in overrides]
+        new = [e for e in fix.overrides if e not in overrides]
+        sp_off = sp and fix.flags.get("sequence_parallel") is False
+        if not new and not sp_off:  # a printed fix, followed, did not hold: test_matrix fails
+            r["fix_did_not_hold"] = True
+            break
+        overrides += new
+        sp = sp and not sp_off
     r["rounds"] = rounds
     r["fixes"] = overrides
+    r["sequence_parallel"] = sp
     r["seconds"] = time.perf_counter() - t0
     return r

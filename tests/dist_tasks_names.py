@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from hp_core import plan as make_plan
 from hp_core.apply import apply
 from hp_core.injection import inner_wrapper
-from hp_core.planner.plan import plan as make_plan
 from hp_core.testing.families import family_model
 
 

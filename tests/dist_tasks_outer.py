@@ -8,8 +8,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
+from hp_core import plan as make_plan
 from hp_core.apply import apply
-from hp_core.planner.plan import plan as make_plan
 from hp_core.presets import build_model
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from hp_core import plan as make_plan
 from hp_core.apply import apply
-from hp_core.planner.plan import plan as make_plan
 from hp_core.plans.prediction import input_check_axes, step_collectives
 from hp_core.presets import build_model
 from hp_core.testing.probe import by_phase, count_step

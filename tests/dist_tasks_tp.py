@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
+from hp_core import plan as make_plan
 from hp_core.apply import apply
-from hp_core.planner.plan import plan as make_plan
 from hp_core.plans.prediction import input_check_axes, step_collectives
 from hp_core.presets import build_model
 from hp_core.testing.compare import (

@@ -45,7 +45,7 @@ def _applied(family: str, mesh: Any, mode: str) -> tuple[Any, str | None]:
             return model, None
         except HpError as e:
             refusal = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-            fix = proposed_overrides(str(e))
+            fix = proposed_overrides(str(e))  # this pass is without sequence parallelism
             if fix is None or all(entry in overrides for entry in fix):
                 return None, refusal
             overrides += [entry for entry in fix if entry not in overrides]

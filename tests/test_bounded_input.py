@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from hp_core import cli
+from hp_core import cli, plan
 from hp_core.artifact import (
     ArtifactFormatError,
     ArtifactLimitError,
@@ -38,7 +38,6 @@ from hp_core.bounded import (
     loads_json,
     read_bounded,
 )
-from hp_core.planner.plan import plan
 from hp_core.plans import PlanYAMLError, PlanYAMLInputLimitError, load_overrides, load_plan
 from hp_core.presets import build_model, tiny_config
 from hp_core.verifier.report import ReportFormatError, ReportFormatInputLimitError, VerifyReport

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 import hp_core.artifact
-from hp_core import cli
+from hp_core import cli, plan
 from hp_core.artifact import canonical_json, content_signature, freeze, read_artifact, same_plan
-from hp_core.planner.plan import plan
 from hp_core.presets import build_model
 from hp_core.testing.families import tiny_family_config
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)

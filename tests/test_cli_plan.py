@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 import hp_core
-from hp_core import cli
-from hp_core.planner.plan import plan
+from hp_core import cli, plan
 from hp_core.plans import load_plan
 from hp_core.plans.prediction import step_collectives
 from hp_core.presets import (

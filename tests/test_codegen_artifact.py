@@ -10,7 +10,14 @@ import pytest
 import torch
 
 import hp_core
-from hp_core import ModuleShardingSpec, ShardingPlan, Target, inner_wrapper, register_inner_wrapper
+from hp_core import (
+    ModuleShardingSpec,
+    ShardingPlan,
+    Target,
+    inner_wrapper,
+    plan,
+    register_inner_wrapper,
+)
 from hp_core.artifact import (
     FORMAT_VERSION,
     Artifact,
@@ -34,7 +41,6 @@ from hp_core.artifact import (
     version_drift,
     write_artifact,
 )
-from hp_core.planner.plan import plan
 from hp_core.plugins import unregister
 from hp_core.presets import build_model
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)

@@ -8,7 +8,7 @@ import json
 import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from hp_core import ModuleShardingSpec, ShardingPlan, Target, inner_wrapper, local_compute
+from hp_core import ModuleShardingSpec, ShardingPlan, Target, inner_wrapper, local_compute, plan
 from hp_core.artifact import (
     FreezeError,
     canonical_json,
@@ -17,7 +17,6 @@ from hp_core.artifact import (
     rebuild,
     same_plan,
 )
-from hp_core.planner.plan import plan
 from hp_core.presets import build_model
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 from tests._toy_models import list_moe_lm

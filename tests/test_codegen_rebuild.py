@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from hp_core import ModuleShardingSpec, ShardingPlan
+from hp_core import ModuleShardingSpec, ShardingPlan, plan
 from hp_core.artifact import (
     MetaError,
     ModelMismatchError,
@@ -17,7 +17,6 @@ from hp_core.artifact import (
     same_plan,
 )
 from hp_core.planner.lints import DivisibilityError
-from hp_core.planner.plan import plan
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 from tests._toy_models import head_attention_lm
 

@@ -14,11 +14,10 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import hp_core
-from hp_core import HpError
+from hp_core import HpError, plan
 from hp_core.injection import InjectionCallError, InjectionMeta, Target, local_compute
 from hp_core.mesh import MeshSpecError
 from hp_core.planner.lints import MeshTypeError, PlanningError, TemplateBuildError
-from hp_core.planner.plan import plan
 from hp_core.planner.templates import BoundaryTemplate, Role, RoleRule
 from hp_core.plans import (
     ArgumentTypeError,

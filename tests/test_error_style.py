@@ -21,11 +21,10 @@ from torch import nn
 
 import hp_plugin_cp
 import hp_plugin_moe
-from hp_core import HpError
+from hp_core import HpError, plan
 from hp_core.context import ParallelContext
 from hp_core.injection import InjectionDefinitionError, local_compute
 from hp_core.planner.lints import TemplateBuildError
-from hp_core.planner.plan import plan
 from hp_core.planner.templates import BoundaryTemplate
 from hp_core.plans import DuplicateOverrideError, PlanYAMLError, load_overrides, load_plan
 from hp_core.plugins import (

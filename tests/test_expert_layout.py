@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
+from hp_core import plan
 from hp_core.mesh import MeshSpec
-from hp_core.planner.plan import plan
 from hp_core.presets import build_model
 from hp_core.runtime.errors import PreflightError
 from hp_core.runtime.experts import (

@@ -693,7 +693,8 @@ case(
     UncoveredParameterError,
     "0.weight",
     "0.bias",
-    "match: '0'",
+    "hp found no override it could verify for this",  # no training call to check one on
+    "example_inputs=",
     model="sequential",
 )
 case(

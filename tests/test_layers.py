@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("planner", ("hp_core.planner", "hp_core.plan_items")),
     ("runtime", ("hp_core.runtime",)),
     ("verifier", ("hp_core.verifier",)),
-    ("apply", ("hp_core.apply",)),
+    ("apply", ("hp_core.apply", "hp_core.role_report")),
     ("checkpoint", ("hp_core.checkpoint",)),
     ("public surface", ("hp_core",)),
     (

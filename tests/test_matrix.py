@@ -3,9 +3,11 @@
 Each family either matches a single device — loss, logits and every gradient over 2 AdamW
 steps, production and validate, rtol/atol 1e-5, the optimizer really moving every weight —
 or is refused with a clear error (an ``HpError`` naming a module of the model) before any
-collective: planning is local, and verification issues none. A refusal that proposes an
-override is followed (the override applied, the case run again) until it matches or is
-refused without a further proposal: following hp's advice never gives a wrong result.
+collective: planning is local, and verification issues none. hp prints a fix only after
+planning the model with it and verifying that plan; the matrix follows every printed fix (its
+overrides applied, sequence parallelism turned off where it says so) and checks that the
+model then matches: a printed fix that does not hold fails, and following hp's advice never
+gives a wrong result.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ def check(r: dict) -> str:
     """'matched' or 'refused'; asserts everything else."""
     for step in r["rounds"][:-1]:  # every intermediate refusal proposed the fix that was tried next
         assert step.get("refused") and step["names_module"], step
+    assert not r.get("fix_did_not_hold"), f"hp printed a fix that, followed, fails: {r['rounds']}"
     if "refused" in r:
         assert r["names_module"], f"the refusal names no module of the model: {r['message'][:300]}"
         assert r["type"].endswith("Error")

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
+from hp_core import plan
 from hp_core.context import ParallelContext
 from hp_core.mesh import MeshSpec
-from hp_core.planner.plan import plan
 from hp_core.plans import ShardingPlan
 from hp_core.presets import build_model, model_from_config, preset_config
 from tests._planner_helpers import (

@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 import torch
 
+from hp_core import plan
 from hp_core.collectives import Collective, Transition, grad_is_partial, transition
-from hp_core.planner.plan import plan
 from hp_core.plans.prediction import (
     boundary_collectives,
     boundary_transitions,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate
 
+from hp_core import plan
 from hp_core.injection import local_compute
-from hp_core.planner.plan import plan
 from hp_core.plans import PlanError, ShardingPlan
 from hp_core.plans.explain import explain
 from hp_core.presets import build_model

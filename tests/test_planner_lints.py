@@ -8,6 +8,7 @@ import torch
 from transformers import Phi3Config, Phi3ForCausalLM
 
 import hp_core.planner.plan as planner_pkg
+from hp_core import plan
 from hp_core.mesh import MeshSpecError
 from hp_core.planner.lints import (
     CoverageError,
@@ -16,13 +17,13 @@ from hp_core.planner.lints import (
     MeshAxisError,
     PlanningError,
 )
-from hp_core.planner.plan import plan
 from hp_core.planner.structure import UncoveredParameterError
 from hp_core.planner.templates import BoundaryTemplate
 from hp_core.plans import IncompleteOverrideError, OverrideError, PlanError
 from hp_core.plugins import register_template
 from hp_core.presets import build_model
 from hp_core.spec import ModuleShardingSpec
+from hp_core.verifier.advice import SP_OFF, VERIFIED
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 from tests._toy_models import (
     WithStrayParameter,
@@ -224,6 +225,9 @@ def test_tp_divide_attrs_typo_and_non_integer():
 
 
 def test_uncovered_parameter_and_the_suggested_fix():
+    """The stray parameter's module runs outside every boundary, on activations that are
+    sequence-sharded in some places and whole in others: keeping the parameter whole plans but
+    does not verify with sequence parallel on, so the fix hp prints turns it off too."""
     msg = raises(UncoveredParameterError, WithStrayParameter())
     assert isinstance(UncoveredParameterError("x"), CoverageError)
     assert "inner.model.mystery_scale (replicated, shape (64,))" in msg
@@ -231,7 +235,10 @@ def test_uncovered_parameter_and_the_suggested_fix():
         "  - match: 'inner.model'\n    is_boundary: false\n    params: {mystery_scale: {tp: "
         "replicate}}\n"
     )
-    assert fix in msg
+    assert f"{VERIFIED}\n{fix}and {SP_OFF}" in msg
+    assert raises(UncoveredParameterError, WithStrayParameter(), sequence_parallel=False).endswith(
+        f"{VERIFIED}\n{fix}".rstrip()
+    )
     p = plan(
         WithStrayParameter(),
         "tp=2",
@@ -304,9 +311,12 @@ def test_fused_qkv_whose_heads_cannot_be_read_and_the_suggested_fix():
     fix = (
         "  - match: 'model.layers.0.self_attn'\n"
         "    params: {qkv_proj.weight: {tp: replicate}, o_proj.weight: {tp: replicate}}\n"
+        "    in_dst: {hidden_states: {tp: replicate}}\n"
         "    out_src: {output: {tp: replicate}}\n"
+        "    tp_divide_attrs: []\n"
+        "    region_dispatch: false"
     )
-    assert fix in msg
+    assert f"{VERIFIED}\n{fix}" in msg  # hp planned and verified it before printing it
     # the suggestion, pasted into an overrides list (the glob covers every layer)
     pasted = "overrides:\n" + fix.replace(
         "'model.layers.0.self_attn'", "'model.layers.*.self_attn'"

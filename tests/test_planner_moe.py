@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hp_core import plan
 from hp_core.planner.lints import DivisibilityError, MeshAxisError
-from hp_core.planner.plan import plan
 from hp_core.presets import build_model
 from tests._planner_helpers import (
     L,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from hp_core.planner.plan import plan
+from hp_core import plan
 from hp_core.plans import OverrideMatchWarning, dump_plan, load_plan
 from hp_core.presets import build_model
 from hp_core.spec import ModuleShardingSpec

@@ -15,10 +15,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from hp_core import cli, verify
+from hp_core import cli, plan, verify
 from hp_core.artifact import freeze, plan_differences, rebuild, same_plan
 from hp_core.injection import Target
-from hp_core.planner.plan import plan
 from hp_core.planner.sharded_norm import (
     SHARDED_QK_NORM,
     ShardedNormError,

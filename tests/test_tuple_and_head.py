@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
+from hp_core import plan
 from hp_core.planner import infer_roles, structure
-from hp_core.planner.plan import plan
 from hp_core.planner.templates.roles import DEFAULT_ROLE_RULES
 from hp_core.planner.trace import TraceFailedError, trace
 from hp_core.plans.prediction import step_collectives

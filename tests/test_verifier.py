@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import yaml
 from torch import nn
 
 from hp_core import HpError, ModuleShardingSpec, plan, verify
@@ -17,6 +16,7 @@ from hp_core.planner import head_search
 from hp_core.runtime.partial import AmbiguousGradientError
 from hp_core.runtime.vocab import VocabLookupError
 from hp_core.testing.families import build_family
+from hp_core.testing.printed_fix import printed_fix
 from hp_core.verifier import (
     MixedGradientError,
     ProductionDiffersError,
@@ -45,8 +45,10 @@ def norms(layers: int) -> dict[str, tuple[str, ...]]:
 
 
 def fix_from(message: str) -> list[dict]:
-    """The pasteable overrides a refusal proposes (the YAML document after 'overrides:')."""
-    return yaml.safe_load(message[message.index("overrides:") :])["overrides"]
+    """The overrides a refusal prints (checked by hp before it printed them)."""
+    fix = printed_fix(message)
+    assert fix is not None and not fix.flags, message
+    return fix.overrides
 
 
 # ------------------------------------------------------------------ what it derives

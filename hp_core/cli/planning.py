@@ -20,10 +20,10 @@ from hp_core.cli.model_args import load_model
 from hp_core.errors import HpError
 from hp_core.mesh import MeshSpec, MeshSpecError
 from hp_core.plan_items import check_plan_items, missing_plan_items
-from hp_core.planner.plan import plan
-from hp_core.planner.role_report import explain_roles
 from hp_core.plans.example import ExampleCall, ExampleCallError, parse_example_texts
 from hp_core.presets import PRESETS
+from hp_core.role_report import explain_roles
+from hp_core.verifier.advice import plan
 
 __all__ = [
     "ALLOW_MISSING_HELP",

@@ -33,9 +33,11 @@ from torch.distributed.tensor import Shard
 from hp_core.mesh import MeshSpec
 from hp_core.planner.lints import FusedProjectionError, is_conv1d
 from hp_core.planner.templates.roles import Role
+from hp_core.plans.fixes import keep_whole_proposal
+from hp_core.plans.proposal import propose
 from hp_core.spec.module_spec import ModuleShardingSpec
 
-__all__ = ["FusedLayout", "derive", "fused_layouts", "is_conv1d", "keep_whole", "local_region"]
+__all__ = ["FusedLayout", "derive", "fused_layouts", "is_conv1d", "local_region"]
 
 #: Families whose fused qkv the forward views as ``(..., heads, 3 * head_dim)``: a hint of
 #: the kind to try first; ``hp_core.planner.fused_proof`` reads the layout off the forward.
@@ -277,20 +279,9 @@ def fused_layouts(
                 )
             layout.check("", tuple(param.shape), tp)
         except FusedProjectionError as e:
-            raise FusedProjectionError(
-                f"{where}: {str(e).lstrip(': ')}{keep_whole(fqn, spec)}"
+            raise propose(
+                FusedProjectionError(f"{where}: {str(e).lstrip(': ')}"),
+                keep_whole_proposal(fqn, spec),
             ) from None
         out[rel] = layout.to_data()
     return out
-
-
-def keep_whole(fqn: str, spec: ModuleShardingSpec) -> str:
-    """The override that keeps boundary ``fqn`` whole on tp, as YAML to paste."""
-    params = spec.params if isinstance(spec.params, dict) else {}
-    whole = ", ".join(f"{p}: {{tp: replicate}}" for p in params)
-    outs = spec.out_src if isinstance(spec.out_src, dict) and spec.out_src else {"output": {}}
-    outputs = ", ".join(f"{o}: {{tp: replicate}}" for o in outs)
-    return (
-        f" Keeping it whole:\n  - match: {fqn!r}\n    params: {{{whole}}}\n"
-        f"    out_src: {{{outputs}}}\n"
-    )

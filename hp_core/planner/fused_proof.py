@@ -43,12 +43,14 @@ from torch.utils._pytree import tree_leaves
 
 from hp_core.mesh import MeshSpec
 from hp_core.planner import head_search
-from hp_core.planner.fused_layout import FusedLayout, keep_whole
+from hp_core.planner.fused_layout import FusedLayout
 from hp_core.planner.lints import FusedProjectionError, compute_tp_local_attrs, input_width
 from hp_core.planner.local_width import INPUT_WIDTH, present_local
 from hp_core.planner.program_reading import _compare, _layout_of, _Op, _units_from_views
 from hp_core.planner.trace import META_ANSWERS, meta_operands
 from hp_core.plans.example import ExampleCall, default_call
+from hp_core.plans.fixes import keep_whole_proposal
+from hp_core.plans.proposal import propose
 from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = ["local_call", "prove_fused_layouts", "record_found"]
@@ -289,12 +291,15 @@ def _key(block: nn.Module, spec: ModuleShardingSpec, tp: int) -> tuple[Any, ...]
 def _refuse(
     fqn: str, spec: ModuleShardingSpec, block: nn.Module, tp: int, why: str, match: str = ""
 ) -> NoReturn:
-    raise FusedProjectionError(
-        f"{fqn}: hp cannot prove how {type(block).__name__}'s forward splits its fused "
-        f"projection {sorted(spec._fused_layouts)} on tp={tp}: {why}. Its local shards would "
-        "compute a different program, so the plan is refused before any collective.\nFix: keep "
-        "the block whole on tp (an override replicating its parameters, output replicated), or "
-        f"install a plugin template that declares the layout.{keep_whole(match or fqn, spec)}"
+    raise propose(
+        FusedProjectionError(
+            f"{fqn}: hp cannot prove how {type(block).__name__}'s forward splits its fused "
+            f"projection {sorted(spec._fused_layouts)} on tp={tp}: {why}. Its local shards would "
+            "compute a different program, so the plan is refused before any collective.\nFix: "
+            "keep the block whole on tp (an override replicating its parameters, output "
+            "replicated), or install a plugin template that declares the layout."
+        ),
+        keep_whole_proposal(fqn, spec, match=match or None),
     )
 
 
@@ -341,19 +346,23 @@ def _prove(
         if not all(layout.units):  # no head count was read: the forward's views give it
             layout = _units_from_views(global_ops.get(path, []), layout)
             if not all(layout.units):
-                raise FusedProjectionError(
-                    f"{fqn}.{rel}: {type(block).__name__}: cannot read the head count and "
-                    "head_dim of this fused q/k/v projection from the module, its config or its "
-                    "forward (no view of each part into heads).\nFix: keep the boundary whole on "
-                    f"tp (an override replicating its parameters), or add a plugin template for "
-                    f"it.{keep_whole(match or fqn, spec)}"
+                raise propose(
+                    FusedProjectionError(
+                        f"{fqn}.{rel}: {type(block).__name__}: cannot read the head count and "
+                        "head_dim of this fused q/k/v projection from the module, its config or "
+                        "its forward (no view of each part into heads).\nFix: keep the boundary "
+                        "whole on tp (an override replicating its parameters), or add a plugin "
+                        "template for it."
+                    ),
+                    keep_whole_proposal(fqn, spec, match=match or None),
                 )
         shape = tuple(block.get_parameter(rel).shape)
         try:
             layout.check("", shape, tp)
         except FusedProjectionError as e:
-            raise FusedProjectionError(
-                f"{fqn}.{rel}: {str(e).lstrip(': ')}{keep_whole(match or fqn, spec)}"
+            raise propose(
+                FusedProjectionError(f"{fqn}.{rel}: {str(e).lstrip(': ')}"),
+                keep_whole_proposal(fqn, spec, match=match or None),
             ) from None
         proven[rel] = layout.to_data()
     spec.with_derived(fused_layouts=proven)

@@ -32,7 +32,6 @@ from torch.distributed.tensor import Shard
 
 from hp_core.mesh import MeshSpec
 from hp_core.planner import head_search
-from hp_core.planner.fused_layout import keep_whole
 from hp_core.planner.fused_proof import (
     _capture,
     _clone,
@@ -45,6 +44,8 @@ from hp_core.planner.fused_proof import (
 )
 from hp_core.planner.lints import PlanningError, input_width, is_conv1d
 from hp_core.plans.example import ExampleCall
+from hp_core.plans.fixes import keep_whole_proposal
+from hp_core.plans.proposal import propose
 from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = ["LocalProgramError", "prove_local_programs"]
@@ -76,14 +77,17 @@ def _traced(spec: ModuleShardingSpec) -> bool:
 
 
 def _refuse(fqn: str, spec: ModuleShardingSpec, block: nn.Module, tp: int, why: str) -> None:
-    raise LocalProgramError(
-        f"{fqn}: {type(block).__name__}'s forward computes another program on its tp={tp} "
-        f"shards than on the whole model: {why}. Validate mode runs the global shapes and would "
-        "match; production would train wrong, so the plan is refused before any collective. "
-        "A head count the forward reads but hp does not make local is the usual cause.\nFix: "
-        "view by the tensor's own size (-1) or the module's head-count attribute, list that "
-        "attribute in the boundary's tp_divide_attrs, or keep the block whole on tp."
-        f"{keep_whole(fqn, spec)}"
+    raise propose(
+        LocalProgramError(
+            f"{fqn}: {type(block).__name__}'s forward computes another program on its tp={tp} "
+            f"shards than on the whole model: {why}. Validate mode runs the global shapes and "
+            "would match; production would train wrong, so the plan is refused before any "
+            "collective. A head count the forward reads but hp does not make local is the usual "
+            "cause.\nFix: view by the tensor's own size (-1) or the module's head-count "
+            "attribute, list that attribute in the boundary's tp_divide_attrs, or keep the block "
+            "whole on tp."
+        ),
+        keep_whole_proposal(fqn, spec),
     )
 
 

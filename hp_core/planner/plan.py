@@ -25,11 +25,12 @@ from hp_core.planner.lints import (
     lint_plan,
 )
 from hp_core.planner.local_proof import prove_local_programs
-from hp_core.planner.structure import Block, analyse, check_unclaimed
+from hp_core.planner.structure import Block, analyse
 from hp_core.planner.templates.context import TemplateContext
 from hp_core.planner.templates.mixers import kept_whole_note
 from hp_core.planner.templates.module_rules import ModuleRule
 from hp_core.planner.templates.roles import BoundaryTemplate, RoleRule
+from hp_core.planner.unclaimed import check_unclaimed
 from hp_core.plans.errors import ArgumentTypeError, PlanError
 from hp_core.plans.example import left_out_note, training_call
 from hp_core.plans.model import ShardingPlan

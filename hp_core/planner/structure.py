@@ -20,14 +20,12 @@ from hp_core.planner.templates.roles import Role, RoleRule, RoleSource, first_ru
 from hp_core.planner.trace import FlowTrace, TraceFailedError
 from hp_core.planner.trace import trace as run_trace
 from hp_core.plans.example import ExampleCall, failed_call_error
-from hp_core.spec.module_spec import ModuleShardingSpec
 
 __all__ = [
     "Block",
     "ModelStructure",
     "UncoveredParameterError",
     "analyse",
-    "check_unclaimed",
     "model_architectures",
 ]
 
@@ -461,34 +459,3 @@ def _mark_outputs(blocks: list[Block], flows: FlowTrace | None) -> None:
             b.whole_in = True
             for n in flow.norms:
                 norms[n].whole_out = True
-
-
-def check_unclaimed(structure: ModelStructure, modules: Mapping[str, ModuleShardingSpec]) -> None:
-    """Raise for parameters no template claimed and no override declared either."""
-    if not structure.unclaimed:
-        return
-    declared: set[str] = set()
-    for fqn, spec in modules.items():
-        params = spec.params if isinstance(spec.params, dict) else {}
-        for rel in params:
-            for src in spec._ep_stack.get(rel) or [rel]:
-                declared.add(f"{fqn}.{src}" if fqn else src)
-    missing = [f for f in structure.unclaimed if f not in declared]
-    if not missing:
-        return
-    lines = "\n".join(
-        f"  {f} ({structure.roles[f].value}, shape {structure.unclaimed[f][1]})"
-        for f in missing[:10]
-    )
-    more = f"\n  ... and {len(missing) - 10} more" if len(missing) > 10 else ""
-    mod = structure.unclaimed[missing[0]][0]
-    rel = missing[0][len(mod) + 1 :] if mod else missing[0]
-    why = "".join(f"\n({note})" for note in structure.notes)
-    raise UncoveredParameterError(
-        "no boundary template claims these parameters, so hp cannot know their layout:\n"
-        f"{lines}{more}{why}\n"
-        "Declare them in an override; to keep one whole without wrapping its module's forward:\n"
-        f"  - match: {mod!r}\n    is_boundary: false\n    params: {{{rel}: {{tp: replicate}}}}\n"
-        "or register a RoleRule (or a ModuleRule) for your architecture through a plugin "
-        "(docs/plugins.md)."
-    )

@@ -15,6 +15,7 @@ from typing import Any
 from hp_core.plans.errors import PlanError
 from hp_core.plans.example import ExampleCall
 from hp_core.plans.explain import explain as explain_plan
+from hp_core.plans.planning_call import PlanningCall
 from hp_core.plans.spec_codec import is_int, parse_bool, plan_data, tname
 from hp_core.plugins import RecordedProvider
 from hp_core.spec.keywords import did_you_mean, keyword_checked
@@ -73,8 +74,10 @@ class ShardingPlan:
     in neither either. ``example`` is the training call the user gave the planner
     (:mod:`hp_core.plans.example`), which the verifier runs too; None: hp's default call. It
     changes what is checked, not what runs, so it takes no part in equality or the
-    fingerprint. (The planner's ``plan()`` passes its own defaults, e.g.
-    ``sequence_parallel=True``.)
+    fingerprint. ``planned_with`` is what the ``plan()`` call that made it was given (the
+    user's overrides and flags), so a refusal's proposed fix can be re-planned and checked
+    (:mod:`hp_core.plans.proposal`); None for a plan written or loaded by hand. (The
+    planner's ``plan()`` passes its own defaults, e.g. ``sequence_parallel=True``.)
     """
 
     modules: dict[str, ModuleShardingSpec]
@@ -86,6 +89,7 @@ class ShardingPlan:
     notes: list[str] = dataclasses.field(default_factory=list, compare=False)
     providers: dict[str, RecordedProvider] = dataclasses.field(default_factory=dict, compare=False)
     example: ExampleCall | None = dataclasses.field(default=None, compare=False)
+    planned_with: PlanningCall | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         cls = "ShardingPlan"
@@ -133,6 +137,11 @@ class ShardingPlan:
             raise PlanError(
                 f"{cls}.example: expected an ExampleCall or None, got {tname(self.example)}; "
                 "record a call with hp_core.plans.example.example_call(inputs)."
+            )
+        if self.planned_with is not None and not isinstance(self.planned_with, PlanningCall):
+            raise PlanError(
+                f"{cls}.planned_with: expected a PlanningCall or None, got "
+                f"{tname(self.planned_with)}; leave it out (hp_core.plan() records it)."
             )
 
     # Mapping-like access by module FQN ------------------------------------
@@ -192,4 +201,5 @@ class ShardingPlan:
             notes=list(self.notes),
             providers=dict(self.providers),
             example=self.example,
+            planned_with=self.planned_with,
         )

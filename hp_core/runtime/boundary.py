@@ -35,9 +35,10 @@ from hp_core.errors import HpError
 from hp_core.mesh import mesh_axes
 from hp_core.planner.lints import is_conv1d
 from hp_core.planner.local_width import INPUT_WIDTH, present_local
+from hp_core.plans.fixes import keep_whole_proposal
+from hp_core.plans.proposal import propose
 from hp_core.runtime.broadcast import BroadcastToShards
 from hp_core.runtime.dtensor_strategies import validate_attention_kernels
-from hp_core.runtime.fixes import keep_whole_yaml
 from hp_core.runtime.fused_views import zero_bias
 from hp_core.runtime.layouts import Redistribution, same_placement, to_placements
 from hp_core.runtime.partial import contract_partial_axes, is_expert_param
@@ -110,7 +111,7 @@ class UndeclaredCommunicationError(HpError, ValueError):
             "layout does not fit the activation it meets (a full-width norm on a sharded "
             "projection, a tensor kept whole while heads are split, a projection left replicated "
             f"next to a sharded one).{hint} Declare that parameter's layout, or keep the boundary "
-            f"whole on tp (correct, at the cost of replicated compute):\n{fix}"
+            f"whole on tp (correct, at the cost of replicated compute).{fix}"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -384,14 +385,10 @@ class BoundaryForward:
         except RuntimeError as e:
             if "Implicit redistribution" not in str(e):
                 raise
-            raise UndeclaredCommunicationError(
-                self.fqn,
-                type(self.module).__name__,
-                str(e),
-                phase=phase,
-                fix=keep_whole_yaml(self.fqn, self.spec, match=self.fix_match),
-                suspects=suspects(self.spec),
-            ) from None
+            who = (self.fqn, type(self.module).__name__, str(e))
+            error = UndeclaredCommunicationError(*who, phase=phase, suspects=suspects(self.spec))
+            fix = keep_whole_proposal(self.fqn, self.spec, match=self.fix_match)
+            raise propose(error, fix) from None
 
     def _replicate_rest(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]

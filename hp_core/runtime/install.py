@@ -19,12 +19,12 @@ from torch.distributed.tensor import Shard
 
 from hp_core.injection import InjectionBindingError, check_forward_compatible
 from hp_core.planner.local_width import INPUT_WIDTH
+from hp_core.plans.fixes import fix_match
 from hp_core.plans.model import ShardingPlan
 from hp_core.runtime.applied import AppliedModel, InnerWrap
 from hp_core.runtime.boundary import BoundaryForward, InnerOutputCheck
 from hp_core.runtime.dtensor_strategies import register_missing_strategies
 from hp_core.runtime.experts import expert_grad_reductions
-from hp_core.runtime.fixes import fix_match
 from hp_core.runtime.fused import set_local_attr
 from hp_core.runtime.fused_state import FusedStateDict
 from hp_core.runtime.grads import GradReducer, GradReduction

@@ -10,6 +10,7 @@ derives which gradients are partial sums — what ``apply`` then reduces.
 
 from __future__ import annotations
 
+from hp_core.verifier.advice import verify
 from hp_core.verifier.errors import (
     AmbiguousGradientError,
     InputGradientError,
@@ -21,8 +22,7 @@ from hp_core.verifier.errors import (
     UnverifiableError,
     VerificationError,
 )
-from hp_core.verifier.report import ReportFormatError
-from hp_core.verifier.runner import VerifyReport, verify
+from hp_core.verifier.report import ReportFormatError, VerifyReport
 
 __all__ = [
     "AmbiguousGradientError",

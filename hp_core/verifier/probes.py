@@ -25,8 +25,9 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hp_core.errors import HpError
+from hp_core.plans.fixes import keep_whole_proposal
+from hp_core.plans.proposal import propose
 from hp_core.runtime.boundary import BoundaryForward, positions
-from hp_core.runtime.fixes import keep_whole_yaml
 from hp_core.runtime.nested import tensors_in
 from hp_core.spec.module_spec import layout_map
 from hp_core.verifier.errors import ProductionDiffersError, RandomOnPartialError, VerificationError
@@ -41,6 +42,10 @@ __all__ = [
     "declared_shapes",
     "opaque_fallback",
 ]
+
+#: How a report's ``opaque`` entry begins for a region whose code never ran (nothing in it,
+#: nor in what it feeds, was checked).
+NOT_RUN = "its code does not run on meta tensors"
 
 
 def call_key(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -127,19 +132,21 @@ def opaque_fallback(
             x = next((t for t in tensors_in((args, kwargs)) if t.is_floating_point()), None)
             first = str(e).splitlines()[0][:200] if str(e) else ""
             if ran_whole:
-                raise ProductionDiffersError(
-                    f"{bf.fqn} ({type(bf.module).__name__}): in {mode} mode this region's code "
-                    f"fails on this rank's local shards ({type(e).__name__}: {first}), while the "
-                    "unsharded model runs the same code on meta tensors: not a meta-device "
-                    "limitation, the layouts the plan gives it do not fit its code (e.g. a table "
-                    "of the whole sequence meeting a sequence shard, or a head count not made "
-                    "local).\nFix: plan with sequence_parallel=False, or hand the region whole "
-                    "inputs and keep it whole on tp:\n"
-                    + keep_whole_yaml(bf.fqn, bf.spec, match=bf.fix_match)
+                raise propose(
+                    ProductionDiffersError(
+                        f"{bf.fqn} ({type(bf.module).__name__}): in {mode} mode this region's "
+                        f"code fails on this rank's local shards ({type(e).__name__}: {first}), "
+                        "while the unsharded model runs the same code on meta tensors: not a "
+                        "meta-device limitation, the layouts the plan gives it do not fit its "
+                        "code (e.g. a table of the whole sequence meeting a sequence shard, or a "
+                        "head count not made local). Handing the region whole inputs and keeping "
+                        "it whole on tp, or sequence_parallel=False, fixes that."
+                    ),
+                    keep_whole_proposal(bf.fqn, bf.spec, match=bf.fix_match),
                 ) from e
             if x is None:
                 raise
-            record.skipped = f"its code does not run on meta tensors ({type(e).__name__}: {first})"
+            record.skipped = f"{NOT_RUN} ({type(e).__name__}: {first})"
             return x if n_out == 1 else (x, *([None] * (n_out - 1)))
 
     bf.compute = run
@@ -234,13 +241,15 @@ class ValidateProbe:
         except Exception as e:
             if not self.bf.dispatch:
                 raise
-            raise VerificationError(
-                f"{self.bf.fqn} ({self.module_type}): DTensor propagation fails inside the region "
-                f"with the plan's layouts: {type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}\nThe module's code does not fit the "
-                "declared layouts (production would crash or compute something else on local "
-                "shards). Keep the boundary whole on tp:\n"
-                + keep_whole_yaml(self.bf.fqn, self.bf.spec, match=self.bf.fix_match)
+            raise propose(
+                VerificationError(
+                    f"{self.bf.fqn} ({self.module_type}): DTensor propagation fails inside the "
+                    f"region with the plan's layouts: {type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}\nThe module's code does not fit "
+                    "the declared layouts (production would crash or compute something else on "
+                    "local shards); keeping the boundary whole on tp fixes that."
+                ),
+                keep_whole_proposal(self.bf.fqn, self.bf.spec, match=self.bf.fix_match),
             ) from e
         if key in self.seen:
             return out
@@ -290,16 +299,18 @@ class ProductionProbe:
         except HpError:
             raise
         except Exception as e:
-            raise ProductionDiffersError(
-                f"{self.bf.fqn} ({type(self.bf.module).__name__}): production mode fails on this "
-                f"rank's local shards: {type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}\n"
-                "Validate mode's DTensors would hide it (they re-layout on their own), so the plan "
-                "does not fit this module: a head count or size the module reads from its "
-                "attributes, or a parameter whose layout does not match the activation it meets. "
-                "Declare the attribute in tp_divide_attrs, fix the parameter's layout, or keep the "
-                "boundary whole on tp:\n"
-                + keep_whole_yaml(self.bf.fqn, self.bf.spec, match=self.bf.fix_match)
+            raise propose(
+                ProductionDiffersError(
+                    f"{self.bf.fqn} ({type(self.bf.module).__name__}): production mode fails on "
+                    f"this rank's local shards: {type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}\n"
+                    "Validate mode's DTensors would hide it (they re-layout on their own), so the "
+                    "plan does not fit this module: a head count or size the module reads from "
+                    "its attributes, or a parameter whose layout does not match the activation it "
+                    "meets. Declare the attribute in tp_divide_attrs, fix the parameter's layout, "
+                    "or keep the boundary whole on tp."
+                ),
+                keep_whole_proposal(self.bf.fqn, self.bf.spec, match=self.bf.fix_match),
             ) from e
         if new:
             self.seen.add(key)

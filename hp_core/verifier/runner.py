@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 
     from hp_core.mesh import MeshLike
 
-__all__ = ["VerifyReport", "verify"]
+__all__ = ["VerifyReport", "prove"]
 
 
 def _unattributed(model: nn.Module, error: Exception) -> str:
@@ -85,7 +85,7 @@ def _unattributed(model: nn.Module, error: Exception) -> str:
     )
 
 
-def verify(
+def prove(
     model: nn.Module,
     plan: ShardingPlan,
     mesh: DeviceMesh | MeshLike | None = None,
@@ -103,6 +103,9 @@ def verify(
     share of it), else token ids for a causal LM. ``exhaustive`` checks repeated layers too. The
     model is not touched. Raises a :class:`~hp_core.VerificationError` (or the
     preflight error) naming the module, the parameter and the fix.
+
+    This is the proof alone; :func:`hp_core.verify` (:mod:`hp_core.verifier.advice`) also
+    checks the fix a refusal proposes before printing it.
     """
     t0 = time.perf_counter()
     with verification_mesh(plan, mesh) as dmesh:

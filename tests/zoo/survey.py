@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import textwrap
 import time
@@ -36,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import yaml
 from torch import nn
 
 import hp_core
@@ -50,6 +48,7 @@ from hp_core.testing import (
     check_equivalence,
     shutdown_worlds,
 )
+from hp_core.testing.printed_fix import printed_fix
 from tests.zoo import gpt_fast, litgpt, mingpt, nanogpt, torchtitan_llama
 
 MESH = "tp=2"
@@ -154,15 +153,9 @@ def first_line(e: BaseException) -> str:
 
 
 def suggested_overrides(message: str) -> list[dict[str, Any]]:
-    """The override entries a refusal prints to paste (``  - match: ...`` YAML blocks)."""
-    found: list[dict[str, Any]] = []
-    for m in re.finditer(r"^  - match: .*\n(?:    .*\n?)*", message, re.M):
-        try:
-            parsed = yaml.safe_load(textwrap.dedent(m.group(0)))
-        except yaml.YAMLError:
-            continue
-        found += [e for e in parsed or [] if isinstance(e, dict) and "match" in e]
-    return found
+    """The override entries of the fix a refusal prints (hp verified it before printing)."""
+    fix = printed_fix(message)
+    return fix.overrides if fix is not None else []
 
 
 def block_layout(p: ShardingPlan, block: str) -> str:

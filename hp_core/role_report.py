@@ -24,7 +24,7 @@ from hp_core.context import ParallelContext
 from hp_core.errors import HpError
 from hp_core.mesh import MeshLike, MeshSpec
 from hp_core.planner.fused_layout import FusedLayout
-from hp_core.planner.plan import check_plan_args, pick_template, plan, registered_rules
+from hp_core.planner.plan import check_plan_args, pick_template, registered_rules
 from hp_core.planner.structure import ModelStructure, analyse
 from hp_core.planner.templates.roles import Role, RoleSource
 from hp_core.plans.example import training_call
@@ -32,6 +32,7 @@ from hp_core.plans.model import ShardingPlan
 from hp_core.plans.overrides import OverridesLike, compile_glob, is_glob, load_overrides
 from hp_core.plugins import TEMPLATE_REGISTRY
 from hp_core.spec.placements import format_placement
+from hp_core.verifier.advice import plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -13,10 +13,11 @@ from collections.abc import Mapping
 
 from torch.distributed.tensor import Placement, Replicate
 
-from hp_core.plans.overrides import dump_overrides
+from hp_core.plans.overrides import OverrideEntry, dump_overrides
+from hp_core.plans.proposal import Proposal, entries_text, yaml_proposal
 from hp_core.spec.module_spec import ModuleShardingSpec, PlacementMap, layout_map
 
-__all__ = ["fix_match", "keep_whole", "keep_whole_yaml"]
+__all__ = ["fix_match", "keep_whole", "keep_whole_proposal", "keep_whole_yaml"]
 
 
 def _whole(layouts: PlacementMap | str | None, axis: str) -> dict[str, dict[str, Placement]]:
@@ -80,3 +81,11 @@ def keep_whole_yaml(
     ``match`` (default ``fqn``) is the override key, e.g. a glob from :func:`fix_match`.
     """
     return dump_overrides({match or fqn: keep_whole(spec, axis)}).rstrip("\n")
+
+
+def keep_whole_proposal(
+    fqn: str, spec: ModuleShardingSpec, axis: str = "tp", *, match: str | None = None
+) -> Proposal:
+    """``keep_whole`` as a fix a refusal proposes (hp checks it before printing it)."""
+    text = entries_text([OverrideEntry(match or fqn, keep_whole(spec, axis))])
+    return yaml_proposal(text, f"keeping {match or fqn} whole on {axis}")
