@@ -32,6 +32,7 @@ from hp_core.testing.families import build_family, family_batch
 from hp_core.testing.fused import restore_fused
 from hp_core.testing.printed_fix import printed_fix
 from hp_core.testing.probe import CollectiveCounter
+from hp_core.testing.refusal_check import refusal_problems
 
 RTOL = 1e-5
 STEPS = 2
@@ -122,6 +123,7 @@ def run_case(
             "type": type(e).__name__,
             "message": msg,
             "names_module": any(n in msg for n in names),
+            "problems": refusal_problems(msg, names),
             **extra,
         }
 
@@ -162,7 +164,7 @@ def family_case(family: str, sp: bool, control: str | None = None, ep: int = 1) 
             {
                 k: v
                 for k, v in r.items()
-                if k in ("refused", "type", "message", "caught", "names_module")
+                if k in ("refused", "type", "message", "caught", "names_module", "problems")
             }
         )
         if "refused" not in r:

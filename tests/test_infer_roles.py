@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from transformers.pytorch_utils import Conv1D
 
-from hp_core import ModuleRule, Role, RoleRule, plan
+from hp_core import HpError, ModuleRule, Role, RoleRule, plan
 from hp_core.planner.infer_roles import infer_roles, is_linear_like
 from hp_core.planner.lints import PlanningError
 from hp_core.planner.structure import UncoveredParameterError, analyse
@@ -247,10 +247,26 @@ def test_projections_beside_a_layer_code_attention_refuse_context_parallelism():
     plan(build_external("tiny_gpt"), "tp=2,cp=2")  # its attention is a module of its own
 
 
-def test_an_mlp_taking_a_second_activation_is_refused_at_plan_time():
-    """MPT's MLP adds ``residual`` to its row-parallel output itself: undeclarable, refused."""
+def test_an_mlp_taking_a_second_activation_is_kept_whole_on_tp():
+    """MPT's MLP adds ``residual`` to its row-parallel output itself: a split contract cannot
+    declare that (the exit reduction would count it tp times), so the block is kept whole —
+    both activations gathered, its own code run once on whole tensors — and a note says why."""
     from hp_core.testing.families import build_family
+    from hp_core.testing.printed_fix import printed_fix
 
-    with pytest.raises(PlanningError, match=r"ffn: MptMLP\.forward takes a second activation "):
-        plan(build_family("mpt", seed=0), "tp=2")
+    with pytest.raises(HpError) as refused:  # its attention (ALiBi per global head) is refused
+        plan(build_family("mpt", seed=0), "tp=2", sequence_parallel=False)
+    fix = printed_fix(str(refused.value))  # ... with a fix that keeps it whole as well
+    assert fix is not None and fix.overrides[0]["match"] == "transformer.blocks.*.attn"
+    overrides = fix.overrides
+    p = plan(build_family("mpt", seed=0), "tp=2", sequence_parallel=False, overrides=overrides)
+    ffn = p["transformer.blocks.0.ffn"]
+    assert set(ffn.in_dst) == {"hidden_states", "residual"}
+    assert all(str(n["tp"]) == "R" for n in ffn.in_dst.values())
+    assert ffn.region_dispatch is False
+    assert {str(n["tp"]) for n in ffn.params.values()} == {"R"}
+    assert any(
+        "MptMLP) is kept whole on tp: its forward takes a second activation 'residual'" in n
+        for n in p.notes
+    ), p.notes
     assert plan(build_family("mpt", seed=0), "tp=1")  # nothing sharded: nothing to declare

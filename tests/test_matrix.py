@@ -26,6 +26,8 @@ def check(r: dict) -> str:
     """'matched' or 'refused'; asserts everything else."""
     for step in r["rounds"][:-1]:  # every intermediate refusal proposed the fix that was tried next
         assert step.get("refused") and step["names_module"], step
+    for step in r["rounds"]:  # every refusal: the user's module, their terms, a checked fix
+        assert not step.get("problems"), f"{step['problems']}:\n{step['message']}"
     assert not r.get("fix_did_not_hold"), f"hp printed a fix that, followed, fails: {r['rounds']}"
     if "refused" in r:
         assert r["names_module"], f"the refusal names no module of the model: {r['message'][:300]}"
@@ -90,7 +92,7 @@ EXPECTED: dict[str, str | tuple[str, str]] = {
     "gptj": UNAIDED,
     "codegen": UNAIDED,  # qkv_proj proven per mp_num group of its forward; MLP from structure
     "bloom": UNAIDED,  # taught by plugins/hp-plugin-bloom (ALiBi rows per rank, residual once)
-    "opt": (REFUSED, UNAIDED),  # under SP its layer flattens tokens to 2-D for the MLP
+    "opt": (FIXED, UNAIDED),  # under SP its layer flattens tokens to 2-D: the fix is SP off
     "biogpt": UNAIDED,
     "dbrx": UNAIDED,
     "jetmoe": REFUSED,
@@ -100,7 +102,9 @@ EXPECTED: dict[str, str | tuple[str, str]] = {
     # sp: the whole-attention fix plans, but GPTBigCodeModel reshapes ln_f's sequence-sharded
     # output to the full sequence outside every boundary (the verifier names 'transformer').
     "gpt_bigcode": FIXED,  # multi-query c_attn: kept whole on tp
-    "mpt": REFUSED,  # its MLP adds the residual itself (undeclarable); ALiBi per global head
+    # its MLP adds the residual itself: kept whole; ALiBi per global head: the printed fix keeps
+    # attention whole
+    "mpt": FIXED,
     "hunyuan_v1_dense": UNAIDED,
 }
 

@@ -27,7 +27,7 @@ from hp_core.plans.overrides import OverridesLike, load_overrides
 from hp_core.plans.planning_call import PlanningCall
 from hp_core.plans.proposal import Proposal, proposals_of
 from hp_core.runtime.preflight import PreflightResult
-from hp_core.verifier.errors import UnverifiableError
+from hp_core.verifier.errors import UnverifiableError, VerificationError
 from hp_core.verifier.probes import NOT_RUN
 from hp_core.verifier.report import VerifyReport
 from hp_core.verifier.runner import prove
@@ -43,6 +43,8 @@ __all__ = ["plan", "verify"]
 MAX_TRIES = 8
 #: What heads the fix a message prints (tests find it by this line).
 VERIFIED = "Verified fix (hp planned the model with it and verified the plan):"
+#: What begins the part of a message that says no fix held.
+NO_FIX = "hp found no override it could verify for this"
 #: The fix that turns sequence parallel off (a line of its own: not part of the YAML above it).
 SP_OFF = "plan with sequence_parallel=False (activations between blocks then stay whole)"
 #: A fix may lead to this many further refusals whose fixes are added to it.
@@ -106,7 +108,7 @@ def _settle(
     call = "" if example_given else ", or give plan() the training call (example_inputs=...)"
     _finish(
         error,
-        "\nhp found no override it could verify for this; it tried:" + tried + "\nFix: "
+        f"\n{NO_FIX}; it tried:" + tried + "\nFix: "
         "override the named module's contract by hand (docs/plans.md), then verify it with "
         f"hp_core.verify(model, plan){call}.",
     )
@@ -222,7 +224,7 @@ def verify(
     try:
         return prove(model, plan, mesh, inputs=inputs, exhaustive=exhaustive, preflight=preflight)
     except HpError as e:
-        if not proposals_of(e):
+        if not proposals_of(e) and not _layout_refusal(e, plan):
             raise
         call = plan.planned_with
         if call is None or call.fingerprint != plan.fingerprint():
@@ -242,6 +244,13 @@ def verify(
             plan.example is not None or inputs is not None,
         )
         raise
+
+
+def _layout_refusal(error: HpError, plan: ShardingPlan) -> bool:
+    """A finding about the plan's layouts that proposes no fix of its own, under sequence
+    parallelism — the one fix left to check is turning it off."""
+    proven = isinstance(error, VerificationError) and not isinstance(error, UnverifiableError)
+    return proven and plan.sequence_parallel
 
 
 def _described(plan: ShardingPlan) -> str | None:

@@ -73,11 +73,13 @@ def arrival_check(
             if got is not None and want != got:
                 raise LayoutMismatchError(
                     f"{fqn}: its input {name!r} arrives with local shape {got} on each rank, but "
-                    f"its in_src {_fmt(layout)} makes the unsharded model's {shape} into {want}. "
-                    "What arrives is in another layout than the contract declares: the boundary "
-                    "before it (or the model's code between them) produces something else. "
-                    "Declare the layout that arrives, or make the producer's out_dst give the "
-                    "declared one."
+                    f"the plan has it arrive {_words(layout)}, which makes the unsharded model's "
+                    f"{shape} into {want}. The model's own code between the block before it and "
+                    "this one changes the activation (a reshape that flattens tokens, a slice, "
+                    "a second path around the block) in a way the plan does not know.\nFix: plan "
+                    "with "
+                    "sequence_parallel=False, or override this module's input layout (in_src) "
+                    "to what arrives."
                 )
 
     return check
@@ -111,13 +113,24 @@ def check_layouts(
                 if want != got:
                     raise LayoutMismatchError(
                         f"{fqn}: its output {outs[0]!r} leaves with local shape {got} on each "
-                        f"rank, but its out_dst {_fmt(layout)} makes the unsharded model's "
-                        f"{ref.shapes[call][0]} into {want}."
+                        f"rank, but the plan has it leave {_words(layout)}, which makes the "
+                        f"unsharded model's {ref.shapes[call][0]} into {want}.\nFix: override "
+                        "this module's output layout (out_dst) to what it produces, or keep it "
+                        "whole on tp."
                     )
 
 
-def _fmt(layout: Mapping[str, Any]) -> str:
-    return "{" + ", ".join(f"{a}: {p}" for a, p in layout.items()) + "}"
+def _words(layout: Mapping[str, Any]) -> str:
+    """``{tp: S(1)}`` in words: "split along dim 1 on tp" (what a message says)."""
+    parts = []
+    for axis, p in layout.items():
+        if isinstance(p, Shard):
+            parts.append(f"split along dim {p.dim} on {axis}")
+        elif isinstance(p, Replicate):
+            parts.append(f"whole on {axis}")
+        else:
+            parts.append(f"as {p} on {axis}")
+    return ", ".join(parts) or "whole"
 
 
 def check_input_gradients(

@@ -147,13 +147,16 @@ def _filled(cell: types.CellType) -> bool:
 
 
 def adapt_for_meta(model: nn.Module) -> None:
-    """Switch a (copied) model to kernels that have meta implementations.
+    """Switch a (copied) model to kernels that have meta implementations, in training mode.
 
     Hugging Face MoE experts default to ``torch._grouped_mm``, whose meta kernel accepts only
     bfloat16 although the CPU kernel computes in float32; the batched implementation is the
-    same math with plain matmuls. Only the verifier's copy is changed.
+    same math with plain matmuls. Training mode is set flag by flag, not by ``train()``: a
+    Hugging Face model loaded with hub kernels re-kernelizes in ``train()``, which refuses
+    the meta device. Only the verifier's copy is changed.
     """
     for module in model.modules():
+        module.training = True  # dropouts active: a random op on a partial sum must be seen
         config = getattr(module, "config", None)
         if config is not None and getattr(config, "_experts_implementation", "eager") not in (
             None,

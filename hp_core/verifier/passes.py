@@ -131,7 +131,6 @@ def _install_copy(
 ) -> tuple[nn.Module, ShardingPlan, Any]:
     clone = meta_clone(model, repeats)
     adapt_for_meta(clone)
-    clone.train()  # dropouts active: a random op on a partial sum must be seen
     reduced = reduced_plan(plan, repeats)
     state = install(
         clone, reduced, mesh, mode, pre, Journal(), reduce=False, check_inputs=False, streams=False
@@ -155,7 +154,6 @@ def plain_pass(
     """The unsharded model on meta: the global shape of every boundary's inputs and outputs."""
     clone = meta_clone(model, repeats)
     adapt_for_meta(clone)
-    clone.train()
     reduced = reduced_plan(plan, repeats)
     records: dict[str, BoundaryRecord] = {}
     for fqn, spec in reduced.items():

@@ -7,19 +7,17 @@ and MoE blocks marked for expert parallelism.
 
 from __future__ import annotations
 
-import inspect
-
 from torch.distributed.tensor import Shard
 
-from hp_core.planner.lints import FusedProjectionError, PlanningError
+from hp_core.planner.lints import FusedProjectionError
 from hp_core.planner.templates.context import TemplateContext
 from hp_core.planner.templates.head_params import head_params, mla_divide_attrs
-from hp_core.planner.templates.mixers import whole_block, whole_reason
+from hp_core.planner.templates.mixers import second_activation, whole_block, whole_reason
 from hp_core.planner.templates.projections import projection_param, region_dispatch
 from hp_core.planner.templates.qk_norm import shard_full_width_norms
 from hp_core.planner.templates.roles import BoundaryTemplate, Role
 from hp_core.plugins import suggest_compute_factory
-from hp_core.spec.module_spec import ModuleShardingSpec
+from hp_core.spec.module_spec import ModuleShardingSpec, layout_map
 
 __all__ = ["DEFAULT_BOUNDARY_TEMPLATES", "FusedProjectionError"]
 
@@ -52,31 +50,14 @@ def attention(ctx: TemplateContext) -> ModuleShardingSpec:
     return shard_full_width_norms(ctx, spec)  # norms over the whole q/k width (OLMo-2)
 
 
-def _second_activation(ctx: TemplateContext) -> str | None:
-    """A required positional input of the block's forward after the first (MPT's MLP takes
-    ``residual`` and adds it to its row-parallel output itself), or None."""
-    params = list(inspect.signature(ctx.block.module.forward).parameters.values())
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    rest = [p for p in params if p.kind in kinds][1:]
-    return next((p.name for p in rest if p.default is inspect.Parameter.empty), None)
-
-
 def mlp(ctx: TemplateContext) -> ModuleShardingSpec:
-    extra = _second_activation(ctx) if ctx.tp > 1 else None
-    if extra is not None:
-        # What the block does with it is unknown (an add after the row-parallel exit would
-        # count it tp times); a contract that leaves it undeclared would be wrong.
-        raise PlanningError(
-            f"{ctx.fqn}: {type(ctx.block.module).__name__}.forward takes a second activation "
-            f"{extra!r} besides {ctx.first_input()!r}, which the built-in MLP contract cannot "
-            "declare (if the block adds it to its row-parallel output, each rank would add it "
-            "once and the exit reduction would count it tp times).\nFix: register a "
-            "BoundaryTemplate for this architecture through a plugin that declares it (see "
-            "docs/plugin-authoring.md: hp-plugin-bloom adds BLOOM's residual once), or plan "
-            "with tp=1."
-        )
     if ctx.has_tp and whole_reason(ctx.block) is not None:
-        return whole_block(ctx, "output", None)
+        spec = whole_block(ctx, "output", None)
+        extra = second_activation(ctx.block.module)
+        if extra is not None:  # it arrives as the first does, and is gathered the same way
+            spec.in_src = {**layout_map(spec.in_src), **ctx.io(extra, ctx.hidden)}
+            spec.in_dst = {**layout_map(spec.in_dst), **ctx.io(extra, ctx.gathered)}
+        return spec
     x = ctx.first_input()
     return ModuleShardingSpec(
         params=_pair_params(ctx),

@@ -19,6 +19,8 @@ registered through ``hp_register_templates`` (docs/plugins.md).
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 
 from hp_core.planner.structure import Block
@@ -39,10 +41,28 @@ def _owner(block: Block, rel: str) -> nn.Module:
     return block.module.get_submodule(path) if path else block.module
 
 
+def second_activation(module: nn.Module) -> str | None:
+    """A required positional input of ``module``'s forward after the first (MPT's MLP takes
+    ``residual`` and adds it to its row-parallel output itself), or None."""
+    params = list(inspect.signature(module.forward).parameters.values())
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    rest = [p for p in params if p.kind in kinds][1:]
+    return next((p.name for p in rest if p.default is inspect.Parameter.empty), None)
+
+
 def whole_reason(block: Block) -> str | None:
     """Why ``block`` cannot be split over tp, or None when it can."""
     if block.kind not in _PAIR_KINDS or latent_projections(block.module) is not None:
         return None
+    extra = second_activation(block.module) if block.kind == "mlp" else None
+    if extra is not None:
+        # What it does with the second one is unknown: added after the row-parallel exit, it
+        # would be counted tp times. Whole, the block's own code computes it once.
+        return (
+            f"its forward takes a second activation {extra!r}, which a split MLP contract "
+            "cannot declare (added to the row-parallel output on every rank, the exit "
+            "reduction would count it tp times)"
+        )
     if not any(r in _INPUT_ROLES for r in block.params.values()):
         unknown = [r for r, role in block.params.items() if role is Role.REPLICATED]
         return (
