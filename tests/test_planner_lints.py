@@ -501,9 +501,11 @@ def test_input_name_that_the_forward_does_not_take(tmp_path):
         )
     msg = str(e.value)
     assert msg.startswith(
-        "model.layers.0.mlp.in_dst: 'hidden' is not a parameter of LlamaMLP.forward(x)"
+        "model.layers.0.mlp.in_dst: the plan gives a layout to input 'hidden', which "
+        "LlamaMLP.forward(x) does not take."
     )
-    assert "Name each input as the forward does." in msg
+    fix = "Fix: in your override for 'model.layers.0.mlp', name the input as the forward does "
+    assert fix + "(in_dst: {x: ...})" in msg
 
 
 def test_loss_parallel_refuses_a_loss_it_would_not_reproduce():

@@ -553,3 +553,17 @@ def test_a_report_saves_and_loads_and_refuses_edits():
         VerifyReport.loads("{}")
     with pytest.raises(ReportFormatError, match="invalid JSON"):
         VerifyReport.loads("{")
+
+
+def test_a_model_loaded_with_hub_kernels_verifies():
+    """transformers 5.25 loads models with ``use_kernels`` on; their ``train()`` re-kernelizes,
+    which refuses the meta device. The verifier's copies enter training mode without it."""
+    from kernels import Mode
+
+    m = build_family("llama", seed=0)
+    m._use_kernels, m._kernels_mode = True, Mode.INFERENCE  # what from_pretrained leaves
+    m.eval()
+    with pytest.raises(ValueError, match="Unsupported device type 'meta'"):
+        meta_clone(m).train()  # the negative control: HF's own train() on a meta copy
+    report = verify(m, plan(m, "tp=2"))
+    assert report.reductions and m.training is False  # the model itself is not touched

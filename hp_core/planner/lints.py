@@ -420,8 +420,7 @@ def lint_plan(
 def _check_input_names(model: nn.Module, fqn: str, spec: ModuleShardingSpec) -> None:
     """Every declared input must be a parameter of the module's forward.
 
-    A layout declared for a name the forward does not take would never be applied, and
-    the region would silently compute on the wrong layout.
+    A layout for a name the forward does not take is never applied (a silently wrong region).
     """
     if not spec.is_boundary:
         return
@@ -441,12 +440,13 @@ def _check_input_names(model: nn.Module, fqn: str, spec: ModuleShardingSpec) -> 
         for name in value if isinstance(value, dict) else {}:
             if name in named or (takes_kwargs and name not in named):
                 continue
-            best = close_matches(name, named, n=1)
-            hint = f" Did you mean {best[0]!r}?" if best else ""
+            best = (close_matches(name, named, n=1) or named or ["x"])[0]
             raise PlanningError(
-                f"{fqn}.{field}: {name!r} is not a parameter of "
-                f"{type(_module(model, fqn)).__name__}.forward{sig}.{hint} Name each input as the "
-                "forward does."
+                f"{fqn}.{field}: the plan gives a layout to input {name!r}, which "
+                f"{type(_module(model, fqn)).__name__}.forward{sig} does not take.\nFix: in your "
+                f"override for {fqn!r}, name the input as the forward does ({field}: {{{best}: "
+                "...}); if no override of yours names it, the template that planned it did "
+                "(`hp plugins` shows who provides it)."
             )
 
 
