@@ -2,13 +2,15 @@
 
 The recipe is docs/training.md's, as a user runs it: plan on the training call, ``apply``,
 ``fully_shard`` every repeated block on ``mesh["dp"]`` and then the root, AdamW built after
-wrapping, ``loss.backward()``, ``optimizer.step()``. Each dp replica trains on its own
-batch; the single-device reference trains on both (the mean of their losses).
+wrapping, ``loss.backward()``, ``hp_core.clip_grad_norm_``, ``optimizer.step()``. Each dp
+replica trains on its own batch; the single-device reference trains on both (the mean of
+their losses) and clips with torch's ``clip_grad_norm_``.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from hp_core import apply, plan
+from hp_core import applied, apply, clip_grad_norm_, plan
 from hp_core.testing.compare import (
     GradientCheckError,
     allclose_excess,
@@ -34,6 +36,7 @@ from tests.zoo.survey import BY_NAME, Entry
 
 RTOL = 1e-5
 TP = 2
+MAX_NORM = 1.0
 COMBOS = [(mode, sp) for mode in ("production", "validate") for sp in (True, False)]
 
 
@@ -112,11 +115,15 @@ def _train_one(
 ) -> dict[str, Any]:
     """``hp_reduces=False`` drops hp's derived reductions, ``dp_average=False`` makes FSDP2
     sum the replicas' gradients instead of averaging them (the negative controls)."""
+    t0 = time.monotonic()
     base = entry.factory()
     ref, par = copy.deepcopy(base), copy.deepcopy(base)
     p = plan(par, mesh, sequence_parallel=sp, example_inputs=entry.batch(0))
+    t1 = time.monotonic()
     apply(par, p, mesh, mode=mode)
-    reducer = par._hp_applied.grad_reducer
+    t2 = time.monotonic()
+    state = applied(par)
+    reducer = state.grad_reducer if state is not None else None
     if not hp_reduces and reducer is not None:
         reducer.buckets = []  # the negative control: hp's derived sums never run
     inner = par
@@ -130,9 +137,9 @@ def _train_one(
     # update of a rounding-noise gradient below it (docs/testing.md)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-5, foreach=False) for m in (ref, par)]
     dp = mesh.get_local_rank("dp")
-    worst = {"loss": 0.0, "logits": 0.0, "grad": 0.0, "param": 0.0}
+    worst = {"loss": 0.0, "logits": 0.0, "grad": 0.0, "norm": 0.0, "param": 0.0}
     unmoved: set[str] = set()
-    checked, reductions, logits_seen = [], [], []
+    checked, reductions, logits_seen, norms = [], [], [], []
     n_grads = 0
     off: dict[str, float] = {}
     for step in range(steps):
@@ -166,6 +173,11 @@ def _train_one(
         worst["grad"] = nan_safe_max([worst["grad"], grads_excess(grads, ref_grads, rtol=RTOL)])
         off.update(_off(grads, ref_grads, f"grad@{step}"))
         n_grads = len(grads)
+        # the recipe clips: hp's clip on the parallel model, torch's on the single device
+        norm = clip_grad_norm_(par, MAX_NORM)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        worst["norm"] = nan_safe_max([worst["norm"], allclose_excess(norm, ref_norm, rtol=RTOL)])
+        norms.append(float(ref_norm))
         # (FSDP2 may leave a rank an empty shard of a small parameter: nothing to move there)
         before = {n: t for n, t in snapshot_params(inner, only_with_grad=True).items() if t.numel()}
         for o in opts:
@@ -191,6 +203,8 @@ def _train_one(
         "n_params": len(params),
         "logits_compared": all(logits_seen),
         "off": off,
+        "norms": norms,
+        "seconds": {"plan": t1 - t0, "apply": t2 - t1, "train": time.monotonic() - t2},
     }
 
 

@@ -4,7 +4,8 @@ World 4 (dp=2 x tp=2), nanoGPT and the torchtitan-style Llama, both modes, seque
 parallel on and off, 3 AdamW steps (lr 1e-3). Each dp replica trains on its own batch; the
 single-device reference trains on both (the mean of their losses), so FSDP2's averaging is
 part of what is checked. Per step: the loss (dp-averaged), this replica's logits, every
-gradient gathered whole; after the steps, every parameter gathered whole. FSDP2 wraps every
+gradient gathered whole, the clipped total norm (the recipe clips, hp's clip against torch's
+on one device); after the steps, every parameter gathered whole. FSDP2 wraps every
 repeated block the model has (``transformer.h.*``, ``layers.*``), found from its structure.
 
 One world run per entry covers its four combinations and two negative controls (hp's derived
@@ -44,9 +45,10 @@ def test_zoo_model_under_fsdp2_over_tp_matches_one_device(name: str, mode: str, 
         r = rank_results[f"{mode}:{'sp' if sp else 'no-sp'}"]
         assert r["blocks"] == BLOCKS[name], r["blocks"]
         assert "problems" not in r, r["problems"]
-        for what in ("loss", "logits", "grad", "param"):
+        for what in ("loss", "logits", "grad", "norm", "param"):
             assert r[what] <= TOL, (what, r["off"])
         assert r["logits_compared"], r
+        assert max(r["norms"]) > tasks.MAX_NORM, r["norms"]  # the clip really scaled a step
         # every parameter has a gradient, is compared, and moved on every step
         assert r["n_grads"] == r["n_params"] == r["n_ref_params"] > 0, r
         assert r["unmoved"] == [] and r["min_checked"] > 0, r
