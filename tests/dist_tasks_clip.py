@@ -158,12 +158,12 @@ def _gather_fsdp_tp(par: nn.Module, ref: nn.Module, mesh: Any) -> dict[str, torc
     return out
 
 
-def dp_tp(wrap: str) -> dict[str, Any]:
-    """dp=2 x tp=2, production, with DDP over dp or FSDP2 ``fully_shard`` over dp."""
+def dp_tp(wrap: str, mode: str = "production") -> dict[str, Any]:
+    """dp=2 x tp=2, with DDP over dp or FSDP2 ``fully_shard`` over dp."""
     mesh = _mesh((2, 2), ("dp", "tp"))
     base = build_family("llama", seed=0)
     ref, par = copy.deepcopy(base), copy.deepcopy(base)
-    hp_core.apply(par, hp_core.plan(par, mesh), mesh, mode="production")
+    hp_core.apply(par, hp_core.plan(par, mesh), mesh, mode=mode)
     full = _batch("llama", 4)
     row = mesh.get_local_rank("dp") * 2
     mine = {k: v[row : row + 2] for k, v in full.items()}

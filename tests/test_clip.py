@@ -68,6 +68,15 @@ def test_dp2_tp2(wrap):
             assert r["replicas"] == [2, 4]  # tp shards copied over dp; copies everywhere
 
 
+def test_dp2_tp2_fsdp2_validate():
+    """Validate mode under FSDP2: hp's tp DTensors become (dp, tp) DTensors whose dp split of
+    a tp-sharded dim is a ``_StridedShard`` (not a ``Shard`` subclass): still one chunk."""
+    for r in get_world(4).run(tasks.dp_tp, "fsdp", "validate"):
+        _check(r, ("2.0", "1.0", "inf"), naive=False)
+        assert r["n_dtensor_grads"] == r["n_grads"]
+        assert r["replicas"] == [1, 2]  # dp x tp shards; dp shards copied over tp
+
+
 def test_ep2_tp2():
     """Qwen2-MoE, tp=2 with sequence parallelism, experts sharded over ep=2, both modes."""
     for r in get_world(2).run(tasks.ep):

@@ -14,7 +14,8 @@ The counting. For a finite ``p``::
 where ``r`` is how many ranks of the world hold an identical copy of that local tensor.
 A local tensor is identified by the chunk it holds along every dimension it is split on:
 
-* a DTensor gradient (validate mode, FSDP2): each mesh dim on which it is ``Shard``;
+* a DTensor gradient (validate mode, FSDP2): each mesh dim on which it is ``Shard`` or
+  ``_StridedShard`` (FSDP2's dp split of a dim hp split on tp);
 * the plan's placement (production mode, and under FSDP2 the plan's axes that the
   gradient's own mesh does not name): each plan axis with a ``Shard`` placement, on the
   plan's mesh, or for expert parameters (``spec._ep_size > 1``, placed on ``ep``) on the
@@ -46,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from hp_core.errors import HpError
 from hp_core.runtime.applied import applied_module, finalize_grads
@@ -156,7 +158,11 @@ def _splits(p: nn.Parameter, declared: dict[int, tuple[Any, dict[str, Any]]]) ->
     named_by_grad: set[str] = set()
     if isinstance(t, DTensor):
         mesh = t.device_mesh
-        splits += [(mesh, i) for i, pl in enumerate(t.placements) if isinstance(pl, Shard)]
+        # FSDP2's dp split of a dim hp already split on tp is a _StridedShard (validate
+        # mode), which is not a Shard subclass: a split all the same.
+        splits += [
+            (mesh, i) for i, pl in enumerate(t.placements) if isinstance(pl, Shard | _StridedShard)
+        ]
         named_by_grad = set(mesh.mesh_dim_names or ())
     if id(p) in declared:
         mesh, named = declared[id(p)]
