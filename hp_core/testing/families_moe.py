@@ -476,6 +476,8 @@ MOE_FAMILIES: tuple[Family, ...] = (
             "o_groups": 2,
             "o_lora_rank": 32,
             "sliding_window": WINDOW,
+            "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention"],
+            "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
             "num_nextn_predict_layers": 0,
             **INDEXER,
         },
