@@ -36,6 +36,9 @@ MAMBA2 = {
     "mamba_d_conv": 4,
     "mamba_expand": 2,
     "mamba_chunk_size": 8,
+    # finite: transformers saves the default (0, inf) as {"__float__": "Infinity"} and then
+    # refuses to read it back (hp plan --model <folder> would fail on the family's own config)
+    "time_step_limit": (0.0, 100.0),
 }
 
 #: Gated-DeltaNet linear attention of the qwen3_next-like families.
@@ -89,6 +92,7 @@ HYBRID_FAMILIES: tuple[Family, ...] = (
             "expand": 2,
             "conv_kernel": 4,
             "chunk_size": 8,
+            "time_step_limit": (0.0, 100.0),  # finite: see MAMBA2
         },
         attn_implementation="eager",
         notes="Mamba-2 SSD mixer (chunked scan, torch path on CPU), gated RMSNorm",
@@ -210,6 +214,7 @@ HYBRID_FAMILIES: tuple[Family, ...] = (
             "mamba_head_dim": 16,
             "n_groups": 2,
             "chunk_size": 8,
+            "time_step_limit": (0.0, 100.0),  # finite: see MAMBA2
             "use_mamba_kernels": False,
             "n_routed_experts": EXPERTS,
             "num_experts_per_tok": TOP_K,
