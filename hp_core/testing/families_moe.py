@@ -310,9 +310,10 @@ MOE_FAMILIES: tuple[Family, ...] = (
             shared_expert_intermediate_size=EXPERT_FFN,
             sliding_window=WINDOW,
             layer_types=SLIDE_FULL,
+            mlp_only_layers=[0],  # the default keeps the first two layers dense
         ),
         attn_implementation="eager",
-        notes="sliding + full attention, MoE with a shared expert in every layer",
+        notes="sliding + full attention, a dense then a MoE layer with a shared expert",
     ),
     Family(
         "kolibri1",
