@@ -71,8 +71,10 @@ def _train(models: dict[str, Any], family: str, mesh: Any, batch: Any = None) ->
             opts[k].zero_grad(set_to_none=True)
             out = m(input_ids=ids, labels=ids, use_cache=False)
             out.loss.backward()
+            # Only the parameters that got a gradient (a frozen router bias, or an indexer
+            # behind a top-k, gets none on either side; gather_full_grads skips them too).
             grads = (
-                {n: p.grad for n, p in m.named_parameters()}
+                {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
                 if k == "ref"
                 else restore_fused(gather_full_grads(m, ref, mesh), m._hp_applied.plan, mesh.size())
             )

@@ -10,6 +10,8 @@ imports no ``transformers``.
 from __future__ import annotations
 
 from hp_core.testing.families_extra import EXTRA_FAMILIES
+from hp_core.testing.families_hybrid import HYBRID_FAMILIES
+from hp_core.testing.families_moe import MOE_FAMILIES
 from hp_core.testing.families_required import REQUIRED_FAMILIES
 from hp_core.testing.family_config import (
     BOS_ID,
@@ -34,6 +36,14 @@ __all__ = [
 ]
 
 #: Every family of the matrix, by name, in a stable order.
-FAMILIES_MATRIX: dict[str, Family] = {f.name: f for f in (*REQUIRED_FAMILIES, *EXTRA_FAMILIES)}
+FAMILIES_MATRIX: dict[str, Family] = {
+    f.name: f
+    for f in (
+        *REQUIRED_FAMILIES,
+        *EXTRA_FAMILIES,
+        *MOE_FAMILIES,
+        *HYBRID_FAMILIES,
+    )
+}
 #: The family names, in the table's order.
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES_MATRIX)
