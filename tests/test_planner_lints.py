@@ -23,6 +23,7 @@ from hp_core.plans import IncompleteOverrideError, OverrideError, PlanError
 from hp_core.plugins import register_template
 from hp_core.presets import build_model
 from hp_core.spec import ModuleShardingSpec
+from hp_core.testing.printed_fix import printed_fix
 from hp_core.verifier.advice import SP_OFF, VERIFIED
 from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 from tests._toy_models import (
@@ -53,12 +54,15 @@ def raises(exc_type, model, mesh="tp=2", **kw) -> str:
 
 def test_kv_heads_that_tp_does_not_divide():
     msg = raises(DivisibilityError, meta(), "tp=4")
-    assert msg == (
+    assert msg.startswith(
         "model.layers.0.self_attn: 2 key/value heads (k_proj.weight: (32, 64), head_dim 16) "
-        "cannot be "
-        "split over tp=4. Each rank must hold whole heads: choose a tp size that divides 2, or "
-        "replicate k_proj.weight with an override."
+        "cannot be split over tp=4. Each rank must hold whole heads.\nFix: choose a tp size "
+        "that divides 2, or keep model.layers.0.self_attn whole on tp.\n"
     )
+    # the keep-whole override, for the attention of every layer, planned and verified by hp
+    fix = printed_fix(msg)
+    assert fix is not None and fix.overrides[0]["match"] == "model.layers.*.self_attn", msg
+    assert fix.overrides[0]["params"]["k_proj.weight"] == {"tp": "replicate"}
 
 
 def test_query_heads_that_tp_does_not_divide():

@@ -18,6 +18,8 @@ from hp_core.mesh import MeshSpec, MeshSpecError
 from hp_core.planner.local_width import INPUT_WIDTH
 from hp_core.planner.templates.roles import Role
 from hp_core.plans.errors import ArgumentTypeError, PlanError
+from hp_core.plans.fixes import keep_whole_proposals
+from hp_core.plans.proposal import propose
 from hp_core.spec.axes import CANONICAL_AXES
 from hp_core.spec.keywords import close_matches
 from hp_core.spec.module_spec import ModuleShardingSpec
@@ -197,17 +199,12 @@ def _check_params(model: nn.Module, fqn: str, spec: ModuleShardingSpec, mesh: Me
 
 
 def _head_dim(module: nn.Module) -> int | None:
-    hd = getattr(module, "head_dim", None)
-    if isinstance(hd, int) and hd > 0:
-        return hd
     cfg = getattr(module, "config", None)
-    hd = getattr(cfg, "head_dim", None)
-    if isinstance(hd, int) and hd > 0:
-        return hd
+    for hd in (getattr(module, "head_dim", None), getattr(cfg, "head_dim", None)):
+        if isinstance(hd, int) and hd > 0:
+            return hd
     n, hidden = getattr(cfg, "num_attention_heads", None), getattr(cfg, "hidden_size", None)
-    if isinstance(n, int) and isinstance(hidden, int) and n > 0:
-        return hidden // n
-    return None
+    return hidden // n if isinstance(n, int) and isinstance(hidden, int) and n > 0 else None
 
 
 def _tp_sharded_heads(spec: ModuleShardingSpec) -> list[str]:
@@ -239,10 +236,13 @@ def _check_heads(model: nn.Module, fqn: str, spec: ModuleShardingSpec, mesh: Mes
         heads = p.shape[0] // hd
         if heads % tp:
             kind = "query" if rel.rpartition(".")[0].rpartition(".")[2] in _Q_NAMES else "key/value"
-            raise DivisibilityError(
-                f"{fqn}: {heads} {kind} heads ({rel}: {tuple(p.shape)}, head_dim {hd}) cannot be "
-                f"split over tp={tp}. Each rank must hold whole heads: choose a tp size that "
-                f"divides {heads}, or replicate {rel} with an override."
+            why = f"{heads} {kind} heads ({rel}: {tuple(p.shape)}, head_dim {hd}) cannot be split"
+            raise propose(
+                DivisibilityError(
+                    f"{fqn}: {why} over tp={tp}. Each rank must hold whole heads.\nFix: choose a "
+                    f"tp size that divides {heads}, or keep {fqn} whole on tp."
+                ),
+                *keep_whole_proposals(fqn, spec),
             )
 
 

@@ -17,7 +17,13 @@ from hp_core.plans.overrides import OverrideEntry, dump_overrides
 from hp_core.plans.proposal import Proposal, entries_text, yaml_proposal
 from hp_core.spec.module_spec import ModuleShardingSpec, PlacementMap, layout_map
 
-__all__ = ["fix_match", "keep_whole", "keep_whole_proposal", "keep_whole_yaml"]
+__all__ = [
+    "fix_match",
+    "keep_whole",
+    "keep_whole_proposal",
+    "keep_whole_proposals",
+    "keep_whole_yaml",
+]
 
 
 def _whole(layouts: PlacementMap | str | None, axis: str) -> dict[str, dict[str, Placement]]:
@@ -89,3 +95,12 @@ def keep_whole_proposal(
     """``keep_whole`` as a fix a refusal proposes (hp checks it before printing it)."""
     text = entries_text([OverrideEntry(match or fqn, keep_whole(spec, axis))])
     return yaml_proposal(text, f"keeping {match or fqn} whole on {axis}")
+
+
+def keep_whole_proposals(fqn: str, spec: ModuleShardingSpec, axis: str = "tp") -> list[Proposal]:
+    """Keeping ``fqn`` whole: for the same block in every layer first (``layers.*.attn``),
+    then for ``fqn`` alone — where the contract is not known to be shared, hp's check of each
+    fix decides which holds."""
+    glob = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", fqn)
+    exact = keep_whole_proposal(fqn, spec, axis)
+    return [keep_whole_proposal(fqn, spec, axis, match=glob), exact] if glob != fqn else [exact]

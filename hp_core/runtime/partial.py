@@ -26,6 +26,8 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from hp_core.errors import HpError
 from hp_core.mesh import is_data_axis
+from hp_core.plans.fixes import keep_whole_proposals
+from hp_core.plans.proposal import propose
 from hp_core.spec.module_spec import ModuleShardingSpec, layout_map
 
 __all__ = [
@@ -110,14 +112,14 @@ def contract_partial_axes(
             isinstance(o.get(axis), Shard) for r, o in others.items() if r != rel
         ):
             sharded = sorted(r for r, o in others.items() if isinstance(o.get(axis), Shard))
-            raise AmbiguousGradientError(
-                f"{fqn}.{rel}: replicated on {axis!r} in a region that runs on local tensors "
-                f"(region_dispatch=False or injected compute) next to {sharded[:3]} sharded on "
-                f"{axis!r}. Whether it meets sharded values there cannot be read off the contract, "
-                f"and DTensor cannot look inside the region. Shard it on {axis!r} like its "
-                "neighbours, or move it into a boundary whose computation DTensor can check "
-                "(region_dispatch unset)."
+            error = AmbiguousGradientError(
+                f"{fqn}.{rel}: kept whole on {axis!r} in a block whose code runs on local shards "
+                f"(not through DTensor) next to {sharded[:3]}, which are split on {axis!r}: "
+                "whether it meets split or whole values there cannot be read off the plan, so its "
+                f"gradient's sum cannot be derived.\nFix: split it on {axis!r} like its "
+                f"neighbours, or keep the whole block {fqn!r} whole on {axis!r}."
             )
+            raise propose(error, *keep_whole_proposals(fqn, spec, axis))
         if axis in data:
             out.append(axis)
     return tuple(out)

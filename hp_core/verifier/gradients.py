@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate
 
 from hp_core.plans.model import ShardingPlan
+from hp_core.plans.proposal import propose, yaml_proposal
 from hp_core.runtime.grads import GradReduction
 from hp_core.runtime.partial import (
     AmbiguousGradientError,
@@ -56,14 +57,17 @@ def _outside(
             continue
         how = activations_on(plan.modules, axis)
         if how == "mixed":
-            raise AmbiguousGradientError(
-                f"{name}: its module runs outside every boundary, where activations are sharded on "
+            error = AmbiguousGradientError(
+                f"{name}: its module runs outside every boundary, where activations are split on "
                 f"{axis!r} in some places and whole in others, so hp cannot tell which tokens it "
-                f"sees. Make {fqn or 'it'} a boundary that declares its input layout, e.g.:\n"
-                f"  - match: {fqn!r}\n    in_src: {{input: {{{axis}: replicate}}}}\n"
-                f"    out_src: {{output: {{{axis}: replicate}}}}\n    out_dst: {{output: {{{axis}: "
-                "replicate}}"
+                f"sees.\nFix: make {fqn or 'it'} a boundary that declares its input whole."
             )
+            entry = (
+                f"  - match: {fqn!r}\n    in_src: {{input: {{{axis}: replicate}}}}\n"
+                f"    out_src: {{output: {{{axis}: replicate}}}}\n"
+                f"    out_dst: {{output: {{{axis}: replicate}}}}\n"
+            )
+            raise propose(error, yaml_proposal(entry, f"making {fqn} a boundary with whole input"))
         if how == "sharded":
             axes.append(axis)
     return tuple(axes)
