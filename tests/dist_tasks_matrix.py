@@ -81,7 +81,8 @@ def _train(models: dict[str, Any], family: str, mesh: Any, batch: Any = None) ->
             out = m(input_ids=ids, labels=ids, use_cache=False)
             out.loss.backward()
             grads = (
-                {n: p.grad for n, p in m.named_parameters()}
+                # a frozen parameter (requires_grad=False) has no gradient on either side
+                {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
                 if k == "ref"
                 else restore_fused(gather_full_grads(m, ref, mesh), m._hp_applied.plan, mesh.size())
             )

@@ -9,6 +9,7 @@ imports no ``transformers``.
 
 from __future__ import annotations
 
+from hp_core.testing.families_dense import DENSE_FAMILIES
 from hp_core.testing.families_extra import EXTRA_FAMILIES
 from hp_core.testing.families_required import REQUIRED_FAMILIES
 from hp_core.testing.family_config import (
@@ -34,6 +35,13 @@ __all__ = [
 ]
 
 #: Every family of the matrix, by name, in a stable order.
-FAMILIES_MATRIX: dict[str, Family] = {f.name: f for f in (*REQUIRED_FAMILIES, *EXTRA_FAMILIES)}
+FAMILIES_MATRIX: dict[str, Family] = {
+    f.name: f
+    for f in (
+        *REQUIRED_FAMILIES,
+        *EXTRA_FAMILIES,
+        *DENSE_FAMILIES,
+    )
+}
 #: The family names, in the table's order.
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES_MATRIX)
