@@ -69,6 +69,7 @@ DENSE_FAMILIES: tuple[Family, ...] = (
             "segment_types": 3,
             "init_std": 0.02,
             "tie_word_embeddings": False,
+            **TOKENS,
         },
         attn_implementation="eager",
         notes="CPM-Ant: segment embedding, learned relative position bias shared by every layer, "
@@ -93,14 +94,12 @@ DENSE_FAMILIES: tuple[Family, ...] = (
         "dory",
         "dory",
         hd(
-            num_hidden_layers=3,
             n_input_layers=1,
-            n_output_layers=1,
+            n_output_layers=0,
             n_recurrent_loops=2,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            sliding_window=WINDOW,
+            **_SLIDING_FULL,
         ),
-        notes="looped (recurrent-depth) decoder: input, recurrent (run twice) and output layers, "
+        notes="looped (recurrent-depth) decoder: an input layer, then a recurrent layer run twice, "
         "nGPT-style lambda residual scales",
     ),
     Family(
@@ -163,7 +162,7 @@ DENSE_FAMILIES: tuple[Family, ...] = (
     Family(
         "hrm_text",
         "hrm_text",
-        hd(num_hidden_layers=1, H_cycles=2, L_cycles=1, prefix_lm=False),
+        hd(H_cycles=2, L_cycles=1, prefix_lm=False),
         notes="hierarchical reasoning model: H and L layer stacks re-run over cycles, a frozen "
         "initial state z_L_init (requires_grad=False), causal (prefix_lm=False)",
     ),
