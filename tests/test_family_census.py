@@ -67,6 +67,12 @@ def test_the_census_reads_kinds_off_the_code(entries):
     assert entries["glm4_moe"].subkind == "moe"
     assert entries["gpt_neo"].subkind == "dense"
     assert entries["doge"].subkind == "dense"  # is_moe defaults to False
+    assert entries["gemma4_text"].subkind == "dense"  # enable_moe_block defaults to False
+    # matrix rows carry their sub-kind too
+    assert entries["qwen3_next"].subkind == "recurrent/hybrid"
+    assert entries["deepseek_v3"].subkind == "mla"
+    assert entries["mixtral"].subkind == "moe"
+    assert entries["llama"].subkind == "dense"
 
 
 def test_every_decoder_only_key_is_a_matrix_row_or_listed_as_not_yet(entries):
