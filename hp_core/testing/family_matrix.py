@@ -1,10 +1,10 @@
 """The differential test matrix: :data:`FAMILIES_MATRIX`, tiny configs of many HF families.
 
 The rows live in :mod:`~hp_core.testing.families_required`,
-:mod:`~hp_core.testing.families_extra` and :mod:`~hp_core.testing.families_dense`, the row type and the shared shape in
-:mod:`~hp_core.testing.family_config`; the builders that turn a row into a config, a model
-or a batch are in :mod:`hp_core.testing.families`. Data only: importing this module
-imports no ``transformers``.
+:mod:`~hp_core.testing.families_extra` and :mod:`~hp_core.testing.families_dense`; the row
+type and the shared shape in :mod:`~hp_core.testing.family_config`; the builders that turn a
+row into a config, a model or a batch are in :mod:`hp_core.testing.families`. Data only:
+importing this module imports no ``transformers``.
 """
 
 from __future__ import annotations
