@@ -678,6 +678,14 @@ def test_without_transformers_the_cli_names_the_extra(capsys, tmp_path, monkeypa
             "intermediate_size must be a positive integer, got bool True.",
         ),
         (
+            {"intermediate_size": [128, 0]},
+            "intermediate_size[1] must be a positive integer, got 0.",
+        ),
+        (
+            {"intermediate_size": []},
+            "intermediate_size must be a positive integer, got list [].",
+        ),
+        (
             {"hidden_size": 30, "head_dim": None},
             "hidden_size (30) is not divisible by num_attention_heads (4); fix the sizes or "
             "set head_dim.",
@@ -709,6 +717,8 @@ def test_without_transformers_the_cli_names_the_extra(capsys, tmp_path, monkeypa
         "string-size",
         "float-heads",
         "bool-size",
+        "per-layer-size-0",
+        "empty-per-layer-list",
         "not-divisible",
         "not-divisible-transformers",
         "kv-not-dividing",

@@ -87,8 +87,10 @@ def test_config_has_the_tiny_shape(name):
     fam = FAMILIES_MATRIX[name]
     assert cfg.model_type == fam.model_type
     assert cfg._attn_implementation == fam.attn_implementation
-    layers = 3 if name in THREE_LAYERS else 2
-    assert cfg.hidden_size == 64 and cfg.num_hidden_layers == layers and cfg.vocab_size == 128
+    # hrm_text counts one layer slot per cycle: its stacks hold the layers
+    layers = getattr(cfg, "num_layers_per_stack", None) or cfg.num_hidden_layers
+    assert cfg.hidden_size == 64 and cfg.vocab_size == 128
+    assert layers == (3 if name in THREE_LAYERS else 2)
     assert name in NO_HEADS or cfg.num_attention_heads == 4
     assert cfg.tie_word_embeddings is False
     assert (cfg.bos_token_id, cfg.eos_token_id) == (1, 2)
@@ -196,7 +198,14 @@ def test_unperturbed_build_really_has_trivial_weights():
 def test_meta_build_has_no_storage(name):
     model = build_family(name, device="meta")
     real = [k for k, t in (*model.named_parameters(), *model.named_buffers()) if not t.is_meta]
-    assert not real, f"{name}: materialized on meta: {real}"
+    want = [k for k, _ in model.named_parameters() if MATERIALIZED_ON_META.get(name, "\0") in k]
+    assert real == want, f"{name}: materialized on meta: {real}"
+
+
+#: Families whose code builds these parameters on the CPU whatever the default device:
+#: DiffLlamaAttention draws its lambda vectors with ``torch.normal(mean, std, size=...)``,
+#: which ignores ``with torch.device("meta")``.
+MATERIALIZED_ON_META = {"diffllama": ".lambda_"}
 
 
 def test_dtype_casts_parameters_after_the_fp32_perturbation():

@@ -202,6 +202,37 @@ EXPECTED: dict[str, str | tuple[str, str]] = {
     "zaya": REFUSED,
     # hyper-connection mixing weights unclaimed, one module per refusal (12 rounds run out).
     "qwen4_exp_text": REFUSED,
+    # dense families found by the census (families_dense.py)
+    "apertus1p5_text": UNAIDED,
+    "bitnet": FIXED,  # attn_sub_norm/ffn_sub_norm are full-width norms on sharded activations
+    "cohere_compass_text": UNAIDED,
+    # a position bias table nobody claims; once declared, a 3-row segment embedding that tp=2
+    # cannot shard
+    "cpmant": REFUSED,
+    "cwm": UNAIDED,
+    "diffllama": FIXED,  # lambda_q/k vectors meet split heads: attention kept whole on tp
+    # per-layer residual-scale vectors nobody claims; the proposed fixes (one parameter of one
+    # layer each) collide as duplicate overrides of model.layers.0
+    "doge": REFUSED,
+    "dory": REFUSED,  # same: lambda_1/lambda_2 residual scales of each layer
+    "gemma3n_text": REFUSED,  # AltUp/per-layer-input parameters: one proposal per round runs out
+    # per_layer_model_projection unclaimed; once replicated, its per-layer inputs arrive whole
+    # where the per-layer norm's contract says sharded
+    "gemma4_text": REFUSED,
+    "gpt_neo": UNAIDED,
+    "granite_swa": UNAIDED,
+    # sp: HrmTextModel adds the whole-sequence z_L_init state to sequence-sharded activations;
+    # no-sp: the frozen z_L_init is declared replicated (the proposed fix)
+    "hrm_text": (REFUSED, FIXED),
+    "hyperclovax": UNAIDED,
+    "jais2": UNAIDED,
+    "ministral3": UNAIDED,
+    # sp: the embedding LayerNorm sits between the embedding and the first layer inside
+    # ModernBertDecoderModel's forward, where the whole sequence arrives
+    "modernbert-decoder": (REFUSED, UNAIDED),
+    "nanochat": UNAIDED,
+    "vaultgemma": UNAIDED,
+    "xglm": UNAIDED,
 }
 
 

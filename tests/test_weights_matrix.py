@@ -28,12 +28,29 @@ MODES = ("production", "validate")
 #: plan: phi3, gpt2, persimmon and dbrx joined; the other 8 are refused by the planner, issue
 #: 14's ground); fewer is a regression of the planner or of the loader.
 AT_LEAST = 41
+#: Seconds the one task over the whole matrix may take.
+MATRIX_TIMEOUT = 600.0
+#: Families whose load fails today, with the error it fails with: each is a loader finding
+#: (see the report of issue 23 item 6), asserted so that a fix shows up here.
+KNOWN_LOAD_ERRORS = {
+    # DiffLlamaAttention draws lambda_q1/k1/q2/k2 with torch.normal(..., size=...), which
+    # ignores `with torch.device("meta")`: the meta build holds 8 real tensors, and
+    # load_pretrained refuses a model that is not wholly on meta.
+    "diffllama": "NotOnMetaError",
+    # save_pretrained writes HrmText's layers in the original checkpoint format (fused
+    # attn.gqkv_proj and mlp.gate_up_proj, transformers' weight conversion reversed): the
+    # loader, reading by module names, finds 11 of the 35 tensors.
+    "hrm_text": "CheckpointModelMismatchError",
+}
 
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("weights"))
-    return get_world(2).run(tasks.weights_matrix, root, list(FAMILY_NAMES), MODES)
+    # one task over the whole matrix (71 families): longer than a world's default 120 s
+    return get_world(2).run(
+        tasks.weights_matrix, root, list(FAMILY_NAMES), MODES, timeout=MATRIX_TIMEOUT
+    )
 
 
 def fsdp2_families(matrix: list[dict]) -> list[str]:
@@ -62,6 +79,9 @@ def _check(results: list[dict], modes: tuple[str, ...], at_least: int = AT_LEAST
             assert "crash" not in by_mode, (family, by_mode)
             for mode, r in by_mode.items():
                 if "refused" in r:
+                    continue
+                if family in KNOWN_LOAD_ERRORS:
+                    assert r.get("load_error", "").startswith(KNOWN_LOAD_ERRORS[family]), r
                     continue
                 loaded += 1
                 assert "load_error" not in r, (family, mode, r)

@@ -36,6 +36,8 @@ _CONFIG_SIZES = (
     "vocab_size",
     "head_dim",
 )
+#: Sizes a config may give per layer, as a list.
+_PER_LAYER_SIZES = ("intermediate_size",)
 
 
 def _usage(message: str) -> CommandFailed:
@@ -60,10 +62,14 @@ def _config_problem(get: Callable[[str], Any], *, has_head_dim: bool) -> str | N
         value = get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            return f"{key} must be a positive integer, got {type(value).__name__} {value!r}"
-        if value < 1:
-            return f"{key} must be a positive integer, got {value}"
+        # a per-layer list (Gemma-3n's intermediate_size): each entry is a size
+        per_layer = key in _PER_LAYER_SIZES and isinstance(value, list) and bool(value)
+        for i, size in enumerate(value if per_layer else [value]):
+            name = f"{key}[{i}]" if per_layer else key
+            if isinstance(size, bool) or not isinstance(size, int):
+                return f"{name} must be a positive integer, got {type(size).__name__} {size!r}"
+            if size < 1:
+                return f"{name} must be a positive integer, got {size}"
     hidden, heads, kv = get("hidden_size"), get("num_attention_heads"), get("num_key_value_heads")
     if not has_head_dim and hidden and heads and hidden % heads:
         return (
