@@ -216,9 +216,12 @@ EXPECTED: dict[str, str | tuple[str, str]] = {
     "diffllama": FIXED,  # lambda_q/k vectors meet split heads: attention kept whole on tp
     # per-layer residual-scale vectors nobody claims; the proposed fixes (one parameter of one
     # layer each) collide as duplicate overrides of model.layers.0
-    "doge": REFUSED,
-    "dory": REFUSED,  # same: lambda_1/lambda_2 residual scales of each layer
-    "gemma3n_text": REFUSED,  # AltUp/per-layer-input parameters: one proposal per round runs out
+    "doge": (REFUSED, FIXED),
+    "dory": (REFUSED, FIXED),  # same: lambda_1/lambda_2 residual scales of each layer
+    "gemma3n_text": (
+        REFUSED,
+        FIXED,
+    ),  # AltUp/per-layer-input parameters: one proposal per round runs out
     # per_layer_model_projection unclaimed; once replicated, its per-layer inputs arrive whole
     # where the per-layer norm's contract says sharded
     "gemma4_text": REFUSED,
@@ -226,13 +229,13 @@ EXPECTED: dict[str, str | tuple[str, str]] = {
     "granite_swa": UNAIDED,
     # sp: HrmTextModel adds the whole-sequence z_L_init state to sequence-sharded activations;
     # no-sp: the frozen z_L_init is declared replicated (the proposed fix)
-    "hrm_text": (REFUSED, FIXED),
+    "hrm_text": FIXED,
     "hyperclovax": UNAIDED,
     "jais2": UNAIDED,
     "ministral3": UNAIDED,
     # sp: the embedding LayerNorm sits between the embedding and the first layer inside
     # ModernBertDecoderModel's forward, where the whole sequence arrives
-    "modernbert-decoder": (REFUSED, UNAIDED),
+    "modernbert-decoder": (FIXED, UNAIDED),
     "nanochat": UNAIDED,
     "vaultgemma": UNAIDED,
     "xglm": UNAIDED,
