@@ -225,11 +225,16 @@ def _falcon(**cfg):
 
 
 def test_falcon_kv_groups_split_as_they_are_and_multi_query_is_refused():
-    model = _falcon(new_decoder_architecture=True, num_kv_heads=2)
+    model = _falcon(new_decoder_architecture=True, num_kv_heads=2, multi_query=False)
     spec = hp_core.plan(model, "tp=2", sequence_parallel=False)["transformer.h.0.self_attention"]
     layout = spec._fused_layouts["query_key_value.weight"]
-    assert (layout["kind"], layout["units"]) == ("grouped", [2])  # per kv group [q q k v]
+    # per kv group [q q k v]: 2 groups; transformers 5.25 views each group as (-1, head_dim),
+    # so the proof reads the finer head-width units (2 groups x 4) — a contiguous half is one
+    # whole group either way, and tp=4 (half a group each) is refused below
+    assert layout["kind"] == "grouped" and layout["units"] in ([2], [8])
     assert spec.region_dispatch is None  # contiguous shards are whole groups: nothing moves
+    with pytest.raises(FusedProjectionError, match="2 whole unit"):
+        hp_core.plan(model, "tp=4", sequence_parallel=False)
     with pytest.raises(FusedProjectionError, match="multi-query"):
         hp_core.plan(_falcon(multi_query=True), "tp=2", sequence_parallel=False)
 

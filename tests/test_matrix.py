@@ -312,8 +312,9 @@ def test_negative_controls_are_caught_in_both_modes(control):
     for r in get_world(2).run(tasks.family_case, "llama", True, control):
         if control == "no_reductions":
             assert r.get("caught"), r
-        else:
-            assert r.get("caught") or r.get("refused") == "verify", r
+        else:  # the first attempt is refused (the fix it prints, followed, may then match)
+            first = r["rounds"][0]
+            assert first.get("caught") or first.get("refused") == "verify", r["rounds"]
 
 
 #: MoE families of the matrix whose architecture an installed plugin (hp-plugin-moe) has an

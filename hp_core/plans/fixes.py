@@ -53,8 +53,8 @@ def keep_whole(spec: ModuleShardingSpec, axis: str = "tp") -> ModuleShardingSpec
 def fix_match(fqn: str, modules: Mapping[str, ModuleShardingSpec]) -> str:
     """The override key a fix for ``fqn`` should use: the same block in every layer, when
     those blocks have the same contract (one fix then repairs them all), else ``fqn``."""
-    glob = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", fqn)
-    if glob == fqn:
+    glob = layer_glob(fqn)
+    if glob is None:
         return fqn
     pattern = re.compile(re.escape(glob).replace(r"\*", r"\d+"))
     same = [f for f in modules if pattern.fullmatch(f)]
@@ -62,6 +62,14 @@ def fix_match(fqn: str, modules: Mapping[str, ModuleShardingSpec]) -> str:
     if mine is None or any(_contract(modules[f]) != _contract(mine) for f in same):
         return fqn
     return glob
+
+
+def layer_glob(fqn: str) -> str | None:
+    """``model.layers.*.self_attn`` for ``model.layers.0.self_attn``: the same block in every
+    layer; None when ``fqn`` has no layer index, or ends in one (``h.*`` would also match
+    every module inside each layer: an override glob's ``*`` crosses dots)."""
+    glob = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", fqn)
+    return glob if glob != fqn and not glob.endswith("*") else None
 
 
 def _contract(spec: ModuleShardingSpec) -> tuple[object, ...]:
@@ -101,6 +109,6 @@ def keep_whole_proposals(fqn: str, spec: ModuleShardingSpec, axis: str = "tp") -
     """Keeping ``fqn`` whole: for the same block in every layer first (``layers.*.attn``),
     then for ``fqn`` alone — where the contract is not known to be shared, hp's check of each
     fix decides which holds."""
-    glob = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", fqn)
+    glob = layer_glob(fqn)
     exact = keep_whole_proposal(fqn, spec, axis)
-    return [keep_whole_proposal(fqn, spec, axis, match=glob), exact] if glob != fqn else [exact]
+    return [keep_whole_proposal(fqn, spec, axis, match=glob), exact] if glob else [exact]
