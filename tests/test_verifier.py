@@ -255,9 +255,11 @@ def test_a_replicated_parameter_next_to_sharded_ones_in_local_code_is_refused():
     m = meta("qwen3")
     p = plan(m, "tp=2", overrides=[{"match": "*.self_attn", "region_dispatch": False}])
     with pytest.raises(
-        AmbiguousGradientError, match=r"self_attn\.q_norm\.weight: replicated on 'tp'"
-    ):
+        AmbiguousGradientError, match=r"self_attn\.q_norm\.weight: kept whole on 'tp' in a block"
+    ) as e:
         verify(m, p)
+    fix = printed_fix(str(e.value))  # keeping the attention whole, checked by hp
+    assert fix is not None and fix.overrides[0]["match"] == "model.layers.*.self_attn", e.value
 
 
 def test_a_tied_weight_with_a_whole_and_a_partial_gradient_is_refused():

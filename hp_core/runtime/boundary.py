@@ -96,6 +96,7 @@ class UndeclaredCommunicationError(HpError, ValueError):
         op = detail.replace("Implicit redistribution occurred for ", "").replace(
             " while ExplicitRedistributionContext was active", ""
         )
+        op, _, args = op.partition("(")  # the op's arguments, as DTensor shows them, come last
         hint = (
             (
                 f" Replicated in this region next to sharded parameters: {', '.join(suspects)} "
@@ -111,7 +112,9 @@ class UndeclaredCommunicationError(HpError, ValueError):
             "layout does not fit the activation it meets (a full-width norm on a sharded "
             "projection, a tensor kept whole while heads are split, a projection left replicated "
             f"next to a sharded one).{hint} Declare that parameter's layout, or keep the boundary "
-            f"whole on tp (correct, at the cost of replicated compute).{fix}"
+            f"whole on tp (correct, at the cost of replicated compute)."
+            + (f"\nDTensor's view of the op: {op}({args}" if args else "")
+            + fix
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
