@@ -70,8 +70,11 @@ def recompute_buffers(
             value = torch.full(old.shape, fill, dtype=old.dtype, device=device)
             fresh[name] = stand_in._buffers[name] = value
         if callable(init):
-            with torch.no_grad():
-                init(stand_in)
+            try:
+                with torch.no_grad():
+                    init(stand_in)
+            except Exception:  # the model's own init fails on a stand-in (transformers' Gemma-3n
+                pass  # reads an attribute its causal-LM class lacks): its buffers count as unset
         for name in fresh:
             written = stand_in._buffers[name]  # an init may rebind rather than write in place
             if written is None or (written.is_floating_point() and bool(written.isnan().any())):
