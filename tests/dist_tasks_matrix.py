@@ -45,12 +45,6 @@ def proposed_overrides(message: str) -> list[dict[str, Any]] | None:
     return fix.overrides if fix is not None and fix.overrides else None
 
 
-def proposed_flags(message: str) -> dict[str, Any]:
-    """The ``plan()`` flags of the fix a refusal prints (``sequence_parallel=False``)."""
-    fix = printed_fix(message)
-    return fix.flags if fix is not None else {}
-
-
 def _train(models: dict[str, Any], family: str, mesh: Any, batch: Any = None) -> dict[str, Any]:
     """``batch(seed)`` gives the input ids of a step (default: the family's own batch)."""
     # Adam divides each update by that element's own gradient size: an element whose gradient

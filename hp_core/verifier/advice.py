@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_core.errors import HpError
+from hp_core.mesh import is_device_mesh
 from hp_core.planner.plan import plan as plan_model
 from hp_core.plans.model import ShardingPlan
 from hp_core.plans.overrides import OverridesLike, load_overrides
@@ -49,10 +50,6 @@ NO_FIX = "hp found no override it could verify for this"
 SP_OFF = "plan with sequence_parallel=False (activations between blocks then stay whole)"
 #: A fix may lead to this many further refusals whose fixes are added to it.
 MAX_ROUNDS = 3
-
-
-def _is_device_mesh(mesh: object) -> bool:
-    return type(mesh).__name__ == "DeviceMesh"
 
 
 def _first_line(error: BaseException) -> str:
@@ -142,7 +139,7 @@ def _checker(
             "hp checks a fix before it prints one, and does not know this plan's mesh sizes. "
             "Fix: pass the mesh to verify(model, plan, mesh)."
         )
-    if not _is_device_mesh(mesh) and dist.is_available() and dist.is_initialized():
+    if not is_device_mesh(mesh) and dist.is_available() and dist.is_initialized():
         return (
             "hp checks a fix before it prints one, but a process group is initialized and the "
             "mesh is a description, not a DeviceMesh, so hp cannot verify on it. Fix: pass the "
@@ -214,7 +211,7 @@ def plan(
     result.planned_with = PlanningCall(
         tuple(load_overrides(overrides)),
         flags,
-        mesh=None if _is_device_mesh(mesh) else mesh,
+        mesh=None if is_device_mesh(mesh) else mesh,
         fingerprint=result.fingerprint(),
     )
     return result
