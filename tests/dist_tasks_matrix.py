@@ -29,6 +29,7 @@ from hp_core.testing.compare import (
     unmoved_params,
 )
 from hp_core.testing.families import build_family, family_batch
+from hp_core.testing.family_matrix import FAMILIES_MATRIX
 from hp_core.testing.fused import restore_fused
 from hp_core.testing.printed_fix import printed_fix
 from hp_core.testing.probe import CollectiveCounter
@@ -105,7 +106,8 @@ def run_case(
 ) -> dict[str, Any]:
     """One attempt: plan, verify, apply both modes, train; or the refusal and where it came from."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    base = build_family(family, seed=0)
+    dtype = getattr(torch, FAMILIES_MATRIX[family].compare_dtype)
+    base = build_family(family, seed=0, dtype=dtype)
     if control == "lie_about_input":
         # the final norm says its input arrives whole while it arrives sequence-sharded
         whole = {"hidden_states": {"tp": Replicate()}}

@@ -76,6 +76,9 @@ class Block:
     #: module whose forward never runs (minGPT's MLP is a ModuleDict its parent's code calls
     #: the children of) cannot be wrapped: a boundary there would never see its data.
     called: bool | None = None
+    #: Later positional parameters the trace saw given the same tensor as the first: they
+    #: are declared in the first one's layout (:attr:`FlowTrace.first_aliases`).
+    first_aliases: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -450,6 +453,7 @@ def _mark_outputs(blocks: list[Block], flows: FlowTrace | None) -> None:
     for b in blocks:
         b.tuple_out = flows.tuple_outputs.get(b.fqn)
         b.called = b.called is not False and b.fqn in flows.tuple_outputs
+        b.first_aliases = flows.first_aliases.get(b.fqn, ())
     norms = {b.fqn: b for b in blocks if b.kind == "norm"}
     for b in blocks:
         flow = flows.projections.get(b.fqn)

@@ -133,6 +133,9 @@ class FlowTrace:
     tuple_outputs: dict[str, bool] = dataclasses.field(default_factory=dict)
     #: Norm modules whose output the module that called them reshapes in its own code.
     reshaped_norms: set[str] = dataclasses.field(default_factory=set)
+    #: Module FQN → the names of its later positional parameters that were given the very
+    #: tensor its first one was (CTRL calls its attention with one tensor as v, k and q).
+    first_aliases: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 def is_norm_module(module: nn.Module) -> bool:
@@ -287,11 +290,14 @@ def trace(model: nn.Module, call: ExampleCall | None = None) -> FlowTrace:
     args, kwargs = (call or default_call(model)).meta()
     tagger = _Tagger(owners, _token_ids(model, args, kwargs))
     outputs: dict[str, bool] = {}
+    aliases: dict[str, tuple[str, ...]] = {}
 
     def enter_hook(module: nn.Module, args: Any) -> None:
         name = names.get(id(module))
         if name is None:
             return
+        if name not in aliases:
+            aliases[name] = _aliases_of_first(module, args)
         if id(module) in norms and tagger.stack:
             tagger.norm_caller.setdefault(name, tagger.stack[-1])
         tagger.stack.append(name)
@@ -302,7 +308,7 @@ def trace(model: nn.Module, call: ExampleCall | None = None) -> FlowTrace:
             return
         if tagger.stack and tagger.stack[-1] == name:
             tagger.stack.pop()
-        outputs.setdefault(name, isinstance(output, tuple))
+        outputs.setdefault(name, isinstance(output, tuple | list))  # GPT-1 returns a list
         if id(module) in norms:
             tagger._tag(output, frozenset({NORM}))
             for t in tree_leaves(output):
@@ -319,7 +325,24 @@ def trace(model: nn.Module, call: ExampleCall | None = None) -> FlowTrace:
     finally:
         handle.remove()
         enter.remove()
-    return FlowTrace(tagger.flows, tagger.embeddings, outputs, tagger.reshaped)
+    found = {k: v for k, v in aliases.items() if v}
+    return FlowTrace(tagger.flows, tagger.embeddings, outputs, tagger.reshaped, found)
+
+
+def _aliases_of_first(module: nn.Module, args: tuple[Any, ...]) -> tuple[str, ...]:
+    """The positional parameters of ``module.forward`` after the first that this call gave
+    the same tensor as the first (each needs the first's layout: it is the same activation)."""
+    if len(args) < 2 or not isinstance(args[0], torch.Tensor):
+        return ()
+    same = [i for i in range(1, len(args)) if args[i] is args[0]]
+    if not same:
+        return ()
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):  # pragma: no cover - every nn.Module forward is introspectable
+        return ()
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return tuple(positional[i] for i in same if i < len(positional))
 
 
 def producers(flow: ProjectionFlow) -> set[str]:

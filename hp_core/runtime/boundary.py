@@ -39,6 +39,7 @@ from hp_core.plans.fixes import keep_whole_proposal
 from hp_core.plans.proposal import propose
 from hp_core.runtime.broadcast import BroadcastToShards
 from hp_core.runtime.dtensor_strategies import validate_attention_kernels
+from hp_core.runtime.errors import OutputNotATensorError
 from hp_core.runtime.fused_views import zero_bias
 from hp_core.runtime.layouts import Redistribution, same_placement, to_placements
 from hp_core.runtime.partial import contract_partial_axes, is_expert_param
@@ -48,7 +49,7 @@ from hp_core.spec.placements import PlacementMismatchError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["BoundaryForward", "InnerOutputCheck", "UndeclaredCommunicationError", "suspects"]
+__all__ = ["BoundaryForward", "UndeclaredCommunicationError", "suspects"]
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
@@ -264,13 +265,23 @@ class BoundaryForward:
         if not self.inputs:
             return args, kwargs
         args = list(args)  # type: ignore[assignment]
+        # One tensor given as several inputs (CTRL's v, k, q) is converted once: one
+        # collective, and one gradient sum over all its uses.
+        done: dict[tuple[int, tuple[Any, ...]], Any] = {}
+
+        def convert(tr: Redistribution, x: Any) -> Any:
+            key = (id(x), (tr.src, tr.dst, tr.grad))
+            if key not in done:
+                done[key] = self._convert(tr, x, how)
+            return done[key]
+
         for name, tr in self.inputs.items():
             if name in kwargs:
-                kwargs[name] = self._convert(tr, kwargs[name], how)
+                kwargs[name] = convert(tr, kwargs[name])
             else:
                 i = self._pos.get(name)
                 if i is not None and i < len(args):
-                    args[i] = self._convert(tr, args[i], how)  # type: ignore[index]
+                    args[i] = convert(tr, args[i])  # type: ignore[index]
         return tuple(args), kwargs
 
     @staticmethod
@@ -284,21 +295,28 @@ class BoundaryForward:
         return tr.via_dtensor(x)
 
     # ------------------------------------------------------------------ outputs
-    def _split(self, out: Any) -> tuple[list[Any], bool]:
-        if isinstance(out, tuple) and len(self.out_names) > 1:
-            return list(out), True
-        return [out], False
+    def _split(self, out: Any) -> tuple[list[Any], type | None]:
+        """The outputs, and the sequence type they came in (None: one output). GPT-1's
+        blocks return a list where most return a tuple."""
+        if isinstance(out, tuple | list) and len(self.out_names) > 1:
+            return list(out), list if isinstance(out, list) else tuple
+        return [out], None
 
-    def _join(self, items: list[Any], was_tuple: bool) -> Any:
-        return tuple(items) if was_tuple else items[0]
+    def _join(self, items: list[Any], kind: type | None) -> Any:
+        return items[0] if kind is None else kind(items)
 
     def _exit(self, out: Any, how: str) -> Any:
-        items, was_tuple = self._split(out)
-        names = self.out_names if was_tuple else (self.out_names[:1] or ["output"])
+        items, kind = self._split(out)
+        names = self.out_names if kind is not None else (self.out_names[:1] or ["output"])
         for i, name in enumerate(names):
             if i >= len(items) or name not in self.outputs:
                 continue
             x, tr = items[i], self.outputs[name]
+            if not isinstance(x, torch.Tensor) and not tr.identity:
+                # passing it on untouched would skip the declared reduction: silently wrong
+                raise OutputNotATensorError(
+                    self.fqn, type(self.module).__name__, name, type(x).__name__
+                )
             if how == "check":
                 items[i] = tr.exit_dtensor(self._check(name, x))
             elif how == "rewrap":
@@ -317,7 +335,7 @@ class BoundaryForward:
                 if bias is None:  # _detached_biases has put it back before _exit
                     raise RuntimeError(f"{self.fqn}: deferred bias {name!r} is missing (hp bug).")
                 items[0] = items[0] + bias
-        return self._join(items, was_tuple)
+        return self._join(items, kind)
 
     def _check(self, name: str, x: Any) -> DTensor:
         expected = self.expected_out.get(name)
@@ -452,48 +470,3 @@ class BoundaryForward:
         with self._detached_biases(), self._local_params(), self._random():
             out = self.compute(*args, **kwargs)
         return self._exit(out, "rewrap")
-
-
-class InnerOutputCheck:
-    """Validate mode, dispatching region: check a child replacement's output by ``inner_out_src``.
-
-    ``"first_input"`` means "the layout of its first tensor argument"; a mapping declares
-    the layout outright. A mismatch is a ``PlacementMismatchError`` at stage ``inner_out_src``.
-    """
-
-    def __init__(
-        self, name: str, fn: Callable[..., Any], inner_out_src: Any, mesh: DeviceMesh
-    ) -> None:
-        self.name = name
-        self.fn = fn
-        self.mesh = mesh
-        self.declared = inner_out_src
-        self.__signature__ = inspect.signature(fn)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        out = self.fn(*args, **kwargs)
-        first = out[0] if isinstance(out, tuple) else out
-        if self.declared == "first_input":
-            src = next((a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)), None)
-            expected = tuple(src.placements) if src is not None else None
-        else:
-            layout = next(iter(self.declared.values()))
-            expected = to_placements(layout, self.mesh)
-        names = list(mesh_axes(self.mesh))
-        if (
-            expected is None
-            or not isinstance(first, DTensor)
-            or not all(
-                same_placement(a, e) for a, e in zip(first.placements, expected, strict=True)
-            )
-        ):
-            actual = (
-                dict(zip(names, first.placements, strict=True))
-                if isinstance(first, DTensor)
-                else f"a plain {type(first).__name__}"
-            )
-            declared = (
-                dict(zip(names, expected, strict=True)) if expected is not None else self.declared
-            )
-            raise PlacementMismatchError(self.name, declared, actual, "inner_out_src")
-        return out

@@ -22,13 +22,14 @@ from hp_core.planner.local_width import INPUT_WIDTH
 from hp_core.plans.fixes import fix_match
 from hp_core.plans.model import ShardingPlan
 from hp_core.runtime.applied import AppliedModel, InnerWrap
-from hp_core.runtime.boundary import BoundaryForward, InnerOutputCheck
+from hp_core.runtime.boundary import BoundaryForward
 from hp_core.runtime.dtensor_strategies import register_missing_strategies
 from hp_core.runtime.experts import expert_grad_reductions
 from hp_core.runtime.fused import set_local_attr
 from hp_core.runtime.fused_state import FusedStateDict
 from hp_core.runtime.grads import GradReducer, GradReduction
 from hp_core.runtime.guard import InputGuard
+from hp_core.runtime.inner_output import InnerOutputCheck
 from hp_core.runtime.journal import Journal, set_forward
 from hp_core.runtime.layouts import dense_mesh
 from hp_core.runtime.optim_state import watch_optimizers

@@ -224,10 +224,6 @@ NOT_YET: dict[str, str] = {
         "byte latent transformer (local encoder, global transformer, local decoder with cross- "
         "attention and a patcher): no tiny row attempted yet"
     ),
-    "ctrl": (
-        "hp trains it wrong without SP (tp-rank gradients of replicated parameters differ): row in "
-        "families_dense.WRONG_TODAY"
-    ),
     "gemma4_assistant": (
         "a speculative-decoding draft head: its forward needs the target model's inputs_embeds and "
         "shared_kv_states (no input_ids/labels training step)"
@@ -235,18 +231,6 @@ NOT_YET: dict[str, str] = {
     "gemma4_unified_assistant": (
         "a speculative-decoding draft head: its forward needs the target model's inputs_embeds and "
         "shared_kv_states (no input_ids/labels training step)"
-    ),
-    "gemma4_unified_text": (
-        "production gradients 5% over the tolerance without SP (validate matches): row in "
-        "families_dense.WRONG_TODAY"
-    ),
-    "gpt_neox_japanese": (
-        "hp trains it wrong with SP after following its own fixes (dense_bias gradient differs "
-        "between tp ranks): row in families_dense.WRONG_TODAY"
-    ),
-    "openai-gpt": (
-        "hp trains it wrong without SP (tp-rank gradients of replicated parameters differ): row in "
-        "families_dense.WRONG_TODAY"
     ),
     "beam": "MoE: its row is due in families_moe.py",
     "lfm3": "recurrent/hybrid: its row is due in families_hybrid.py",

@@ -81,8 +81,8 @@ def _settle(
     also = Proposal(f"and {SP_OFF}", "without sequence parallel", flags=flags)
     if sequence_parallel:  # each fix again without sequence parallel, then that alone
         off = Proposal(SP_OFF, "planning with sequence_parallel=False", flags=flags)
-        queue = [q for p, r in queue for q in ((p, r), (p.plus(also), MAX_ROUNDS))]
-        queue.append((off, MAX_ROUNDS))
+        queue = [q for p, r in queue for q in ((p, r), (p.plus(also), r))]
+        queue.append((off, 1))
     failed: list[str] = []
     seen: set[str] = set()
     for _ in range(MAX_TRIES):
@@ -109,6 +109,8 @@ def _settle(
                 queue[:0] = [(fix.plus(m), rounds + 1) for m in more]
             else:
                 failed.append(f"{fix.what} ({_first_line(e)})")
+                if sequence_parallel and fix.flags.get("sequence_parallel", True):
+                    queue.insert(0, (fix.plus(also), rounds))  # the same, SP off, next
             continue
         except Exception as e:  # the fix makes the model's own code fail: not a fix
             failed.append(f"{fix.what} ({_first_line(e)})")
@@ -260,8 +262,9 @@ def verify(
 def _layout_refusal(error: HpError, plan: ShardingPlan) -> bool:
     """A finding about the plan's layouts that proposes no fix of its own, under sequence
     parallelism — the one fix left to check is turning it off."""
-    proven = isinstance(error, VerificationError) and not isinstance(error, UnverifiableError)
-    return proven and plan.sequence_parallel
+    # A model whose own code fails on meta under SP (UnverifiableError) included: that code
+    # may be what meets a sequence shard, and a fix is printed only once it verifies.
+    return isinstance(error, VerificationError) and plan.sequence_parallel
 
 
 def _described(plan: ShardingPlan) -> str | None:

@@ -5,6 +5,8 @@
 * Every boundary gives production the local shapes it gives validate mode.
 * The gradient of each declared input is partial in DTensor's backward exactly where
   production's entry transition assumes it is (``hp_core.collectives.grad_is_partial``).
+* The gradient of each undeclared tensor input is whole: production has no transition for
+  it and hands its gradient back as the region's local backward makes it.
 """
 
 from __future__ import annotations
@@ -15,13 +17,28 @@ from typing import Any
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from hp_core.collectives import grad_is_partial
+from hp_core.plans.fixes import fix_match
 from hp_core.plans.model import ShardingPlan
+from hp_core.plans.overrides import OverrideEntry
+from hp_core.plans.proposal import Proposal, entries_text, propose, yaml_proposal
 from hp_core.runtime.partial import is_data_axis
-from hp_core.spec.module_spec import layout_map
-from hp_core.verifier.errors import InputGradientError, LayoutMismatchError, ProductionDiffersError
+from hp_core.spec.module_spec import ModuleShardingSpec, layout_map
+from hp_core.verifier.errors import (
+    InputGradientError,
+    LayoutMismatchError,
+    ProductionDiffersError,
+    VerificationError,
+)
 from hp_core.verifier.probes import BoundaryRecord
 
-__all__ = ["arrival_check", "check_input_gradients", "check_layouts", "check_modes_agree"]
+__all__ = [
+    "arrival_check",
+    "check_escaped_outputs",
+    "check_input_gradients",
+    "check_layouts",
+    "check_modes_agree",
+    "check_undeclared_inputs",
+]
 
 
 def check_modes_agree(
@@ -157,3 +174,69 @@ def check_input_gradients(
                             "mixes sharded and replicated paths from this input; shard the "
                             "replicated ones, or keep the boundary whole on that axis."
                         )
+
+
+def _declare_proposal(fqn: str, plan: ShardingPlan, names: list[str]) -> Proposal | None:
+    """Declaring ``names`` as the module's first declared input is (what an alias of it
+    needs; hp checks the fix before printing it). None where no input is declared."""
+    spec = plan[fqn]
+    src, dst = layout_map(spec.in_src), layout_map(spec.in_dst)
+    first = next(iter({**src, **dst}), None)
+    if first is None:
+        return None
+    like_src, like_dst = src.get(first, dst.get(first)), dst.get(first, src.get(first))
+    fix = ModuleShardingSpec(
+        in_src={**src, **{n: dict(like_src or {}) for n in names}},
+        in_dst={**dst, **{n: dict(like_dst or {}) for n in names}},
+    )
+    match = fix_match(fqn, plan.modules)
+    what = f"declaring {', '.join(map(repr, names))} of {match} as its input {first!r} is"
+    return yaml_proposal(entries_text([OverrideEntry(match, fix)]), what)
+
+
+def check_undeclared_inputs(
+    records: Mapping[str, BoundaryRecord], plan: ShardingPlan, names: list[str]
+) -> None:
+    """A tensor input the contract does not declare gets no transition in production: its
+    gradient goes back as the region's local backward makes it, so it must come out whole.
+    One that comes out partial (CTRL gives its attention one tensor as v, k and q and the
+    plan declares v only) would leave the rest of the model a per-rank gradient."""
+    for fqn, rec in records.items():
+        bad: dict[str, str] = {}
+        for name, seen in rec.undeclared_grads.items():
+            for named in seen:
+                for axis, p in named:
+                    if not is_data_axis(axis) and not isinstance(p, Replicate):
+                        bad.setdefault(
+                            name, f"{'partial' if isinstance(p, Partial) else p} on {axis!r}"
+                        )
+        if not bad:
+            continue
+        which = ", ".join(f"{n!r} ({why})" for n, why in bad.items())
+        error = InputGradientError(
+            f"{fqn}: the module is called with tensor input(s) {which} that its contract does "
+            "not declare, and their gradient inside the region is not whole: production "
+            "passes an undeclared input through untouched, so its gradient would go back "
+            "unsummed and differ between ranks.\nFix: declare each of them (in_src and "
+            "in_dst) in the layout it arrives in and is needed in."
+        )
+        fix = _declare_proposal(fqn, plan, [n for n in bad if "[" not in n])
+        raise propose(error, fix) if fix is not None else error
+
+
+def check_escaped_outputs(records: Mapping[str, BoundaryRecord], plan: ShardingPlan) -> None:
+    """Under sequence parallelism the model's code between boundaries runs on this rank's
+    tokens: a gradient it sends back into an output the contract does not declare (GPT-NeoX-
+    Japanese returns its attention's dense bias for the layer to add) covers those tokens
+    only, and production hands it to the region unsummed."""
+    if not plan.sequence_parallel:
+        return
+    for fqn, rec in records.items():
+        if rec.escaped:
+            names = ", ".join(map(repr, sorted(rec.escaped)))
+            raise VerificationError(
+                f"{fqn}: the model's own code takes its output(s) {names}, which the contract "
+                "does not declare, and sends a gradient back into them; with sequence "
+                "parallelism that code runs on this rank's tokens only, so the gradient would "
+                "reach the region unsummed and differ between ranks."
+            )

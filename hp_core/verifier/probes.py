@@ -24,7 +24,9 @@ import torch
 from torch.distributed.tensor import DTensor, Partial
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hp_core.collectives import grad_is_partial
 from hp_core.errors import HpError
+from hp_core.mesh import mesh_axes
 from hp_core.plans.fixes import keep_whole_proposal
 from hp_core.plans.proposal import propose
 from hp_core.runtime.boundary import BoundaryForward, positions
@@ -102,6 +104,11 @@ class BoundaryRecord:
     grads: dict[str, list[tuple[Any, ...]]] = dataclasses.field(default_factory=dict)
     #: declared input name → ((axis, placement), ...) of its DTensor gradient
     input_grads: dict[str, list[tuple[Any, ...]]] = dataclasses.field(default_factory=dict)
+    #: the same, for tensor inputs the contract does not declare (a mask, a rotary table
+    #: that carries a gradient, CTRL's k and q): production hands their gradient back as is
+    undeclared_grads: dict[str, list[tuple[Any, ...]]] = dataclasses.field(default_factory=dict)
+    #: undeclared outputs a gradient flowed back into from the model's code (production)
+    escaped: set[str] = dataclasses.field(default_factory=set)
     #: why the region's own code could not run on meta (a local region only)
     skipped: str | None = None
     #: declared input name → local shape, per distinct call
@@ -198,7 +205,7 @@ class ValidateProbe:
         self.on_arrival = on_arrival  # checks what arrives against the unsharded model's shapes
         self.seen: set[tuple[Any, ...]] = set()
         self.module_type = type(bf.module).__name__
-        self._input_grads: dict[str, list[tuple[Any, ...]]] = {}
+        self._inputs: list[tuple[str, DTensor, bool]] = []  # (name, tensor, declared)
         if bf.dispatch:
             bf.compute = self._compute(bf.compute)
         self.__signature__ = bf.__signature__
@@ -212,15 +219,38 @@ class ValidateProbe:
         return run
 
     def _hook_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        pos = self.bf._pos
-        for name in self.bf.inputs:
-            x = kwargs.get(name)
-            if x is None and name in pos and pos[name] < len(args):
-                x = args[pos[name]]
-            if isinstance(x, DTensor) and x.requires_grad:
-                x.register_hook(
-                    lambda g, name=name: self._input_grads.setdefault(name, []).append(_named(g))
-                )
+        """The region's tensor inputs that carry a gradient, declared or not, by name: the
+        region's backward asks for their gradients too (:meth:`_backward`)."""
+        names = {i: n for n, i in self.bf._pos.items()}
+        given = [(names.get(i, f"argument {i}"), a) for i, a in enumerate(args)]
+        self._inputs = []
+        for name, x in (*given, *kwargs.items()):
+            items = x if isinstance(x, tuple | list) else (x,)
+            for j, t in enumerate(items):
+                if isinstance(t, DTensor) and t.requires_grad and t.is_floating_point():
+                    label = name if t is x else f"{name}[{j}]"
+                    self._inputs.append((label, t, name in self.bf.inputs))
+
+    def _undeclared_by_contract(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A local region's undeclared inputs that carry a gradient: DTensor cannot look
+        inside, so the contract's rule says what their gradient is (partial on each axis the
+        region shards a parameter on, as for a declared input)."""
+        axes = [a for a in mesh_axes(self.bf.mesh) if grad_is_partial(self.bf.spec, a)]
+        if not axes:
+            return
+        names = {i: n for n, i in self.bf._pos.items()}
+        for name, x in (
+            *((names.get(i, f"argument {i}"), a) for i, a in enumerate(args)),
+            *kwargs.items(),
+        ):
+            if (
+                name not in self.bf.inputs
+                and isinstance(x, torch.Tensor)
+                and x.requires_grad
+                and x.is_floating_point()
+            ):
+                seen = tuple((a, Partial()) for a in axes)
+                self.record.undeclared_grads.setdefault(name, []).append(seen)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = call_key(args, kwargs)
@@ -230,6 +260,8 @@ class ValidateProbe:
                 len(self.record.shapes),
                 declared_shapes(self.bf.spec, self.bf._pos, args, kwargs),
             )
+        if not self.bf.dispatch and key not in self.seen:
+            self._undeclared_by_contract(args, kwargs)
         if self.bf.dispatch and key not in self.seen:
             # The region's own backward, in isolation: its inputs become leaves, so that the
             # gradient of a parameter also used elsewhere (a tied weight) holds only this use.
@@ -264,20 +296,22 @@ class ValidateProbe:
         names = [n for n, p in self.params.items() if p.requires_grad]
         if not outs:
             return
-        self._input_grads = {}
+        wrt = [self.params[n] for n in names] + [t for _, t, _ in self._inputs]
         with self.bf.declared_only("backward"):
             grads = torch.autograd.grad(
                 outs,
-                [self.params[n] for n in names],
+                wrt,
                 grad_outputs=[torch.zeros_like(t) for t in outs],
                 retain_graph=True,
                 allow_unused=True,
             )
-        for n, g in zip(names, grads, strict=True):
+        for n, g in zip(names, grads[: len(names)], strict=True):
             if g is not None:
                 self.record.grads.setdefault(n, []).append(_named(g))
-        for name, placements in self._input_grads.items():
-            self.record.input_grads.setdefault(name, []).extend(placements)
+        for (name, _, declared), g in zip(self._inputs, grads[len(names) :], strict=True):
+            if g is not None:
+                seen = self.record.input_grads if declared else self.record.undeclared_grads
+                seen.setdefault(name, []).append(_named(g))
 
 
 class ProductionProbe:
@@ -315,7 +349,25 @@ class ProductionProbe:
         if new:
             self.seen.add(key)
             self.record.shapes.append(_local_shapes(out))
+            out = self._watch_undeclared(out)
         return out
+
+    def _watch_undeclared(self, out: Any) -> Any:
+        """``out``, each undeclared output that carries a gradient replaced by an alias of it
+        whose hook records a gradient flowing back in from the model's code (the alias, not
+        the tensor: eager attention's weights also get a gradient from inside the region)."""
+        items, kind = self.bf._split(out)
+        names = self.bf.out_names if kind is not None else (self.bf.out_names[:1] or ["output"])
+        changed = False
+        for i, x in enumerate(items):
+            name = names[i] if i < len(names) else f"returned item {i}"
+            if name in self.bf.outputs or not isinstance(x, torch.Tensor):
+                continue
+            if x.requires_grad and x.is_floating_point():
+                items[i] = x.view_as(x)
+                items[i].register_hook(lambda g, name=name: self.record.escaped.add(name))
+                changed = True
+        return self.bf._join(items, kind) if changed else out
 
 
 class ShapeRecorder:

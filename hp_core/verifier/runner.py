@@ -39,9 +39,11 @@ from hp_core.runtime.preflight import PreflightResult, check_locally
 from hp_core.verifier.attribution import failure_site
 from hp_core.verifier.consistency import (
     arrival_check,
+    check_escaped_outputs,
     check_input_gradients,
     check_layouts,
     check_modes_agree,
+    check_undeclared_inputs,
 )
 from hp_core.verifier.errors import UnverifiableError
 from hp_core.verifier.gradients import derive
@@ -147,6 +149,8 @@ def prove(
         if plain is not None:
             check_layouts(plain, prod, reduced, sizes)
         check_input_gradients(val, reduced, names)
+        check_undeclared_inputs(val, reduced, names)
+        check_escaped_outputs(prod, reduced)
         reductions, opaque = derive(model, plan, names, val, repeats)
     return VerifyReport(
         fingerprint=plan.fingerprint(),

@@ -32,14 +32,13 @@ def _pair_params(ctx: TemplateContext) -> dict[str, dict]:
 
 
 def attention(ctx: TemplateContext) -> ModuleShardingSpec:
-    x = ctx.first_input()
     out = "attn_output" if ctx.returns_tuple() else "output"
     if ctx.has_tp and whole_reason(ctx.block) is not None:
         return whole_block(ctx, out, [out, "attn_weights"] if ctx.returns_tuple() else None)
     spec = ModuleShardingSpec(
         params=head_params(ctx, _pair_params(ctx)),
-        in_src=ctx.io(x, ctx.hidden),
-        in_dst=ctx.io(x, ctx.gathered),
+        in_src=ctx.inputs_io(ctx.hidden),
+        in_dst=ctx.inputs_io(ctx.gathered),
         out_src=ctx.io(out, ctx.partial if ctx.has_tp else ctx.gathered),
         out_dst=ctx.io(out, ctx.hidden),
         out_names=[out, "attn_weights"] if ctx.returns_tuple() else None,
@@ -58,11 +57,10 @@ def mlp(ctx: TemplateContext) -> ModuleShardingSpec:
             spec.in_src = {**layout_map(spec.in_src), **ctx.io(extra, ctx.hidden)}
             spec.in_dst = {**layout_map(spec.in_dst), **ctx.io(extra, ctx.gathered)}
         return spec
-    x = ctx.first_input()
     return ModuleShardingSpec(
         params=_pair_params(ctx),
-        in_src=ctx.io(x, ctx.hidden),
-        in_dst=ctx.io(x, ctx.gathered),
+        in_src=ctx.inputs_io(ctx.hidden),
+        in_dst=ctx.inputs_io(ctx.gathered),
         out_src=ctx.io("output", ctx.partial if ctx.has_tp else ctx.gathered),
         out_dst=ctx.io("output", ctx.hidden),
         region_dispatch=region_dispatch(ctx),
@@ -106,12 +104,11 @@ def norm(ctx: TemplateContext) -> ModuleShardingSpec:
     """A norm runs on the tokens this rank holds. A final norm whose output the model's own
     code reshapes with whole-sequence shapes before the head (GPT-2's ``view(output_shape)``)
     gathers it on exit: the head then reads it whole, so it is still one all-gather."""
-    x = ctx.first_input()
     params = {rel: ctx.replicated() for rel in ctx.block.params}
     return ModuleShardingSpec(
         params={k: v for k, v in params.items() if v},
-        in_src=ctx.io(x, ctx.hidden),
-        in_dst=ctx.io(x, ctx.hidden),
+        in_src=ctx.inputs_io(ctx.hidden),
+        in_dst=ctx.inputs_io(ctx.hidden),
         out_src=ctx.io("output", ctx.hidden),
         out_dst=ctx.io("output", ctx.gathered if ctx.block.whole_out else ctx.hidden),
     )
@@ -125,7 +122,6 @@ def moe(ctx: TemplateContext) -> ModuleShardingSpec:
     the routed experts are sharded ``Shard(0)`` on ``ep`` of the derived expert mesh and
     a compute (``local_compute_fn``, from hp-plugin-moe) does the all-to-all.
     """
-    x = ctx.first_input()
     params: dict[str, dict] = {}
     stack: dict[str, list[str]] = {}
     for rel, role in ctx.block.params.items():
@@ -144,8 +140,8 @@ def moe(ctx: TemplateContext) -> ModuleShardingSpec:
                 params[rel] = layout
     spec = ModuleShardingSpec(
         params=params,
-        in_src=ctx.io(x, ctx.hidden),
-        in_dst=ctx.io(x, ctx.hidden),
+        in_src=ctx.inputs_io(ctx.hidden),
+        in_dst=ctx.inputs_io(ctx.hidden),
         out_src=ctx.io("output", ctx.hidden),
         out_dst=ctx.io("output", ctx.hidden),
         region_dispatch=False,
@@ -178,11 +174,10 @@ def layer(ctx: TemplateContext) -> ModuleShardingSpec | None:
     """
     if not ctx.sp_active:
         return None
-    x = ctx.first_input()
     return ModuleShardingSpec(
         params={},
-        in_src=ctx.io(x, ctx.embed_out if ctx.is_first_layer else ctx.hidden),
-        in_dst=ctx.io(x, ctx.hidden),
+        in_src=ctx.inputs_io(ctx.embed_out if ctx.is_first_layer else ctx.hidden),
+        in_dst=ctx.inputs_io(ctx.hidden),
         out_src=ctx.io("output", ctx.hidden),
         out_dst=ctx.io("output", ctx.hidden),
         region_dispatch=False,

@@ -103,6 +103,14 @@ class TemplateContext:
     def first_input(self) -> str:
         return first_input_name(self.block.module)
 
+    def inputs_io(self, layout: NamedPlacement) -> dict[str, NamedPlacement]:
+        """:meth:`io` of the first input and of every parameter the call gave the same tensor
+        (:attr:`Block.first_aliases`): one activation, one layout, whatever it is called."""
+        out = self.io(self.first_input(), layout)
+        for name in self.block.first_aliases:
+            out.update(self.io(name, layout))
+        return out
+
     def returns_tuple(self) -> bool:
         """What the trace saw the forward return; the annotation where it did not run."""
         if self.block.tuple_out is not None:

@@ -103,12 +103,11 @@ def kept_whole_note(block: Block) -> str | None:
 
 def whole_block(ctx: TemplateContext, out: str, out_names: list[str] | None) -> ModuleShardingSpec:
     """The spec of a block kept whole on tp: replicated parameters, whole input and output."""
-    x = ctx.first_input()
     params = {rel: ctx.replicated() for rel in ctx.block.params}
     return ModuleShardingSpec(
         params={k: v for k, v in params.items() if v},
-        in_src=ctx.io(x, ctx.hidden),
-        in_dst=ctx.io(x, ctx.gathered),
+        in_src=ctx.inputs_io(ctx.hidden),
+        in_dst=ctx.inputs_io(ctx.gathered),
         out_src=ctx.io(out, ctx.gathered),
         out_dst=ctx.io(out, ctx.hidden),
         out_names=out_names,
