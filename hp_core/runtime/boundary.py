@@ -302,12 +302,20 @@ class BoundaryForward:
             return list(out), list if isinstance(out, list) else tuple
         return [out], None
 
-    def _join(self, items: list[Any], kind: type | None) -> Any:
+    def join(self, items: list[Any], kind: type | None) -> Any:
         return items[0] if kind is None else kind(items)
 
-    def _exit(self, out: Any, how: str) -> Any:
+    def named_outputs(self, out: Any) -> tuple[list[Any], type | None, list[str]]:
+        """:meth:`_split`'s items and kind, and the contract's name of each (by position)."""
         items, kind = self._split(out)
-        names = self.out_names if kind is not None else (self.out_names[:1] or ["output"])
+        return (
+            items,
+            kind,
+            self.out_names if kind is not None else (self.out_names[:1] or ["output"]),
+        )
+
+    def _exit(self, out: Any, how: str) -> Any:
+        items, kind, names = self.named_outputs(out)
         for i, name in enumerate(names):
             if i >= len(items) or name not in self.outputs:
                 continue
@@ -335,7 +343,7 @@ class BoundaryForward:
                 if bias is None:  # _detached_biases has put it back before _exit
                     raise RuntimeError(f"{self.fqn}: deferred bias {name!r} is missing (hp bug).")
                 items[0] = items[0] + bias
-        return self._join(items, kind)
+        return self.join(items, kind)
 
     def _check(self, name: str, x: Any) -> DTensor:
         expected = self.expected_out.get(name)

@@ -177,8 +177,9 @@ def check_input_gradients(
 
 
 def _declare_proposal(fqn: str, plan: ShardingPlan, names: list[str]) -> Proposal | None:
-    """Declaring ``names`` as the module's first declared input is (what an alias of it
-    needs; hp checks the fix before printing it). None where no input is declared."""
+    """The fix that declares ``names`` in the layouts of the module's first declared input
+    (what an alias of it needs; hp checks the fix before printing it). None where the
+    module declares no input."""
     spec = plan[fqn]
     src, dst = layout_map(spec.in_src), layout_map(spec.in_dst)
     first = next(iter({**src, **dst}), None)
@@ -190,7 +191,7 @@ def _declare_proposal(fqn: str, plan: ShardingPlan, names: list[str]) -> Proposa
         in_dst={**dst, **{n: dict(like_dst or {}) for n in names}},
     )
     match = fix_match(fqn, plan.modules)
-    what = f"declaring {', '.join(map(repr, names))} of {match} as its input {first!r} is"
+    what = f"declaring {', '.join(map(repr, names))} of {match} like its input {first!r}"
     return yaml_proposal(entries_text([OverrideEntry(match, fix)]), what)
 
 

@@ -92,6 +92,14 @@ def _local_shapes(out: Any) -> tuple[tuple[int, ...], ...]:
     )
 
 
+def _named_args(
+    bf: BoundaryForward, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[tuple[str, Any]]:
+    """A call's arguments by the forward's parameter names (``argument 3`` past them)."""
+    names = {i: n for n, i in bf._pos.items()}
+    return [(names.get(i, f"argument {i}"), a) for i, a in enumerate(args)] + list(kwargs.items())
+
+
 @dataclasses.dataclass
 class BoundaryRecord:
     """What one boundary did in one verification pass."""
@@ -221,10 +229,8 @@ class ValidateProbe:
     def _hook_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The region's tensor inputs that carry a gradient, declared or not, by name: the
         region's backward asks for their gradients too (:meth:`_backward`)."""
-        names = {i: n for n, i in self.bf._pos.items()}
-        given = [(names.get(i, f"argument {i}"), a) for i, a in enumerate(args)]
         self._inputs = []
-        for name, x in (*given, *kwargs.items()):
+        for name, x in _named_args(self.bf, args, kwargs):
             items = x if isinstance(x, tuple | list) else (x,)
             for j, t in enumerate(items):
                 if isinstance(t, DTensor) and t.requires_grad and t.is_floating_point():
@@ -238,11 +244,7 @@ class ValidateProbe:
         axes = [a for a in mesh_axes(self.bf.mesh) if grad_is_partial(self.bf.spec, a)]
         if not axes:
             return
-        names = {i: n for n, i in self.bf._pos.items()}
-        for name, x in (
-            *((names.get(i, f"argument {i}"), a) for i, a in enumerate(args)),
-            *kwargs.items(),
-        ):
+        for name, x in _named_args(self.bf, args, kwargs):
             if (
                 name not in self.bf.inputs
                 and isinstance(x, torch.Tensor)
@@ -356,8 +358,7 @@ class ProductionProbe:
         """``out``, each undeclared output that carries a gradient replaced by an alias of it
         whose hook records a gradient flowing back in from the model's code (the alias, not
         the tensor: eager attention's weights also get a gradient from inside the region)."""
-        items, kind = self.bf._split(out)
-        names = self.bf.out_names if kind is not None else (self.bf.out_names[:1] or ["output"])
+        items, kind, names = self.bf.named_outputs(out)
         changed = False
         for i, x in enumerate(items):
             name = names[i] if i < len(names) else f"returned item {i}"
@@ -367,7 +368,7 @@ class ProductionProbe:
                 items[i] = x.view_as(x)
                 items[i].register_hook(lambda g, name=name: self.record.escaped.add(name))
                 changed = True
-        return self.bf._join(items, kind) if changed else out
+        return self.bf.join(items, kind) if changed else out
 
 
 class ShapeRecorder:
