@@ -109,6 +109,15 @@ def test_a_gradient_sent_back_into_an_undeclared_output_under_sp_is_refused():
     verify(m, plan(m, "tp=2", sequence_parallel=False, overrides=whole))  # without SP: whole
 
 
+def test_without_tp_ranks_sequence_parallel_shards_nothing_and_nothing_escapes():
+    """An ep-only mesh (or tp of one rank) with the default sequence_parallel=True: every rank
+    sees all tokens, so the gradient sent back into the dense bias is whole (the MoE plugin's
+    dp x ep runs were refused by this check before it looked at the tp size)."""
+    m = meta("gpt_neox_japanese")
+    whole = _whole_attention(m)
+    verify(m, plan(m, "dp=2,tp=1", sequence_parallel=True, overrides=whole))
+
+
 def test_a_block_that_returns_a_list_has_its_outputs_named_like_a_tuple():
     """GPT-1's attention returns ``[a]`` (a list): its first item is the declared output."""
     m = meta("openai-gpt")

@@ -225,12 +225,15 @@ def check_undeclared_inputs(
         raise propose(error, fix) if fix is not None else error
 
 
-def check_escaped_outputs(records: Mapping[str, BoundaryRecord], plan: ShardingPlan) -> None:
+def check_escaped_outputs(
+    records: Mapping[str, BoundaryRecord], plan: ShardingPlan, sizes: Mapping[str, int]
+) -> None:
     """Under sequence parallelism the model's code between boundaries runs on this rank's
     tokens: a gradient it sends back into an output the contract does not declare (GPT-NeoX-
     Japanese returns its attention's dense bias for the layer to add) covers those tokens
-    only, and production hands it to the region unsummed."""
-    if not plan.sequence_parallel:
+    only, and production hands it to the region unsummed. Without a tp axis of two or more
+    ranks (an ep-only mesh) sequence parallelism shards nothing and every rank sees all tokens."""
+    if not plan.sequence_parallel or sizes.get("tp", 1) < 2:
         return
     for fqn, rec in records.items():
         if rec.escaped:

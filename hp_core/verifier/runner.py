@@ -150,7 +150,7 @@ def prove(
             check_layouts(plain, prod, reduced, sizes)
         check_input_gradients(val, reduced, names)
         check_undeclared_inputs(val, reduced, names)
-        check_escaped_outputs(prod, reduced)
+        check_escaped_outputs(prod, reduced, sizes)
         reductions, opaque = derive(model, plan, names, val, repeats)
     return VerifyReport(
         fingerprint=plan.fingerprint(),
