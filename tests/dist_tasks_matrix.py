@@ -46,8 +46,30 @@ def proposed_overrides(message: str) -> list[dict[str, Any]] | None:
     return fix.overrides if fix is not None and fix.overrides else None
 
 
+#: The last single-device run, by what it ran: the sp and no-sp cases of a family (and the
+#: rounds of a followed fix) train the same reference, so it is trained once. Keyed by the
+#: model's every parameter (name, shape, sum), not by a name, so a model built differently
+#: is trained again.
+_REFERENCE: dict[tuple[Any, ...], tuple[list[Any], set[str], dict[str, Any]]] = {}
+
+
+def _reference_key(family: str, ref: Any) -> tuple[Any, ...]:
+    with torch.no_grad():
+        params = ref.named_parameters()
+        return (
+            family,
+            *((n, tuple(p.shape), str(p.dtype), float(p.double().sum())) for n, p in params),
+        )
+
+
 def _train(models: dict[str, Any], family: str, mesh: Any, batch: Any = None) -> dict[str, Any]:
-    """``batch(seed)`` gives the input ids of a step (default: the family's own batch)."""
+    """``batch(seed)`` gives the input ids of a step (default: the family's own batch, and the
+    reference run is shared with the family's previous case)."""
+    ref_key = _reference_key(family, models["ref"]) if batch is None else None
+    cached = _REFERENCE.get(ref_key) if ref_key is not None else None
+    if cached is not None:
+        models = {k: m for k, m in models.items() if k != "ref"}
+    ref_steps: list[Any] = cached[0] if cached is not None else []
     # Adam divides each update by that element's own gradient size: an element whose gradient
     # is rounding noise in both runs (an embedding row no token used, a bias whose gradient is
     # mathematically zero) gets a noise-driven update of up to lr * |noise| / eps. eps 1e-5
@@ -56,12 +78,16 @@ def _train(models: dict[str, Any], family: str, mesh: Any, batch: Any = None) ->
         k: torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-5, foreach=False)
         for k, m in models.items()
     }
-    ref = models["ref"]
+    ref = models.get("ref")
+    # what gather_full_grads reads the full shapes off: the model, or the cached run's shapes
+    full: Any = ref if ref is not None else cached[2] if cached is not None else None
     worst: dict[str, float] = {}
     unmoved: dict[str, set[str]] = {k: set() for k in models}
+    if cached is not None:
+        unmoved["ref"] = set(cached[1])
     for step in range(STEPS):
         ids = batch(step) if batch is not None else family_batch(family, seed=step)
-        res: dict[str, Any] = {}
+        res: dict[str, Any] = {"ref": ref_steps[step]} if cached is not None else {}
         for k, m in models.items():
             opts[k].zero_grad(set_to_none=True)
             out = m(input_ids=ids, labels=ids, use_cache=False)
@@ -71,9 +97,15 @@ def _train(models: dict[str, Any], family: str, mesh: Any, batch: Any = None) ->
             grads = (
                 {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
                 if k == "ref"
-                else restore_fused(gather_full_grads(m, ref, mesh), m._hp_applied.plan, mesh.size())
+                else restore_fused(
+                    gather_full_grads(m, full, mesh),
+                    m._hp_applied.plan,
+                    mesh.size(),
+                )
             )
             res[k] = (out.loss.detach(), out.logits.detach(), grads)
+        if cached is None:
+            ref_steps.append(res["ref"])
         for a, b in (("prod", "ref"), ("val", "ref"), ("prod", "val")):
             for what, i in (("loss", 0), ("logits", 1)):
                 key = f"{a}-{b}:{what}"
@@ -90,6 +122,10 @@ def _train(models: dict[str, Any], family: str, mesh: Any, batch: Any = None) ->
             unmoved[k].update(unmoved_params(before, m))  # not moved, or moved to NaN/inf
             if not before:
                 unmoved[k].add("<no parameter had a gradient>")
+    if ref_key is not None and cached is None:
+        _REFERENCE.clear()  # one reference held at a time
+        shapes = {n: tuple(p.shape) for n, p in models["ref"].named_parameters()}
+        _REFERENCE[ref_key] = (ref_steps, unmoved["ref"], shapes)
     return {
         "excess": worst,
         "unmoved": {k: sorted(v) for k, v in unmoved.items()},

@@ -1,6 +1,6 @@
 """Planning stays linear in the depth of the model (issue 14, item 11).
 
-A meta-device llama of 256 and of 1,024 layers is planned and explained in the same run;
+A meta-device llama of 128 and of 512 layers is planned and explained in the same run;
 four times the layers must cost less than six times the time (linear is 4, quadratic 16).
 CPU time of this process is measured (the best of two), so other work on the machine does
 not count.
@@ -21,7 +21,7 @@ from tests._planner_helpers import builtin_only  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("builtin_only")
 
-SHALLOW, DEEP = 256, 1024
+SHALLOW, DEEP = 128, 512
 #: Linear is 4; quadratic would be 16. Six leaves room for timing noise, not for n log n
 #: with a large constant, nor for anything quadratic.
 MAX_RATIO = 6.0
