@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from hp_core.context import ParallelContext
 from hp_core.mesh import MeshLike, MeshSpec
@@ -37,6 +38,7 @@ from hp_core.plans.model import ShardingPlan
 from hp_core.plans.overrides import OverridesLike, resolve_overrides
 from hp_core.plugins import TEMPLATE_REGISTRY
 from hp_core.spec.module_spec import ModuleShardingSpec
+from hp_core.spec.placements import NamedPlacement
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -286,7 +288,11 @@ def plan(
         kept = (kept_whole_note(b) for b in structure.blocks if b.fqn in derived)
         notes = [*(n for n in kept if n is not None), *notes]
     if "tp" in ms or "cp" in ms:  # as lint_plan's coverage check: else nothing is sharded
-        check_unclaimed(structure, modules)
+        shards = ms.size("tp") > 1 and sequence_parallel
+        sequence: NamedPlacement | None = None
+        if shards:
+            sequence = {a: Shard(1) for a in ("cp", "tp") if a in ms}
+        check_unclaimed(structure, modules, model, sequence, call)
     lint_plan(model, modules, ms, structure.roles)
     for fqn, spec in modules.items():
         facts: dict[str, Any] = {"deferred_bias_params": compute_deferred_biases(model, fqn, spec)}

@@ -27,6 +27,7 @@ __all__ = [
     "UncoveredParameterError",
     "analyse",
     "model_architectures",
+    "positional_names",
 ]
 
 _PROJECTION_ROLES = (Role.COLWISE, Role.ROWWISE, Role.FUSED_QKV, Role.FUSED_GATE_UP)
@@ -107,15 +108,18 @@ def _parent(fqn: str) -> str:
     return fqn.rpartition(".")[0]
 
 
-def _first_input(module: nn.Module) -> str:
+def positional_names(module: nn.Module) -> list[str]:
+    """The names of ``module.forward``'s positional parameters, in order."""
     try:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):  # pragma: no cover - every nn.Module forward is introspectable
-        return "input"
-    for p in params:
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            return p.name
-    return "input"
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _first_input(module: nn.Module) -> str:
+    names = positional_names(module)
+    return names[0] if names else "input"
 
 
 def first_input_name(module: nn.Module) -> str:

@@ -18,12 +18,14 @@ each op costs O(1) and the trace is linear in the model's depth.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -38,8 +40,10 @@ __all__ = [
     "NORM",
     "STREAM",
     "FlowTrace",
+    "ModuleCall",
     "ProjectionFlow",
     "TraceFailedError",
+    "experts_need_batched",
     "meta_operands",
     "trace",
 ]
@@ -136,6 +140,26 @@ class FlowTrace:
     #: Module FQN → the names of its later positional parameters that were given the very
     #: tensor its first one was (CTRL calls its attention with one tensor as v, k and q).
     first_aliases: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    #: Module FQN → the shapes of its first call's positional arguments and of what it
+    #: returned (a tuple's items one by one), ``None`` for a value that is no tensor.
+    calls: dict[str, ModuleCall] = dataclasses.field(default_factory=dict)
+
+
+Shape = tuple[int, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleCall:
+    """The shapes of one module call's positional arguments and results."""
+
+    args: tuple[Shape, ...]
+    #: What the forward returned: one shape, or a tuple's (``returned_tuple``).
+    results: tuple[Shape, ...]
+    returned_tuple: bool
+
+
+def _shape(value: Any) -> Shape:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
 def is_norm_module(module: nn.Module) -> bool:
@@ -246,6 +270,40 @@ class _Tagger(TorchFunctionMode):
         self._tag(out, frozenset({fqn}))
 
 
+def experts_need_batched(config: Any) -> bool:
+    """Whether a Hugging Face config selects MoE experts that cannot run on meta tensors:
+    ``torch._grouped_mm``'s meta kernel accepts only bfloat16 although the CPU kernel
+    computes in float32; ``batched_mm`` is the same math with plain matmuls."""
+    impl = getattr(config, "_experts_implementation", "eager")
+    return config is not None and impl not in (None, "eager", "batched_mm")
+
+
+@contextlib.contextmanager
+def _meta_kernels(model: nn.Module) -> Iterator[None]:
+    """The model's MoE experts on kernels with meta implementations, and nonzero's meta
+    kernel allowed, while the trace runs; the user's configs are restored after."""
+    changed: list[tuple[Any, Any]] = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if (
+            config is not None
+            and experts_need_batched(config)
+            and all(c is not config for c, _ in changed)
+        ):
+            changed.append((config, config._experts_implementation))
+            config._experts_implementation = "batched_mm"
+    # MoE routing and token selection call nonzero, whose meta kernel refuses by default;
+    # the trace needs only the dataflow, for which "every element is nonzero" will do.
+    nonzero = fx_config.meta_nonzero_assume_all_nonzero
+    fx_config.meta_nonzero_assume_all_nonzero = True
+    try:
+        yield
+    finally:
+        fx_config.meta_nonzero_assume_all_nonzero = nonzero
+        for config, impl in changed:
+            config._experts_implementation = impl
+
+
 def _meta_copy(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, device="meta")
 
@@ -291,6 +349,8 @@ def trace(model: nn.Module, call: ExampleCall | None = None) -> FlowTrace:
     tagger = _Tagger(owners, _token_ids(model, args, kwargs))
     outputs: dict[str, bool] = {}
     aliases: dict[str, tuple[str, ...]] = {}
+    arg_shapes: dict[str, tuple[Shape, ...]] = {}
+    calls: dict[str, ModuleCall] = {}
 
     def enter_hook(module: nn.Module, args: Any) -> None:
         name = names.get(id(module))
@@ -298,6 +358,7 @@ def trace(model: nn.Module, call: ExampleCall | None = None) -> FlowTrace:
             return
         if name not in aliases:
             aliases[name] = _aliases_of_first(module, args)
+            arg_shapes[name] = tuple(_shape(a) for a in args)
         if id(module) in norms and tagger.stack:
             tagger.norm_caller.setdefault(name, tagger.stack[-1])
         tagger.stack.append(name)
@@ -309,6 +370,10 @@ def trace(model: nn.Module, call: ExampleCall | None = None) -> FlowTrace:
         if tagger.stack and tagger.stack[-1] == name:
             tagger.stack.pop()
         outputs.setdefault(name, isinstance(output, tuple | list))  # GPT-1 returns a list
+        if name not in calls:
+            many = isinstance(output, tuple | list)
+            items = tuple(_shape(o) for o in output) if many else (_shape(output),)
+            calls[name] = ModuleCall(arg_shapes.get(name, ()), items, many)
         if id(module) in norms:
             tagger._tag(output, frozenset({NORM}))
             for t in tree_leaves(output):
@@ -318,7 +383,7 @@ def trace(model: nn.Module, call: ExampleCall | None = None) -> FlowTrace:
     enter = nn.modules.module.register_module_forward_pre_hook(enter_hook)
     handle = nn.modules.module.register_module_forward_hook(norm_hook)
     try:
-        with torch.no_grad(), tagger:
+        with torch.no_grad(), _meta_kernels(model), tagger:
             torch.func.functional_call(model, meta, args, kwargs, tie_weights=False, strict=False)
     except Exception as e:  # any failure of user code on meta: the caller falls back
         raise TraceFailedError(f"{type(e).__name__}: {e}") from e
@@ -326,7 +391,7 @@ def trace(model: nn.Module, call: ExampleCall | None = None) -> FlowTrace:
         handle.remove()
         enter.remove()
     found = {k: v for k, v in aliases.items() if v}
-    return FlowTrace(tagger.flows, tagger.embeddings, outputs, tagger.reshaped, found)
+    return FlowTrace(tagger.flows, tagger.embeddings, outputs, tagger.reshaped, found, calls)
 
 
 def _aliases_of_first(module: nn.Module, args: tuple[Any, ...]) -> tuple[str, ...]:

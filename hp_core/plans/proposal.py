@@ -40,6 +40,11 @@ class Proposal:
     overrides: tuple[OverrideEntry, ...] = ()
     flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
+    def fits(self, other: Proposal) -> bool:
+        """Whether this fix and ``other`` can be applied together: no flag set both ways (a
+        fix that needs sequence parallelism cannot join one that turns it off)."""
+        return all(self.flags[k] == v for k, v in other.flags.items() if k in self.flags)
+
     def plus(self, other: Proposal) -> Proposal:
         """This fix and ``other`` together (a fix that leads to a second refusal, and its fix)."""
         return Proposal(

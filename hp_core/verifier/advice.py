@@ -81,11 +81,12 @@ def _settle(
     also = Proposal(f"and {SP_OFF}", "without sequence parallel", flags=flags)
     if sequence_parallel:  # each fix again without sequence parallel, then that alone
         off = Proposal(SP_OFF, "planning with sequence_parallel=False", flags=flags)
-        queue = [q for p, r in queue for q in ((p, r), (p.plus(also), r))]
-        queue.append((off, 1))
+        queue = [q for p, r in queue for q in ((p, r), (p.plus(also), r))[: 1 + p.fits(also)]]
+        queue.append((off, 0))  # a flag, not a refusal: the rounds it leads to are counted
     failed: list[str] = []
     seen: set[str] = set()
-    for _ in range(MAX_TRIES):
+    tries = 0
+    while tries < MAX_TRIES:
         while queue and queue[0][0].text in seen:
             queue.pop(0)
         if not queue:
@@ -93,23 +94,25 @@ def _settle(
         fix, rounds = queue.pop(0)
         seen.add(fix.text)
         loose = [e.match for e in fix.overrides if e.spec.is_boundary is False]
-        if sequence_parallel and fix.flags.get("sequence_parallel", True) and loose:
+        if sequence_parallel and fix.flags.get("sequence_parallel") is not False and loose:
             # Parameters kept whole outside every boundary meet activations hp does not lay
             # out; under sequence parallelism those may be sequence shards, and code that mixes
             # along the sequence (a causal conv) would compute per shard in both modes, which
             # no meta-device check can see. So such a fix is only ever tried without it.
             failed.append(f"{fix.what} (under sequence parallelism hp cannot prove {loose[0]!r})")
-            queue.insert(0, (fix.plus(also), MAX_ROUNDS))
+            if fix.fits(also):
+                queue.insert(0, (fix.plus(also), MAX_ROUNDS))
             continue
+        tries += 1  # only a fix planned and verified counts against MAX_TRIES
         try:
             attempt(fix)
         except HpError as e:
             more = proposals_of(e)
             if more and rounds < MAX_ROUNDS:  # the fix's own refusal, and its fix, first
-                queue[:0] = [(fix.plus(m), rounds + 1) for m in more]
+                queue[:0] = [(fix.plus(m), rounds + 1) for m in more if fix.fits(m)]
             else:
                 failed.append(f"{fix.what} ({_first_line(e)})")
-                if sequence_parallel and fix.flags.get("sequence_parallel", True):
+                if sequence_parallel and fix.flags.get("sequence_parallel") is None:
                     queue.insert(0, (fix.plus(also), rounds))  # the same, SP off, next
             continue
         except Exception as e:  # the fix makes the model's own code fail: not a fix

@@ -21,6 +21,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hp_core.planner.trace import experts_need_batched
+
 __all__ = ["MetaValues", "adapt_for_meta", "meta_clone", "to_meta"]
 
 aten = torch.ops.aten
@@ -158,9 +160,5 @@ def adapt_for_meta(model: nn.Module) -> None:
     for module in model.modules():
         module.training = True  # dropouts active: a random op on a partial sum must be seen
         config = getattr(module, "config", None)
-        if config is not None and getattr(config, "_experts_implementation", "eager") not in (
-            None,
-            "eager",
-            "batched_mm",
-        ):
+        if config is not None and experts_need_batched(config):
             config._experts_implementation = "batched_mm"
