@@ -21,6 +21,16 @@ from torch import nn
 from tests.zoo import nanogpt
 
 
+def _head(
+    model: nanogpt.GPT, x: torch.Tensor, targets: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """nanoGPT's final norm, logits and (with targets) loss."""
+    logits = model.lm_head(model.transformer.ln_f(x))
+    if targets is None:
+        return logits, None
+    return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
 class PositionTableGPT(nanogpt.GPT):
     """nanoGPT whose position table is ``self.pos_emb``, an ``nn.Parameter``."""
 
@@ -36,11 +46,7 @@ class PositionTableGPT(nanogpt.GPT):
         x = self.transformer.drop(self.transformer.wte(idx) + self.pos_emb[:t])
         for block in self.transformer.h:
             x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-        return logits, loss
+        return _head(self, x, targets)
 
 
 def position_table_gpt() -> PositionTableGPT:
@@ -102,11 +108,7 @@ class MixedGPT(nanogpt.GPT):
         for i, block in enumerate(self.transformer.h):
             x = self.transformer.mix(x) if i == 1 else x
             x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-        return logits, loss
+        return _head(self, x, targets)
 
 
 def _mixed(mix: type[TokenAffine]) -> MixedGPT:

@@ -183,8 +183,8 @@ EXPECTED: dict[str, str | tuple[str, str]] = {
     "falcon_mamba": UNAIDED,
     "mamba2": UNAIDED,
     "rwkv": FIXED,  # time mixing and channel mixing kept whole on tp
-    # ffn proj_up_gate/proj_up/proj_down unclaimed, one module per refusal; with more rounds
-    # no-sp matches and sp is refused at the block boundary.
+    # ffn proj_up_gate/proj_up/proj_down unclaimed: kept whole; under sp the printed fix
+    # also turns sequence parallel off.
     "xlstm": (SP_OFF, FIXED),
     "bamba": UNAIDED,
     "falcon_h1": UNAIDED,
