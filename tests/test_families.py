@@ -27,9 +27,9 @@ REQUIRED = (
 #: Issue 14's list: the required families plus these.
 ISSUE_14 = (*REQUIRED, "olmo", "gpt_bigcode", "opt", "mpt", "bloom")
 
-#: Families with 3 layers, not 2: one mixer per layer (Mamba-2, attention, MoE), or a looped
-#: middle layer between a first and a last one.
-THREE_LAYERS = ("nemotron_h", "inkling2_loop_text")
+#: Families with 3 layers, not 2: one mixer per layer (Mamba-2, attention, MoE; lfm3's conv,
+#: sliding and full attention), or a looped middle layer between a first and a last one.
+THREE_LAYERS = ("nemotron_h", "inkling2_loop_text", "lfm3")
 #: Attention-free families: their configs have no attention heads.
 NO_HEADS = ("mamba", "falcon_mamba", "mamba2", "rwkv", "xlstm")
 #: Parameters the causal-LM loss does not reach, by family: sparse-attention indexers pick

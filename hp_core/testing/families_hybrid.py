@@ -386,4 +386,15 @@ HYBRID_FAMILIES: tuple[Family, ...] = (
         },
         notes="gated DeltaNet + attention, hyper-connections, n-gram embeddings, MoE",
     ),
+    Family(
+        "lfm3",
+        "lfm3",
+        hd(
+            num_hidden_layers=3,
+            layer_types=["conv", "sliding_attention", "full_attention"],
+            sliding_window=WINDOW,
+        ),
+        notes="lfm2-like short convs + sliding and full attention with per-head sigmoid gates, "
+        "sandwich norms, proportional partial RoPE on the full layer",
+    ),
 )

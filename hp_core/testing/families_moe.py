@@ -406,4 +406,17 @@ MOE_FAMILIES: tuple[Family, ...] = (
         attn_implementation="eager",
         notes="inkling2 with a looped middle layer (2 passes, low-rank loop gate)",
     ),
+    Family(
+        "beam",
+        "beam",
+        moe(
+            n_group=2,
+            topk_group=1,
+            sliding_window=WINDOW,
+            layer_types=SLIDE_FULL,
+            mlp_layer_types=["dense", "sparse"],
+        ),
+        notes="sliding attention with RoPE + a full NoPE layer, gated output and q/k norms, "
+        "a dense layer then group-routed MoE, soft-capped logits",
+    ),
 )

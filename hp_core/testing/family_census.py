@@ -232,6 +232,4 @@ NOT_YET: dict[str, str] = {
         "a speculative-decoding draft head: its forward needs the target model's inputs_embeds and "
         "shared_kv_states (no input_ids/labels training step)"
     ),
-    "beam": "MoE: its row is due in families_moe.py",
-    "lfm3": "recurrent/hybrid: its row is due in families_hybrid.py",
 }
