@@ -17,14 +17,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
 import hp_core
 from hp_core import HpError
 from hp_core.planner.structure import UncoveredParameterError, positional_names
 from hp_core.planner.trace import _meta_kernels
-from hp_core.planner.unclaimed import _outermost_free
+from hp_core.planner.unclaimed import _local_region, _outermost_free
 from hp_core.plans.proposal import Proposal
+from hp_core.spec.module_spec import ModuleShardingSpec
 from hp_core.testing import check_equivalence, get_world
+from hp_core.testing.families import build_family
 from hp_core.testing.printed_fix import printed_fix
 from tests import _fix_models
 
@@ -150,3 +153,48 @@ def test_the_trace_kernels_are_restored_after_it():
             raise RuntimeError("inside")
     assert shared._experts_implementation == "grouped_mm"
     assert fx_config.meta_nonzero_assume_all_nonzero == before
+
+
+def test_a_layers_own_scale_joins_the_layer_region_with_sequence_parallel_on():
+    """Dory's per-layer residual scales (lambda_1/_2) sit on the decoder layer, which under
+    sequence parallelism is a local region that shards the stream at entry: the first fix
+    adds them to it whole (sequence parallelism stays on), and once the fixes that follow are
+    applied too the verifier derives their gradients as partial on tp (the sum over the
+    sequence shards; the matrix's dory and doge rows match one device with it)."""
+    model = build_family("dory", device="meta")
+    overrides: list = []
+    for _ in range(4):
+        try:
+            p = hp_core.plan(model, "tp=2", sequence_parallel=True, overrides=overrides or None)
+            report = hp_core.verify(model, p)
+            break
+        except HpError as e:
+            fix = printed_fix(str(e))
+            assert fix is not None and fix.flags.get("sequence_parallel") is not False, str(e)
+            if not overrides:
+                assert fix.overrides[0] == {
+                    "match": "model.layers.0",
+                    "params": {"lambda_1": {"tp": "replicate"}, "lambda_2": {"tp": "replicate"}},
+                }
+            overrides += [o for o in fix.overrides if o not in overrides]
+    else:
+        pytest.fail(f"dory did not verify after following 4 fixes: {overrides}")
+    assert p["model.layers.1"].is_boundary and p["model.layers.1"].region_dispatch is False
+    partial = report.partial()
+    assert partial["model.layers.0.lambda_1"] == partial["model.layers.1.lambda_2"] == ("tp",)
+
+
+def test_only_a_local_region_of_whole_parameters_takes_a_layers_own_scale():
+    """Negative controls: a region on DTensors, or one with a split parameter (whose code may
+    meet split values), cannot take a kept-whole parameter by the contract's rule."""
+    seq = {"hidden_states": {"tp": Shard(1)}}
+
+    def region(**kw):
+        return ModuleShardingSpec(in_src=seq, in_dst=seq, **kw)
+
+    assert _local_region(region(params={}, region_dispatch=False))
+    assert _local_region(region(params={"w": {"tp": Replicate()}}, region_dispatch=False))
+    assert not _local_region(region(params={"w": {"tp": Shard(0)}}, region_dispatch=False))
+    assert not _local_region(region(params={}))  # runs on DTensors in validate mode
+    assert not _local_region(ModuleShardingSpec(is_boundary=False, params={}))
+    assert not _local_region(None)

@@ -10,9 +10,11 @@ parameters a boundary of its own, on the sequence shards the blocks hand each ot
 parameters whole, its forward run on DTensors in validate mode. DTensor then proves that
 forward token-wise (code that mixes along the sequence, a causal conv, would need a
 redistribution, which the verifier refuses) and derives the reduction of the parameters'
-partial gradients. The second fix keeps the parameters whole outside every boundary; code
-hp does not lay out may meet sequence shards there, so that fix is only tried with
-sequence parallelism off.
+partial gradients. A parameter on the decoder layer itself (whose children are boundaries)
+joins the layer's region instead: under sequence parallelism that is a region on local
+tensors already running on the shards, whose contract sums the gradient. The second fix
+keeps the parameters whole outside every boundary; code hp does not lay out may meet
+sequence shards there, so that fix is only tried with sequence parallelism off.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Placement, Replicate
 
 from hp_core.planner.structure import ModelStructure, UncoveredParameterError, positional_names
 from hp_core.planner.trace import ModuleCall, TraceFailedError
@@ -29,7 +31,7 @@ from hp_core.planner.trace import trace as run_trace
 from hp_core.plans.example import ExampleCall, default_call
 from hp_core.plans.overrides import OverrideEntry
 from hp_core.plans.proposal import Proposal, entries_text, propose, yaml_proposal
-from hp_core.spec.module_spec import ModuleShardingSpec
+from hp_core.spec.module_spec import ModuleShardingSpec, layout_map
 from hp_core.spec.placements import NamedPlacement
 
 __all__ = ["check_unclaimed"]
@@ -98,32 +100,46 @@ def _token_wise(
 ) -> list[Proposal]:
     """The fix that makes each module holding ``missing`` parameters a boundary on the
     sequence shards (``sequence``), or none: without sequence parallelism, or where a
-    parameter sits on a planned boundary itself (a layer's own scale: the layer's children
-    are boundaries, and a boundary's forward cannot also be one DTensor region)."""
+    parameter sits on a planned boundary that is not a local region of whole parameters.
+    A parameter on a local region itself (a decoder layer's own scale: its children are
+    boundaries, so its forward cannot also be one DTensor region) joins that region whole."""
     if sequence is None:
         return []
     owners: dict[str, list[str]] = {}
+    entries = []
+    local: dict[str, list[str]] = {}
     for f in missing:
-        mod = _outermost_free(structure.unclaimed[f][0], modules)
+        held = structure.unclaimed[f][0]
+        mod = _outermost_free(held, modules)
         if mod is None:
-            return []
+            if not _local_region(modules.get(held)):
+                return []
+            local.setdefault(held, []).append(f[len(held) + 1 :])
+            continue
         owners.setdefault(mod, []).append(f[len(mod) + 1 :])
+    for mod, rels in local.items():
+        # A layer's own scale: its forward already runs on this rank's sequence shards (the
+        # layer is a local region that shards the stream at entry); kept whole there, the
+        # contract rule sums its gradient over the shards (hp_core/runtime/partial.py).
+        whole: dict[str, dict[str, Placement]] = {rel: _whole(sequence) for rel in rels}
+        entries.append(OverrideEntry(mod, ModuleShardingSpec(params=whole)))
     try:
-        calls = run_trace(model, call).calls
+        calls = run_trace(model, call).calls if owners else {}
     except TraceFailedError:  # hp cannot see what these modules are given
         return []
-    entries = []
     for mod, rels in owners.items():
         seen = calls.get(mod)
         if seen is None or not seen.args or seen.args[0] is None:
             return []  # not called, or not on a tensor: nothing a boundary could convert
         entry = _on_tokens(model.get_submodule(mod), seen, seen.args[0], sequence)
-        entry.params = {rel: {a: Replicate() for a in sequence} for rel in rels}
+        entry.params = {rel: _whole(sequence) for rel in rels}
         entries.append(OverrideEntry(mod, entry))
-    fix = yaml_proposal(
-        entries_text(entries),
-        f"giving {', '.join(list(owners)[:3])} a boundary on the sequence shards",
-    )
+    what = []
+    if owners:
+        what.append(f"giving {', '.join(list(owners)[:3])} a boundary on the sequence shards")
+    if local:
+        what.append(f"keeping the own parameters of {', '.join(list(local)[:3])} whole there")
+    fix = yaml_proposal(entries_text(entries), ", and ".join(what))
     return [dataclasses.replace(fix, flags={"sequence_parallel": True})]  # not without SP
 
 
@@ -152,6 +168,25 @@ def _on_tokens(
         out_src=outs,
         out_dst=dict(outs),
         out_names=out_names,
+    )
+
+
+def _whole(sequence: NamedPlacement) -> dict[str, Placement]:
+    """Replicated on every axis the sequence is split on."""
+    return {a: Replicate() for a in sequence}
+
+
+def _local_region(spec: ModuleShardingSpec | None) -> bool:
+    """A planned boundary whose forward runs on local tensors and shards no parameter (the
+    decoder layer under sequence parallelism): its own parameters can join it kept whole."""
+    return (
+        spec is not None
+        and spec.is_boundary
+        and spec.region_dispatch is False
+        and not spec.has_injection
+        and all(
+            isinstance(p, Replicate) for n in layout_map(spec.params).values() for p in n.values()
+        )
     )
 
 

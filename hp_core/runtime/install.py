@@ -27,6 +27,7 @@ from hp_core.runtime.dtensor_strategies import register_missing_strategies
 from hp_core.runtime.experts import expert_grad_reductions
 from hp_core.runtime.fused import set_local_attr
 from hp_core.runtime.fused_state import FusedStateDict
+from hp_core.runtime.gradient_linear import register_partial_gradient_rules
 from hp_core.runtime.grads import GradReducer, GradReduction
 from hp_core.runtime.guard import InputGuard
 from hp_core.runtime.inner_output import InnerOutputCheck
@@ -199,6 +200,7 @@ def install(
     """
     if mode == "validate":  # its regions run on DTensors: the kernels they dispatch need strategies
         register_missing_strategies()
+        register_partial_gradient_rules()
     # Every collective of the install comes first, before the model is touched: after them
     # the install is local, so a rank failing there cannot leave another waiting in one.
     journal.phase("communication")
